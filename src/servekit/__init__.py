@@ -1,0 +1,44 @@
+"""servekit: one inference-serving core, served in-process, on Triton and on Ray Serve.
+
+The public API is what ``__all__`` lists; everything else is an implementation detail.
+"""
+
+from .errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    RunnerError,
+    ServekitError,
+)
+from .pipeline import ImageClassifier, Pipeline, Prediction, image_classifier
+from .runners import BaseRunner, FunctionRunner, OnnxRuntimeRunner, Runner
+from .spec import DType, ModelSpec, TensorSpec, as_dtype
+from .stages import Postprocess, Preprocess
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaseRunner",
+    "DType",
+    "DeadlineExceeded",
+    "FunctionRunner",
+    "ImageClassifier",
+    "InvalidInput",
+    "ModelNotFound",
+    "ModelNotReady",
+    "ModelSpec",
+    "OnnxRuntimeRunner",
+    "Overloaded",
+    "Pipeline",
+    "Postprocess",
+    "Prediction",
+    "Preprocess",
+    "Runner",
+    "RunnerError",
+    "ServekitError",
+    "TensorSpec",
+    "as_dtype",
+    "image_classifier",
+]

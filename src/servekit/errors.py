@@ -1,0 +1,102 @@
+"""servekit's exception tree, and the one place it maps to protocol status codes.
+
+::
+
+    ServekitError
+    ├── InvalidInput        the request is wrong: HTTP 400, gRPC INVALID_ARGUMENT
+    ├── ModelNotFound       no such model or version: HTTP 404, gRPC NOT_FOUND
+    ├── ModelNotReady       loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
+    ├── Overloaded          queue full, retry later: HTTP 503, gRPC UNAVAILABLE
+    ├── DeadlineExceeded    the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
+    └── RunnerError         the model itself failed: HTTP 500, gRPC INTERNAL
+
+Core code raises these; only adapters (HTTP front, PyTriton, Triton backend, Ray)
+turn them into status codes, through :func:`http_status` and :func:`grpc_code`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeadlineExceeded",
+    "InvalidInput",
+    "ModelNotFound",
+    "ModelNotReady",
+    "Overloaded",
+    "RunnerError",
+    "ServekitError",
+    "grpc_code",
+    "http_status",
+]
+
+
+class ServekitError(Exception):
+    """Base of every error servekit raises on purpose."""
+
+
+class InvalidInput(ServekitError, ValueError):
+    """A request does not match the model's signature (name, dtype, shape, batch) or cannot be decoded."""
+
+
+class ModelNotFound(ServekitError, LookupError):
+    """The requested model or version does not exist."""
+
+
+class ModelNotReady(ServekitError):
+    """The model exists but cannot take requests now (loading, draining or closed)."""
+
+
+class Overloaded(ServekitError):
+    """The queue is full; the request was rejected at once so memory stays bounded.
+
+    ``retry_after_s`` is a hint for clients (HTTP ``Retry-After``).
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(ServekitError, TimeoutError):
+    """The request's timeout passed before it could run; it was dropped unexecuted."""
+
+
+class RunnerError(ServekitError, RuntimeError):
+    """The model (runner or stage) raised or returned outputs that break its signature."""
+
+
+_HTTP = {
+    InvalidInput: 400,
+    ModelNotFound: 404,
+    ModelNotReady: 503,
+    Overloaded: 503,
+    DeadlineExceeded: 504,
+    RunnerError: 500,
+}
+
+_GRPC = {
+    InvalidInput: "INVALID_ARGUMENT",
+    ModelNotFound: "NOT_FOUND",
+    ModelNotReady: "UNAVAILABLE",
+    Overloaded: "UNAVAILABLE",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    RunnerError: "INTERNAL",
+}
+
+
+def _lookup(
+    table: dict[type[ServekitError], object], exc: BaseException, default: object
+) -> object:
+    for cls in type(exc).__mro__:
+        if cls in table:
+            return table[cls]
+    return default
+
+
+def http_status(exc: BaseException) -> int:
+    """HTTP status for an exception; anything not a ServekitError is a 500."""
+    return int(_lookup(_HTTP, exc, 500))  # type: ignore[call-overload]
+
+
+def grpc_code(exc: BaseException) -> str:
+    """gRPC status code name (``grpc.StatusCode`` member name) for an exception."""
+    return str(_lookup(_GRPC, exc, "INTERNAL"))

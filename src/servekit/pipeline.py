@@ -1,0 +1,162 @@
+"""In-process composition of stages and runners: the no-server baseline.
+
+``Pipeline([Preprocess(), OnnxRuntimeRunner(path), Postprocess()])`` wires each
+step's inputs to earlier outputs by tensor name, like a Triton ensemble's
+``input_map``/``output_map`` with identical names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import zoo
+from .runners.base import Arrays, BaseRunner, Runner
+from .runners.onnx import OnnxRuntimeRunner
+from .spec import ModelSpec, TensorSpec
+from .stages import Postprocess, Preprocess
+
+__all__ = ["ImageClassifier", "Pipeline", "Prediction", "image_classifier"]
+
+
+def _compatible(produced: TensorSpec, consumed: TensorSpec) -> bool:
+    return (
+        produced.dtype == consumed.dtype
+        and len(produced.shape) == len(consumed.shape)
+        and all(
+            a == -1 or b == -1 or a == b
+            for a, b in zip(produced.shape, consumed.shape, strict=True)
+        )
+    )
+
+
+class Pipeline(BaseRunner):
+    """Runs steps in order; a step's inputs are the request's or an earlier step's outputs.
+
+    Raises:
+        ValueError: at construction, when a step consumes a tensor that an earlier step
+            produces with another dtype or shape, or when batching differs between steps.
+    """
+
+    def __init__(self, steps: Sequence[Runner]) -> None:
+        if not steps:
+            raise ValueError("a Pipeline needs at least one step")
+        batched = {s.spec.batched for s in steps}
+        if len(batched) != 1:
+            raise ValueError("all pipeline steps must batch (max_batch_size > 0) or none may")
+        produced: dict[str, TensorSpec] = {}
+        inputs: list[TensorSpec] = []
+        for i, step in enumerate(steps):
+            for t in step.spec.inputs:
+                if t.name not in produced:
+                    if all(t.name != x.name for x in inputs):
+                        inputs.append(t)
+                elif not _compatible(produced[t.name], t):
+                    p = produced[t.name]
+                    raise ValueError(
+                        f"step {i} ({type(step).__name__}) input {t.name!r} expects "
+                        f"{t.dtype} {list(t.shape)}, but an earlier step produces {p.dtype} "
+                        f"{list(p.shape)}"
+                    )
+            produced.update({t.name: t for t in step.spec.outputs})
+        self.steps = tuple(steps)
+        self._spec = ModelSpec(
+            tuple(inputs),
+            steps[-1].spec.outputs,
+            min(s.spec.max_batch_size for s in steps),
+        )
+        self.check_outputs = False  # the last step already checked them
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        tensors = dict(inputs)
+        for step in self.steps:
+            tensors.update(step.infer({t.name: tensors[t.name] for t in step.spec.inputs}))
+        return {t.name: tensors[t.name] for t in self._spec.outputs}
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
+        for step in self.steps:
+            step.warmup()
+
+    def close(self) -> None:
+        for step in self.steps:
+            step.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One of an image's top-k classes."""
+
+    label: str
+    class_id: int
+    score: float
+
+
+class ImageClassifier(Pipeline):
+    """Encoded images -> top-k predictions: Preprocess -> model -> Postprocess."""
+
+    def classify(self, images: Sequence[bytes]) -> list[list[Prediction]]:
+        """Classify encoded JPEG/PNG images (any number: split into max_batch_size chunks)."""
+        results: list[list[Prediction]] = []
+        step = max(self.spec.max_batch_size, 1)
+        for start in range(0, len(images), step):
+            chunk = images[start : start + step]
+            blobs = np.empty((len(chunk), 1), dtype=object)
+            blobs[:, 0] = list(chunk)
+            out = self.infer({self.spec.inputs[0].name: blobs})
+            for scores, classes, labels in zip(
+                out["scores"], out["classes"], out["labels"], strict=True
+            ):
+                results.append(
+                    [
+                        Prediction(lab.decode(), int(c), float(s))
+                        for s, c, lab in zip(scores, classes, labels, strict=True)
+                    ]
+                )
+        return results
+
+
+def image_classifier(
+    model: str | os.PathLike[str] = "resnet50",
+    *,
+    top_k: int = 5,
+    labels: str | os.PathLike[str] | Sequence[str] | None = None,
+    intra_op_threads: int | None = None,
+    max_batch_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> ImageClassifier:
+    """An image classifier around a zoo model name or an ONNX file with one NCHW image input.
+
+    Zoo models are built into the cache on first use.
+    """
+    path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else Path(model)
+    runner = OnnxRuntimeRunner(
+        path, intra_op_threads=intra_op_threads, max_batch_size=max_batch_size
+    )
+    spec = runner.spec
+    if len(spec.inputs) != 1 or len(spec.outputs) != 1:
+        raise ValueError(f"an image classifier needs one input and one output; {path} has {spec}")
+    x, y = spec.inputs[0], spec.outputs[0]
+    if len(x.shape) != 3 or x.shape[0] != 3 or x.shape[1] != x.shape[2] or len(y.shape) != 1:
+        raise ValueError(
+            f"{path}: expected input [N,3,S,S] and output [N,classes], got "
+            f"{x.name} {list(x.shape)} and {y.name} {list(y.shape)}"
+        )
+    crop = x.shape[1]
+    pre = Preprocess(
+        crop=crop,
+        resize=round(crop * 256 / 224),
+        max_batch_size=spec.max_batch_size,
+        output_name=x.name,
+    )
+    post = Postprocess(
+        num_classes=y.shape[0],
+        top_k=min(top_k, y.shape[0]),
+        labels=labels,
+        max_batch_size=spec.max_batch_size,
+        input_name=y.name,
+    )
+    return ImageClassifier([pre, runner, post])

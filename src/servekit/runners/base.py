@@ -1,0 +1,102 @@
+"""The Runner contract: a model (or stage) that maps a dict of batched arrays to a dict of arrays.
+
+Everything servekit serves is a Runner: ONNX Runtime and TensorRT engines, image
+stages, a ``Pipeline`` of them, or any Python function wrapped in ``FunctionRunner``.
+The batcher and every runtime wrapper speak only this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import RunnerError, ServekitError
+from ..spec import ModelSpec
+
+__all__ = ["BaseRunner", "FunctionRunner", "Runner"]
+
+Arrays = dict[str, np.ndarray]
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What every servable model provides."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        """Run one batch; inputs and outputs carry the batch dim first when ``spec.batched``."""
+        ...
+
+    def warmup(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BaseRunner:
+    """Shared behaviour: validation around ``_run``, sample-input warm-up, context manager.
+
+    Subclasses set ``self._spec`` and implement ``_run``; ``infer`` validates inputs
+    (raising ``InvalidInput``) and, with ``check_outputs``, the outputs (``RunnerError``).
+    """
+
+    _spec: ModelSpec
+    check_outputs: bool = True
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        rows = self._spec.validate_inputs(inputs)
+        try:
+            outputs = self._run(inputs)
+        except ServekitError:
+            raise
+        except Exception as exc:  # an engine failure is the model's, not the caller's
+            raise RunnerError(f"{type(self).__name__}: {type(exc).__name__}: {exc}") from exc
+        if self.check_outputs:
+            self._spec.check_outputs(outputs, rows)
+        return outputs
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        raise NotImplementedError
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
+        """Run sample inputs once per batch size so first requests do not pay for lazy init."""
+        sizes = batch_sizes if self._spec.batched else (1,)
+        for n in sizes:
+            self.infer(self._spec.sample_inputs(min(n, max(self._spec.max_batch_size, 1))))
+
+    def close(self) -> None:
+        """Release engine resources; the default has none."""
+
+    def __enter__(self) -> BaseRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FunctionRunner(BaseRunner):
+    """A Runner around a plain function of ``dict[str, ndarray] -> dict[str, ndarray]``.
+
+    Lets the batcher and every wrapper be tested and used without an engine.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
+        spec: ModelSpec,
+        *,
+        check_outputs: bool = True,
+    ) -> None:
+        self._fn = fn
+        self._spec = spec
+        self.check_outputs = check_outputs
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        return dict(self._fn(inputs))

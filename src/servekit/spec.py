@@ -1,0 +1,267 @@
+"""Model signatures: tensor specs, model specs, the dtype table, request validation.
+
+Shapes follow Triton's convention (``model_config.proto``): when
+``max_batch_size > 0`` every tensor has an implicit leading batch dimension that
+``TensorSpec.shape`` leaves out; ``-1`` marks a variable dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInput, RunnerError
+
+__all__ = [
+    "DTYPES",
+    "DType",
+    "ModelSpec",
+    "TensorSpec",
+    "as_dtype",
+]
+
+
+@dataclass(frozen=True)
+class DType:
+    """One row of the dtype table: numpy dtype <-> Triton ``TYPE_*`` <-> KServe v2 datatype."""
+
+    datatype: str
+    """KServe v2 / Triton protocol datatype string, e.g. ``FP32``, ``BYTES``."""
+    numpy: np.dtype
+    triton: str
+    """``model_config.proto`` DataType name, e.g. ``TYPE_FP32``, ``TYPE_STRING``."""
+
+    def __str__(self) -> str:
+        return self.datatype
+
+    def __repr__(self) -> str:
+        return f"DType({self.datatype!r})"
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("BOOL", np.dtype(np.bool_), "TYPE_BOOL"),
+    DType("UINT8", np.dtype(np.uint8), "TYPE_UINT8"),
+    DType("UINT16", np.dtype(np.uint16), "TYPE_UINT16"),
+    DType("UINT32", np.dtype(np.uint32), "TYPE_UINT32"),
+    DType("UINT64", np.dtype(np.uint64), "TYPE_UINT64"),
+    DType("INT8", np.dtype(np.int8), "TYPE_INT8"),
+    DType("INT16", np.dtype(np.int16), "TYPE_INT16"),
+    DType("INT32", np.dtype(np.int32), "TYPE_INT32"),
+    DType("INT64", np.dtype(np.int64), "TYPE_INT64"),
+    DType("FP16", np.dtype(np.float16), "TYPE_FP16"),
+    DType("FP32", np.dtype(np.float32), "TYPE_FP32"),
+    DType("FP64", np.dtype(np.float64), "TYPE_FP64"),
+    # Variable-length bytes travel as numpy object arrays of ``bytes``.
+    DType("BYTES", np.dtype(np.object_), "TYPE_STRING"),
+)
+
+_BY_NAME: dict[str, DType] = {}
+for _d in DTYPES:
+    _BY_NAME[_d.datatype] = _d
+    _BY_NAME[_d.triton] = _d
+_BY_NAME["STRING"] = _BY_NAME["BYTES"]
+_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in DTYPES}
+
+
+def as_dtype(value: Any) -> DType:
+    """Look up a dtype by numpy dtype/type, KServe name (``FP32``) or Triton name (``TYPE_FP32``).
+
+    numpy fixed-width byte/unicode strings (``S``/``U``) map to ``BYTES``.
+    """
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str) and value.upper() in _BY_NAME:
+        return _BY_NAME[value.upper()]
+    try:
+        np_dtype = np.dtype(value)
+    except TypeError:
+        raise InvalidInput(f"unknown dtype {value!r}; expected one of {sorted(_BY_NAME)}") from None
+    if np_dtype.kind in "SUO":
+        return _BY_NAME["BYTES"]
+    if np_dtype not in _BY_NUMPY:
+        raise InvalidInput(f"dtype {np_dtype} has no Triton equivalent")
+    return _BY_NUMPY[np_dtype]
+
+
+def _fmt_shape(shape: Iterable[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor: dtype and shape, ``-1`` for variable dims, batch dim excluded."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+
+    def __init__(self, name: str, dtype: Any, shape: Sequence[int]) -> None:
+        if not name:
+            raise ValueError("TensorSpec.name must be a non-empty string")
+        dims = tuple(int(d) for d in shape)
+        if any(d < -1 or d == 0 for d in dims):
+            raise ValueError(f"TensorSpec {name!r}: dims must be positive or -1, got {list(dims)}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "dtype", as_dtype(dtype))
+        object.__setattr__(self, "shape", dims)
+
+    def dtype_matches(self, array: np.ndarray) -> bool:
+        """Whether ``array``'s dtype is this tensor's (BYTES takes object and ``S`` arrays)."""
+        if self.dtype.datatype == "BYTES":
+            return array.dtype.kind in "OS"
+        return array.dtype == self.dtype.numpy
+
+    def shape_matches(self, shape: Sequence[int]) -> bool:
+        """Whether a concrete shape (without batch dim) fits this spec."""
+        return len(shape) == len(self.shape) and all(
+            want == -1 or want == got for want, got in zip(self.shape, shape, strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's signature: inputs, outputs and ``max_batch_size`` (0 = no implicit batch dim)."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int = 0
+    _input_index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0, got {self.max_batch_size}")
+        for kind, tensors in (("input", self.inputs), ("output", self.outputs)):
+            names = [t.name for t in tensors]
+            if not names:
+                raise ValueError(f"a ModelSpec needs at least one {kind}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"duplicate {kind} names in {names}")
+        object.__setattr__(self, "_input_index", {t.name: t for t in self.inputs})
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch_size > 0
+
+    def input(self, name: str) -> TensorSpec:
+        return self._input_index[name]
+
+    def output(self, name: str) -> TensorSpec:
+        for t in self.outputs:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def validate_inputs(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """Check a request against the signature and return its batch size (1 if unbatched).
+
+        Raises:
+            InvalidInput: naming the tensor, what was expected and what was received.
+        """
+        missing = [t.name for t in self.inputs if t.name not in inputs]
+        if missing:
+            raise InvalidInput(
+                f"missing input(s) {missing}; expected {[t.name for t in self.inputs]}, "
+                f"got {sorted(inputs)}"
+            )
+        unexpected = [name for name in inputs if name not in self._input_index]
+        if unexpected:
+            raise InvalidInput(
+                f"unexpected input(s) {sorted(unexpected)}; expected {[t.name for t in self.inputs]}"
+            )
+        rows: int | None = None
+        for spec in self.inputs:
+            array = inputs[spec.name]
+            if not isinstance(array, np.ndarray):
+                raise InvalidInput(
+                    f"input {spec.name!r}: expected a numpy array, got {type(array).__name__}"
+                )
+            if not spec.dtype_matches(array):
+                got = (
+                    as_dtype(array.dtype).datatype
+                    if array.dtype.kind not in "V"
+                    else str(array.dtype)
+                )
+                raise InvalidInput(
+                    f"input {spec.name!r}: expected dtype {spec.dtype.datatype}, got {got}"
+                )
+            rows = self._check_shape("input", spec, array.shape, rows, InvalidInput)
+        return rows if rows is not None else 1
+
+    def check_outputs(self, outputs: Mapping[str, np.ndarray], rows: int) -> None:
+        """Check what a runner returned for ``rows`` requests rows.
+
+        Raises:
+            RunnerError: an output is missing or its dtype, shape or row count is wrong.
+        """
+        for spec in self.outputs:
+            if spec.name not in outputs:
+                raise RunnerError(f"model returned no output {spec.name!r}; got {sorted(outputs)}")
+            array = outputs[spec.name]
+            if not isinstance(array, np.ndarray) or not spec.dtype_matches(array):
+                got = getattr(array, "dtype", type(array).__name__)
+                raise RunnerError(
+                    f"output {spec.name!r}: expected dtype {spec.dtype.datatype}, got {got}"
+                )
+            got_rows = self._check_shape("output", spec, array.shape, None, RunnerError)
+            if self.batched and got_rows != rows:
+                raise RunnerError(
+                    f"output {spec.name!r}: expected {rows} rows for {rows} input rows, got {got_rows}"
+                )
+
+    def _check_shape(
+        self,
+        kind: str,
+        spec: TensorSpec,
+        shape: tuple[int, ...],
+        rows: int | None,
+        error: type[Exception],
+    ) -> int | None:
+        expected = ((-1,) if self.batched else ()) + spec.shape
+        if self.batched:
+            if len(shape) != len(expected) or not spec.shape_matches(shape[1:]):
+                raise error(
+                    f"{kind} {spec.name!r}: expected shape {_fmt_shape(expected)} "
+                    f"(batch dim first), got {_fmt_shape(shape)}"
+                )
+            n = shape[0]
+            if n < 1:
+                raise error(f"{kind} {spec.name!r}: batch size must be >= 1, got {n}")
+            if n > self.max_batch_size:
+                raise error(
+                    f"{kind} {spec.name!r}: batch size {n} exceeds max_batch_size "
+                    f"{self.max_batch_size}"
+                )
+            if rows is not None and n != rows:
+                raise error(
+                    f"{kind} {spec.name!r}: batch size {n} differs from the other inputs' {rows}"
+                )
+            return n
+        if not spec.shape_matches(shape):
+            raise error(
+                f"{kind} {spec.name!r}: expected shape {_fmt_shape(expected)}, got {_fmt_shape(shape)}"
+            )
+        return rows
+
+    def sample_inputs(
+        self, batch_size: int = 1, rng: np.random.Generator | None = None, fill: int = 1
+    ) -> dict[str, np.ndarray]:
+        """Inputs that satisfy the signature (variable dims set to ``fill``); for warm-up and tests."""
+        rng = rng or np.random.default_rng(0)
+        out: dict[str, np.ndarray] = {}
+        for spec in self.inputs:
+            dims = tuple(fill if d == -1 else d for d in spec.shape)
+            shape = ((batch_size,) if self.batched else ()) + dims
+            if spec.dtype.datatype == "BYTES":
+                out[spec.name] = np.full(shape, b"x", dtype=object)
+            elif spec.dtype.numpy.kind == "f":
+                out[spec.name] = rng.standard_normal(shape).astype(spec.dtype.numpy)
+            elif spec.dtype.numpy.kind == "b":
+                out[spec.name] = rng.integers(0, 2, shape).astype(np.bool_)
+            else:
+                out[spec.name] = rng.integers(0, 100, shape).astype(spec.dtype.numpy)
+        return out

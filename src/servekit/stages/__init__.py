@@ -1,0 +1,18 @@
+"""Pre- and post-processing stages (image decoding/normalisation, classification top-k)."""
+
+from .base import Stage
+from .classify import Postprocess, load_labels, softmax, top_k
+from .image import IMAGENET_MEAN, IMAGENET_STD, Preprocess, decode_image, synthetic_image
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "Postprocess",
+    "Preprocess",
+    "Stage",
+    "decode_image",
+    "synthetic_image",
+    "load_labels",
+    "softmax",
+    "top_k",
+]

@@ -1,0 +1,81 @@
+"""Reference models built locally from their architecture and a fixed seed, never downloaded.
+
+Built models are cached as ``<cache_dir>/<name>.onnx``; the cache directory is
+``$SERVEKIT_CACHE`` or ``~/.cache/servekit/models``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from ..errors import ModelNotFound
+from ._onnx import param_count
+from .resnet import RESNET50_PARAMS_WITH_BN, build_resnet50
+from .tiny import build_add_sub, build_tiny_cnn
+
+__all__ = [
+    "MODELS",
+    "RESNET50_PARAMS_WITH_BN",
+    "ZooModel",
+    "build",
+    "cache_dir",
+    "param_count",
+]
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    description: str
+    builder: Callable[[], onnx.ModelProto]
+
+
+MODELS: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel(
+            "resnet50",
+            "ResNet-50 v1.5, NCHW float32 224x224 -> 1000 logits, BN folded, seed 0",
+            build_resnet50,
+        ),
+        ZooModel("tiny_cnn", "conv+pool+dense, float32 [N,3,32,32] -> 10 logits", build_tiny_cnn),
+        ZooModel("add_sub", "INPUT0+INPUT1, INPUT0-INPUT1 over float32 [N,16]", build_add_sub),
+    )
+}
+
+
+def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """Where built models live: ``override``, else ``$SERVEKIT_CACHE``, else ``~/.cache/servekit/models``."""
+    if override is not None:
+        return Path(override)
+    env = os.environ.get("SERVEKIT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "servekit" / "models"
+
+
+def build(
+    name: str, directory: str | os.PathLike[str] | None = None, *, force: bool = False
+) -> Path:
+    """Build zoo model ``name`` into the cache (unless present) and return its ``.onnx`` path.
+
+    Raises:
+        ModelNotFound: ``name`` is not in the zoo.
+    """
+    if name not in MODELS:
+        raise ModelNotFound(f"no zoo model {name!r}; available: {sorted(MODELS)}")
+    path = cache_dir(directory) / f"{name}.onnx"
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = MODELS[name].builder().SerializeToString()
+    # Write then rename so a concurrent reader never sees half a model.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".onnx.tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,45 @@
+"""Tiny reference models for fast tests: same graph features as ResNet-50, milliseconds to run."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ._onnx import FLOAT, GraphBuilder
+
+__all__ = ["build_add_sub", "build_tiny_cnn"]
+
+
+def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
+    """``input`` [N,3,32,32] -> conv3x3(8) -> ReLU -> global pool -> dense -> ``logits`` [N,10]."""
+    rng = np.random.default_rng(seed)
+    g = GraphBuilder()
+    g.const("conv.weight", (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32))
+    g.const("conv.bias", (rng.standard_normal(8) * 0.1).astype(np.float32))
+    g.const("fc.weight", rng.standard_normal((num_classes, 8)).astype(np.float32))
+    g.const("fc.bias", np.zeros(num_classes, np.float32))
+    t = g.node(
+        "Conv", ["input", "conv.weight", "conv.bias"], "conv", kernel_shape=[3, 3], pads=[1] * 4
+    )
+    t = g.node("Relu", [t], "relu")
+    t = g.node("GlobalAveragePool", [t], "pool")
+    t = g.node("Flatten", [t], "flatten", axis=1)
+    g.node("Gemm", [t, "fc.weight", "fc.bias"], "logits", transB=1)
+    return g.model(
+        "tiny_cnn",
+        [("input", FLOAT, ["batch", 3, 32, 32])],
+        [("logits", FLOAT, ["batch", num_classes])],
+    )
+
+
+def build_add_sub(width: int = 16) -> onnx.ModelProto:
+    """Triton's classic example: ``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1``."""
+    g = GraphBuilder()
+    g.node("Add", ["INPUT0", "INPUT1"], "OUTPUT0")
+    g.node("Sub", ["INPUT0", "INPUT1"], "OUTPUT1")
+    io = ["batch", width]
+    return g.model(
+        "add_sub",
+        [("INPUT0", FLOAT, io), ("INPUT1", FLOAT, io)],
+        [("OUTPUT0", FLOAT, io), ("OUTPUT1", FLOAT, io)],
+    )
