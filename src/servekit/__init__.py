@@ -3,6 +3,7 @@
 The public API is what ``__all__`` lists; everything else is an implementation detail.
 """
 
+from .batching import Batcher, BatcherStats, BatchingPolicy, QueuePolicy, TimeoutAction
 from .errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -21,6 +22,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BaseRunner",
+    "Batcher",
+    "BatcherStats",
+    "BatchingPolicy",
     "DType",
     "DeadlineExceeded",
     "FunctionRunner",
@@ -35,10 +39,12 @@ __all__ = [
     "Postprocess",
     "Prediction",
     "Preprocess",
+    "QueuePolicy",
     "Runner",
     "RunnerError",
     "ServekitError",
     "TensorSpec",
+    "TimeoutAction",
     "as_dtype",
     "image_classifier",
 ]
