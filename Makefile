@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: models
 	$(BIN)/python bench/raw.py
+	$(BIN)/python bench/batcher.py --no-ray
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -89,6 +89,7 @@ case = st.fixed_dictionaries(
         "delay_us": st.sampled_from([0, 200]),
         "instances": st.integers(1, 3),
         "ordering": st.booleans(),
+        "executor": st.sampled_from(["threads", "loop", "async"]),
         "requests": st.lists(
             st.tuples(st.integers(1, 4), st.sampled_from([3, 5]), st.booleans(), st.booleans()),
             min_size=1,
@@ -113,8 +114,15 @@ def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
     model = Model()
     limit = policy.batch_limit(64)
 
+    async def on_loop(inputs):  # a coroutine batch function, awaited on the loop
+        await asyncio.sleep(0)
+        return model(inputs)
+
+    fn = on_loop if c["executor"] == "async" else model
+    executor = "loop" if c["executor"] == "async" else c["executor"]
+
     async def main():
-        batcher = Batcher(model, policy, spec=SPEC, instance_count=c["instances"])
+        batcher = Batcher(fn, policy, spec=SPEC, instance_count=c["instances"], executor=executor)
         tasks, inputs, cancelled = [], [], set()
         for i, (rows, width, poison, cancel) in enumerate(c["requests"]):
             rows = min(rows, c["max_batch"])
@@ -551,6 +559,52 @@ def test_listeners_see_every_batch():
     assert sum(r.rows for r in records) == 6
     assert sum(r.requests for r in records) == 3
     assert all(r.error is None and r.compute_us > 0 for r in records)
+
+
+def test_coroutine_batch_functions_are_awaited_on_the_loop():
+    seen_threads = set()
+
+    async def double(d):
+        seen_threads.add(threading.get_ident())
+        await asyncio.sleep(0)
+        return {"y": d["x"] * 2}
+
+    async def main():
+        async with Batcher(
+            double, BatchingPolicy(max_batch_size=8), spec=SPEC, instance_count=2
+        ) as b:
+            assert b.executor == "loop"
+            outs = await asyncio.gather(*[b.infer(request(i)) for i in range(5)])
+            return outs, threading.get_ident()
+
+    outs, loop_thread = asyncio.run(main())
+    assert [o["y"][0, 0] for o in outs] == [0, 2, 4, 6, 8]
+    assert seen_threads == {loop_thread}
+
+
+def test_loop_executor_runs_sync_functions_without_a_thread_hop():
+    seen_threads = set()
+
+    def double(d):
+        seen_threads.add(threading.get_ident())
+        return {"y": d["x"] * 2}
+
+    async def main():
+        async with Batcher(double, spec=SPEC, executor="loop") as b:
+            await asyncio.gather(*[b.infer(request(i)) for i in range(5)])
+            return threading.get_ident()
+
+    assert seen_threads == {asyncio.run(main())}
+
+
+def test_executor_choices_are_checked():
+    async def f(d):
+        return d
+
+    with pytest.raises(ValueError, match="must run with executor='loop'"):
+        Batcher(f, spec=SPEC, executor="threads")
+    with pytest.raises(ValueError, match="executor must be 'threads' or 'loop', got 'gpu'"):
+        Batcher(lambda d: d, spec=SPEC, executor="gpu")
 
 
 def test_a_batcher_needs_a_batching_spec():

@@ -116,9 +116,11 @@ class TensorSpec:
 
     def shape_matches(self, shape: Sequence[int]) -> bool:
         """Whether a concrete shape (without batch dim) fits this spec."""
-        return len(shape) == len(self.shape) and all(
-            want == -1 or want == got for want, got in zip(self.shape, shape, strict=True)
-        )
+        if len(shape) != len(self.shape):
+            return False
+        if shape == self.shape:
+            return True
+        return all(want == -1 or want == got for want, got in zip(self.shape, shape, strict=True))
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,9 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int = 0
     _input_index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+    _plan: tuple[
+        tuple[str, np.dtype | None, int, tuple[int, ...] | None, tuple[tuple[int, int], ...]], ...
+    ] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -142,6 +147,21 @@ class ModelSpec:
             if len(set(names)) != len(names):
                 raise ValueError(f"duplicate {kind} names in {names}")
         object.__setattr__(self, "_input_index", {t.name: t for t in self.inputs})
+        # Per input: name, dtype (None = BYTES), full rank, the non-batch dims when all are
+        # fixed (else None), and (axis, size) of fixed dims; validate_inputs' fast path
+        # checks exactly these.
+        lead = 1 if self.batched else 0
+        plan = tuple(
+            (
+                t.name,
+                None if t.dtype.datatype == "BYTES" else t.dtype.numpy,
+                len(t.shape) + lead,
+                None if -1 in t.shape else t.shape,
+                tuple((i + lead, d) for i, d in enumerate(t.shape) if d != -1),
+            )
+            for t in self.inputs
+        )
+        object.__setattr__(self, "_plan", plan)
 
     @property
     def batched(self) -> bool:
@@ -162,17 +182,38 @@ class ModelSpec:
         Raises:
             InvalidInput: naming the tensor, what was expected and what was received.
         """
-        missing = [t.name for t in self.inputs if t.name not in inputs]
-        if missing:
-            raise InvalidInput(
-                f"missing input(s) {missing}; expected {[t.name for t in self.inputs]}, "
-                f"got {sorted(inputs)}"
-            )
-        unexpected = [name for name in inputs if name not in self._input_index]
-        if unexpected:
-            raise InvalidInput(
-                f"unexpected input(s) {sorted(unexpected)}; expected {[t.name for t in self.inputs]}"
-            )
+        # Fast path for well-formed requests; anything unusual takes the explaining path.
+        if inputs.keys() == self._input_index.keys():
+            rows = -1
+            mbs = self.max_batch_size
+            lead = 1 if mbs else 0
+            for name, dtype, ndim, exact, fixed in self._plan:
+                a = inputs[name]
+                if type(a) is not np.ndarray or a.ndim != ndim:
+                    break
+                if dtype is None:
+                    if a.dtype.kind not in "OS":
+                        break
+                elif a.dtype is not dtype and a.dtype != dtype:
+                    break
+                shape = a.shape
+                if exact is not None:
+                    if shape[lead:] != exact:
+                        break
+                elif not all(shape[axis] == size for axis, size in fixed):
+                    break
+                if mbs:
+                    n = shape[0]
+                    if n < 1 or n > mbs or (rows != -1 and n != rows):
+                        break
+                    rows = n
+            else:
+                return rows if mbs else 1
+        return self._validate_slowly(inputs)
+
+    def _validate_slowly(self, inputs: Mapping[str, np.ndarray]) -> int:
+        if inputs.keys() != self._input_index.keys():
+            self._raise_names(inputs)
         rows: int | None = None
         for spec in self.inputs:
             array = inputs[spec.name]
@@ -181,16 +222,22 @@ class ModelSpec:
                     f"input {spec.name!r}: expected a numpy array, got {type(array).__name__}"
                 )
             if not spec.dtype_matches(array):
-                got = (
-                    as_dtype(array.dtype).datatype
-                    if array.dtype.kind not in "V"
-                    else str(array.dtype)
-                )
+                got = as_dtype(array.dtype).datatype if array.dtype.kind != "V" else array.dtype
                 raise InvalidInput(
                     f"input {spec.name!r}: expected dtype {spec.dtype.datatype}, got {got}"
                 )
             rows = self._check_shape("input", spec, array.shape, rows, InvalidInput)
         return rows if rows is not None else 1
+
+    def _raise_names(self, inputs: Mapping[str, np.ndarray]) -> None:
+        expected = [t.name for t in self.inputs]
+        missing = [name for name in expected if name not in inputs]
+        if missing:
+            raise InvalidInput(
+                f"missing input(s) {missing}; expected {expected}, got {sorted(inputs)}"
+            )
+        unexpected = sorted(name for name in inputs if name not in self._input_index)
+        raise InvalidInput(f"unexpected input(s) {unexpected}; expected {expected}")
 
     def check_outputs(self, outputs: Mapping[str, np.ndarray], rows: int) -> None:
         """Check what a runner returned for ``rows`` requests rows.

@@ -12,15 +12,16 @@ their future.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from enum import Enum
 from typing import Any
@@ -69,6 +70,11 @@ class Batcher:
         clock: monotonic seconds; injectable for tests.
         name: used in thread names and error messages.
         listeners: called with a ``BatchRecord`` after each batch (metrics).
+        executor: where batches run. ``"threads"`` (default): ``instance_count`` worker
+            threads, for engines that release the GIL. ``"loop"``: on the event loop
+            itself, as Ray's ``@serve.batch`` does: no thread hop, for batch functions
+            that take microseconds or are coroutines (awaited there, ``instance_count``
+            at a time). Coroutine functions always run on the loop.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Batcher:
         clock: Callable[[], float] = time.monotonic,
         name: str = "model",
         listeners: Iterable[Callable[[BatchRecord], None]] = (),
+        executor: str | None = None,
     ) -> None:
         if hasattr(runner, "infer") and hasattr(runner, "spec"):
             self._fn: BatchFn = runner.infer
@@ -105,6 +112,16 @@ class Batcher:
                 f"{name}: policy max_batch_size {policy.max_batch_size} exceeds the model's "
                 f"{spec.max_batch_size}"
             )
+        is_async = asyncio.iscoroutinefunction(self._fn)
+        if executor is None:
+            executor = "loop" if is_async else "threads"
+        if executor not in ("threads", "loop"):
+            raise ValueError(f"executor must be 'threads' or 'loop', got {executor!r}")
+        if is_async and executor == "threads":
+            raise ValueError(f"{name}: a coroutine batch function must run with executor='loop'")
+        self.executor = executor
+        self._is_async = is_async
+        self._tasks: set[asyncio.Task] = set()
         if instance_count < 1:
             raise ValueError(f"instance_count must be >= 1, got {instance_count}")
         self.spec, self.policy, self.name = spec, policy, name
@@ -117,11 +134,19 @@ class Batcher:
         self._preferred = frozenset(policy.preferred_batch_sizes)
         self._delay_s = policy.max_queue_delay_us / 1e6
         self._queue = RequestQueue(policy)
-        self._pool = ThreadPoolExecutor(instance_count, thread_name_prefix=f"servekit-{name}")
+        self._max_rows = policy.max_batch_size
+        self._default_level = policy.level_of(0)
+        self._default_timeout_us = policy.queue_policy(self._default_level).timeout_us(None)
+        self._work: queue.SimpleQueue[tuple[int, list[Request], tuple[float, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._instances: list[threading.Thread] = []
         self._free = instance_count
         self._ids = itertools.count()
         self._state = _State.OPEN
         self._accepting = True  # guarded by _lock: threads may still hand requests to the loop
+        self._inbox: collections.deque[Request] = collections.deque()  # guarded by _lock
+        self._inbox_signalled = False
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
@@ -239,35 +264,44 @@ class Batcher:
         future: asyncio.Future | concurrent.futures.Future,
     ) -> Request:
         rows = self.spec.validate_inputs(inputs)
-        if rows > self.policy.max_batch_size:
+        if rows > self._max_rows:
             raise InvalidInput(
-                f"{self.name}: batch size {rows} exceeds max_batch_size {self.policy.max_batch_size}"
+                f"{self.name}: batch size {rows} exceeds max_batch_size {self._max_rows}"
             )
-        try:
-            level = self.policy.level_of(priority)
-        except ValueError as exc:
-            raise InvalidInput(f"{self.name}: {exc}") from None
-        timeout = self.policy.queue_policy(level).timeout_us(timeout_us)
+        if priority or timeout_us is not None:
+            try:
+                level = self.policy.level_of(priority)
+            except ValueError as exc:
+                raise InvalidInput(f"{self.name}: {exc}") from None
+            timeout = self.policy.queue_policy(level).timeout_us(timeout_us)
+        else:
+            level, timeout = self._default_level, self._default_timeout_us
         now = self._clock()
-        return Request(
-            id=next(self._ids),
-            inputs=inputs,
-            rows=rows,
-            shape_key=tuple(inputs[n].shape[1:] for n in self._names),
-            level=level,
-            arrival=now,
-            deadline=now + timeout / 1e6 if timeout else math.inf,
-            future=future,
+        names = self._names
+        shape_key = (
+            (inputs[names[0]].shape[1:],)
+            if len(names) == 1
+            else tuple(inputs[n].shape[1:] for n in names)
         )
+        deadline = now + timeout / 1e6 if timeout else math.inf
+        return Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)
 
     def _enqueue(self, request: Request) -> None:
+        if self._free and not self._delay_s and self._queue.idle():
+            # What decide() would do for a lone request with no delay, minus the queue round trip.
+            request.taken = True
+            self._launch([request], request.arrival)
+            return
         try:
             self._queue.push(request)
         except Overloaded:
             self.stats.request_rejected += 1
             self.stats.request_failure += 1
             raise
-        if not self._poke_pending:
+        if self._free and not self._delay_s:
+            self._poke()  # an idle instance and nothing to wait for: start now
+        elif not self._poke_pending:
+            # Coalesce: one decision per loop iteration however many requests arrive in it.
             self._poke_pending = True
             self._loop.call_soon(self._poke)  # type: ignore[union-attr]
 
@@ -289,8 +323,20 @@ class Batcher:
             if not self._accepting:
                 raise ModelNotReady(f"{self.name}: batcher is closed")
             loop = self._ensure_loop()
-            loop.call_soon_threadsafe(self._enqueue_from_thread, request)
+            self._inbox.append(request)
+            # One wake-up of the loop per burst of thread callers, not one per request.
+            if not self._inbox_signalled:
+                self._inbox_signalled = True
+                loop.call_soon_threadsafe(self._drain_inbox)
         return fut
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            requests = list(self._inbox)
+            self._inbox.clear()
+            self._inbox_signalled = False
+        for request in requests:
+            self._enqueue_from_thread(request)
 
     def _count_cancelled(self) -> None:
         self.stats.request_cancelled += 1
@@ -339,6 +385,8 @@ class Batcher:
     def _poke(self) -> None:
         """Expire timeouts, then start batches while instances are free; arm the next wake-up."""
         self._poke_pending = False
+        if self._drained is None and self._queue.idle():
+            return
         now = self._clock()
         timed_out = self._queue.expire(now)
         if timed_out:
@@ -396,46 +444,89 @@ class Batcher:
         queue_us = tuple((now - r.arrival) * 1e6 for r in batch)
         loop = self._loop
         assert loop is not None
-        cf = self._pool.submit(self._execute, [r.inputs for r in batch], [r.rows for r in batch])
+        if self.executor == "loop":
+            if self._is_async:
+                task = loop.create_task(self._run_batch_async(seq, batch, queue_us))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                # Deferred so _complete never runs inside the _poke that launched it.
+                loop.call_soon(self._complete, seq, batch, queue_us, *self._run_batch(batch))
+            return
+        if not self._instances:
+            for _ in range(self.instance_count):
+                self._start_instance()
+        self._work.put((seq, batch, queue_us))
 
-        def done(f: concurrent.futures.Future) -> None:
+    def _start_instance(self) -> None:
+        thread = threading.Thread(
+            target=self._instance_loop,
+            name=f"servekit-{self.name}-{len(self._instances)}",
+            daemon=True,
+        )
+        self._instances.append(thread)
+        thread.start()
+
+    def _instance_loop(self) -> None:
+        """One model instance: run batches from the work queue until told to stop."""
+        while (item := self._work.get()) is not None:
+            seq, batch, queue_us = item
+            result = self._run_batch(batch)
+            loop = self._loop
             try:
-                loop.call_soon_threadsafe(self._complete, seq, batch, queue_us, f)
+                loop.call_soon_threadsafe(self._complete, seq, batch, queue_us, *result)  # type: ignore[union-attr]
             except RuntimeError:  # the loop closed under us: fail the callers directly
                 for r in batch:
                     r.fail(ModelNotReady(f"{self.name}: event loop closed"))
 
-        cf.add_done_callback(done)
-
-    def _execute(
-        self, inputs: list[Mapping[str, np.ndarray]], rows: list[int]
-    ) -> tuple[list[Arrays], float]:
-        """On an instance thread: concat, run, check, split."""
+    def _run_batch(
+        self, batch: list[Request]
+    ) -> tuple[list[Arrays] | None, BaseException | None, float]:
+        """Concat, run, check, split; returns (parts, error, compute_us) and never raises."""
         start = time.perf_counter()
-        outputs = self._fn(concat(inputs, self._names))
+        rows = [r.rows for r in batch]
+        try:
+            outputs = self._fn(concat([r.inputs for r in batch], self._names))
+            return self._split(outputs, rows), None, (time.perf_counter() - start) * 1e6
+        except Exception as exc:
+            return None, self._as_error(exc), (time.perf_counter() - start) * 1e6
+
+    async def _run_batch_async(
+        self, seq: int, batch: list[Request], queue_us: tuple[float, ...]
+    ) -> None:
+        start = time.perf_counter()
+        rows = [r.rows for r in batch]
+        parts: list[Arrays] | None = None
+        error: BaseException | None = None
+        try:
+            outputs = await self._fn(concat([r.inputs for r in batch], self._names))  # type: ignore[misc]
+            parts = self._split(outputs, rows)
+        except Exception as exc:
+            error = self._as_error(exc)
+        self._complete(seq, batch, queue_us, parts, error, (time.perf_counter() - start) * 1e6)
+
+    def _split(self, outputs: Mapping[str, np.ndarray], rows: list[int]) -> list[Arrays]:
         if self._check_outputs:
             self.spec.check_outputs(outputs, sum(rows))
-        parts = split(outputs, rows)
-        return parts, (time.perf_counter() - start) * 1e6
+        return split(outputs, rows)
+
+    def _as_error(self, exc: Exception) -> ServekitError:
+        if isinstance(exc, ServekitError):
+            return exc
+        error = RunnerError(f"{self.name}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
 
     def _complete(
         self,
         seq: int,
         batch: list[Request],
         queue_us: tuple[float, ...],
-        cf: concurrent.futures.Future,
+        parts: list[Arrays] | None,
+        error: BaseException | None,
+        compute_us: float,
     ) -> None:
         self._free += 1
-        parts: list[Arrays] | None = None
-        error: BaseException | None = None
-        compute_us = 0.0
-        try:
-            parts, compute_us = cf.result()
-        except ServekitError as exc:
-            error = exc
-        except Exception as exc:
-            error = RunnerError(f"{self.name}: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
         rows = sum(r.rows for r in batch)
         s = self.stats
         s.execution_count += 1
@@ -469,7 +560,12 @@ class Batcher:
             return
         self.stats.request_success += len(batch)
         for r, out in zip(batch, parts, strict=True):
-            r.resolve(out)
+            fut = r.future
+            if not fut.done():
+                try:  # noqa: SIM105 (contextlib.suppress costs more in this loop)
+                    fut.set_result(out)
+                except concurrent.futures.InvalidStateError:
+                    pass  # a thread caller cancelled between the check and the set
 
     # ---------------------------------------------------------------- close
 
@@ -491,7 +587,11 @@ class Batcher:
 
     def _finish_close(self) -> None:
         self._state = _State.CLOSED
-        self._pool.shutdown(wait=True)
+        for _ in self._instances:
+            self._work.put(None)
+        for instance in self._instances:
+            instance.join()
+        self._instances.clear()
         thread = self._private_thread
         if thread is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

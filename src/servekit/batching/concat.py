@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,9 +37,9 @@ def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[s
             )
     if len(rows) == 1:
         return [dict(outputs)]
-    out: list[dict[str, np.ndarray]] = []
-    start = 0
-    for n in rows:
-        out.append({name: array[start : start + n] for name, array in outputs.items()})
-        start += n
-    return out
+    bounds = list(itertools.accumulate(rows, initial=0))
+    pairs = list(zip(bounds, bounds[1:], strict=False))
+    if len(outputs) == 1:
+        ((name, array),) = outputs.items()
+        return [{name: array[a:b]} for a, b in pairs]
+    return [{name: array[a:b] for name, array in outputs.items()} for a, b in pairs]

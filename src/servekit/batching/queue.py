@@ -40,12 +40,13 @@ class RequestQueue:
     def __init__(self, policy: BatchingPolicy) -> None:
         self.policy = policy
         self._levels = [_Level() for _ in range(policy.levels)]
+        self._limits = [policy.queue_policy(i + 1).max_queue_size for i in range(policy.levels)]
         self._deadlines: list[tuple[float, int, Request]] = []
 
     def push(self, request: Request) -> None:
         """Enqueue, or raise ``Overloaded`` at once when the level's queue is full."""
         level = self._levels[request.level - 1]
-        limit = self.policy.queue_policy(request.level).max_queue_size
+        limit = self._limits[request.level - 1]
         if limit and len(level) >= limit:
             level.purge()
             if len(level) >= limit:
@@ -129,6 +130,10 @@ class RequestQueue:
         out = [r for r in self._walk()]
         self.take(out)
         return out
+
+    def idle(self) -> bool:
+        """True when no entry at all is queued (cheap; dropped entries count as queued)."""
+        return not any(level.live or level.delayed for level in self._levels)
 
     def __len__(self) -> int:
         """Waiting requests whose callers still wait."""
