@@ -90,6 +90,7 @@ case = st.fixed_dictionaries(
         "instances": st.integers(1, 3),
         "ordering": st.booleans(),
         "executor": st.sampled_from(["threads", "loop", "async"]),
+        "close_early": st.booleans(),
         "requests": st.lists(
             st.tuples(st.integers(1, 4), st.sampled_from([3, 5]), st.booleans(), st.booleans()),
             min_size=1,
@@ -131,15 +132,20 @@ def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
                 x["x"][0, -1] = POISON
             inputs.append(x)
             tasks.append(asyncio.ensure_future(batcher.infer(x)))
+            tasks[-1].add_done_callback(lambda _, i=i: completed.append(i))
             if cancel:
                 tasks[-1].cancel()
                 cancelled.add(i)
             for _ in range(c["yields"][i]):
                 await asyncio.sleep(0)
+        if c["close_early"]:  # close while requests still wait: all must still be answered
+            await asyncio.sleep(0)
+            await batcher.aclose()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await batcher.aclose()
         return inputs, results, cancelled, batcher
 
+    completed: list[int] = []
     inputs, results, cancelled, batcher = asyncio.run(main())
     executed: dict[int, int] = {}
     for b in model.batches:
@@ -163,6 +169,10 @@ def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
         else:
             np.testing.assert_array_equal(res["y"], row_fn(x["x"]))
             assert not any(i in b for b in poisoned_batches)
+    if c["ordering"]:
+        # Results arrive in the order requests were taken into batches.
+        delivered = [i for i in completed if i not in cancelled and i in executed]
+        assert delivered == sorted(delivered, key=executed.__getitem__)
     s = batcher.stats
     assert s.execution_count == len(model.batches)
     assert s.inference_count == sum(len(b) for b in model.batches)
