@@ -27,3 +27,12 @@ def tiny_cnn_path(model_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def add_sub_path(model_cache: Path) -> Path:
     return zoo.build("add_sub", model_cache)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (loopback)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -94,3 +94,12 @@ def test_one_bad_image_is_reported_by_row(tiny_cnn_path):
 def test_classifier_needs_an_image_model(add_sub_path):
     with pytest.raises(ValueError, match="one input and one output"):
         image_classifier(add_sub_path)
+
+
+def test_classifier_can_wrap_an_existing_runner(tiny_cnn_path):
+    runner = OnnxRuntimeRunner(tiny_cnn_path)
+    clf = image_classifier(runner, top_k=2)
+    assert clf.steps[1] is runner
+    assert clf.classify([synthetic_image(0)]) == image_classifier(tiny_cnn_path, top_k=2).classify(
+        [synthetic_image(0)]
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -66,24 +67,42 @@ def infer(
         list[Path], typer.Argument(help="JPEG/PNG files.", exists=True, dir_okay=False)
     ],
     model: Annotated[
-        str, typer.Option(help="Zoo model name or path to an ONNX file.")
+        str,
+        typer.Option(
+            help="Zoo model or ONNX path (in-process); with --url, the served image model."
+        ),
     ] = "resnet50",
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Send to a running server (http://host:8000 or grpc://host:8001) instead."
+        ),
+    ] = None,
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 5,
     labels: Annotated[Path | None, typer.Option(help="Text file, one label per line.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     cache_dir: CacheDir = None,
 ) -> None:
-    """Classify images in-process (no server) and print the top-k classes of each."""
-    from .pipeline import image_classifier
-
-    clf = image_classifier(model, top_k=top_k, labels=labels, cache_dir=cache_dir)
+    """Classify images and print the top-k classes of each: in-process, or on a server with --url."""
+    blobs = [p.read_bytes() for p in images]
     try:
-        results = clf.classify([p.read_bytes() for p in images])
+        if url is not None:
+            from .client import Client
+
+            remote = model if model.endswith("_image") else f"{model}_image"
+            with Client(url) as client:
+                results = [preds[:top_k] for preds in client.classify(blobs, model=remote)]
+        else:
+            from .pipeline import image_classifier
+
+            clf = image_classifier(model, top_k=top_k, labels=labels, cache_dir=cache_dir)
+            try:
+                results = clf.classify(blobs)
+            finally:
+                clf.close()
     except ServekitError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(2) from None
-    finally:
-        clf.close()
     if as_json:
         out = {
             str(p): [{"label": r.label, "class_id": r.class_id, "score": r.score} for r in preds]
@@ -96,6 +115,93 @@ def infer(
         for rank, p in enumerate(preds, 1):
             table.add_row(str(rank), str(p.class_id), p.label, f"{p.score:.4f}")
         console.print(table)
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str | None, typer.Option(help="Zoo model name or path to an ONNX file.")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML/YAML file with the same settings.", exists=True)
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Served model name (default: zoo name or file stem).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    http_port: Annotated[int | None, typer.Option()] = None,
+    grpc_port: Annotated[int | None, typer.Option()] = None,
+    metrics_port: Annotated[int | None, typer.Option()] = None,
+    instances: Annotated[int | None, typer.Option(min=1, help="Model instances.")] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="ONNX Runtime threads per session.")
+    ] = None,
+    max_batch_size: Annotated[int | None, typer.Option(min=1)] = None,
+    preferred_batch_sizes: Annotated[
+        str | None, typer.Option(help="Comma-separated, e.g. 8,16.")
+    ] = None,
+    max_queue_delay_us: Annotated[int | None, typer.Option(min=0)] = None,
+    max_queue_size: Annotated[int | None, typer.Option(min=0, help="0 = unbounded.")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1)] = None,
+    labels: Annotated[Path | None, typer.Option(help="Labels file for the image model.")] = None,
+    log_verbose: Annotated[int, typer.Option(help="Triton's --log-verbose level.")] = 0,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Serve a model over KServe v2 HTTP/gRPC with Triton (PyTriton): the tensor model and,
+    for image classifiers, <name>_image (encoded images in, top-k out)."""
+    from .config import load_config, policy_from_dict
+    from .triton import ServerConfig, TritonSetupError, default_models
+    from .triton import serve as run_server
+
+    try:
+        settings = load_config(config) if config else {}
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from None
+    server = dict(settings.get("server", {}))
+    for key, value in (
+        ("host", host),
+        ("http_port", http_port),
+        ("grpc_port", grpc_port),
+        ("metrics_port", metrics_port),
+    ):
+        if value is not None:
+            server[key] = value
+    server.setdefault("log_verbose", log_verbose)
+    batching = dict(settings.get("batching", {}))
+    queue = dict(batching.pop("queue", {}))
+    batching.setdefault("max_batch_size", 32)
+    if max_batch_size is not None:
+        batching["max_batch_size"] = max_batch_size
+    if preferred_batch_sizes:
+        batching["preferred_batch_sizes"] = [int(s) for s in preferred_batch_sizes.split(",")]
+    if max_queue_delay_us is not None:
+        batching["max_queue_delay_us"] = max_queue_delay_us
+    if max_queue_size is not None:
+        queue["max_queue_size"] = max_queue_size
+    try:
+        policy = policy_from_dict({**batching, "queue": queue})
+        models = default_models(
+            model or settings.get("model", "resnet50"),
+            name=name or settings.get("name"),
+            policy=policy,
+            instance_count=instances or settings.get("instances", 1),
+            intra_op_threads=threads or settings.get("threads"),
+            top_k=top_k or settings.get("top_k", 5),
+            labels=labels or settings.get("labels"),
+            cache_dir=cache_dir or settings.get("cache_dir"),
+        )
+        cfg = ServerConfig(**server)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        console.print(
+            f"starting Triton with {[m.name for m in models]} (ready once all are loaded)"
+        )
+        run_server(models, cfg)
+    except TritonSetupError as exc:
+        console.print(f"[red]cannot start Triton:[/red] {exc}")
+        raise typer.Exit(3) from None
+    except (ValueError, OSError, ServekitError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -11,7 +11,9 @@
     └── RunnerError         the model itself failed: HTTP 500, gRPC INTERNAL
 
 Core code raises these; only adapters (HTTP front, PyTriton, Triton backend, Ray)
-turn them into status codes, through :func:`http_status` and :func:`grpc_code`.
+turn them into status codes, through :func:`http_status`, :func:`grpc_code` and
+:func:`triton_code` (the Python backend's ``TritonError`` code, which Triton maps
+to the same HTTP and gRPC statuses).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ __all__ = [
     "Overloaded",
     "RunnerError",
     "ServekitError",
+    "from_grpc_code",
+    "from_http_status",
     "grpc_code",
     "http_status",
+    "triton_code",
 ]
 
 
@@ -83,6 +88,16 @@ _GRPC = {
 }
 
 
+_TRITON = {
+    InvalidInput: "INVALID_ARG",
+    ModelNotFound: "NOT_FOUND",
+    ModelNotReady: "UNAVAILABLE",
+    Overloaded: "UNAVAILABLE",
+    DeadlineExceeded: "UNAVAILABLE",  # the Python backend has no deadline code
+    RunnerError: "INTERNAL",
+}
+
+
 def _lookup(
     table: dict[type[ServekitError], object], exc: BaseException, default: object
 ) -> object:
@@ -100,3 +115,37 @@ def http_status(exc: BaseException) -> int:
 def grpc_code(exc: BaseException) -> str:
     """gRPC status code name (``grpc.StatusCode`` member name) for an exception."""
     return str(_lookup(_GRPC, exc, "INTERNAL"))
+
+
+def triton_code(exc: BaseException) -> str:
+    """``TritonError`` code name (``INVALID_ARG``, ``UNAVAILABLE``, ...) for an exception."""
+    return str(_lookup(_TRITON, exc, "INTERNAL"))
+
+
+_FROM_HTTP: dict[int, type[ServekitError]] = {
+    400: InvalidInput,
+    404: ModelNotFound,
+    503: ModelNotReady,
+    504: DeadlineExceeded,
+}
+_FROM_GRPC: dict[str, type[ServekitError]] = {
+    "INVALID_ARGUMENT": InvalidInput,
+    "NOT_FOUND": ModelNotFound,
+    "UNAVAILABLE": ModelNotReady,
+    "DEADLINE_EXCEEDED": DeadlineExceeded,
+}
+
+
+def from_http_status(status: int, message: str) -> ServekitError:
+    """The servekit error a remote HTTP status stands for (clients raise these)."""
+    if status == 503 and "queue" in message.lower():
+        return Overloaded(message)
+    return _FROM_HTTP.get(status, RunnerError)(message)
+
+
+def from_grpc_code(code: str, message: str) -> ServekitError:
+    """The servekit error a remote gRPC status code name stands for."""
+    code = code.removeprefix("StatusCode.")
+    if code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED") and "queue" in message.lower():
+        return Overloaded(message)
+    return _FROM_GRPC.get(code, RunnerError)(message)

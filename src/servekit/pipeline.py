@@ -20,7 +20,7 @@ from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
 from .stages import Postprocess, Preprocess
 
-__all__ = ["ImageClassifier", "Pipeline", "Prediction", "image_classifier"]
+__all__ = ["ImageClassifier", "Pipeline", "Prediction", "image_classifier", "is_image_classifier"]
 
 
 def _compatible(produced: TensorSpec, consumed: TensorSpec) -> bool:
@@ -120,7 +120,7 @@ class ImageClassifier(Pipeline):
 
 
 def image_classifier(
-    model: str | os.PathLike[str] = "resnet50",
+    model: str | os.PathLike[str] | Runner = "resnet50",
     *,
     top_k: int = 5,
     labels: str | os.PathLike[str] | Sequence[str] | None = None,
@@ -128,21 +128,23 @@ def image_classifier(
     max_batch_size: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> ImageClassifier:
-    """An image classifier around a zoo model name or an ONNX file with one NCHW image input.
-
-    Zoo models are built into the cache on first use.
+    """An image classifier around a zoo model name, an ONNX file, or a Runner with one
+    NCHW image input and one logits output. Zoo models are built into the cache on first use.
     """
-    path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else Path(model)
-    runner = OnnxRuntimeRunner(
-        path, intra_op_threads=intra_op_threads, max_batch_size=max_batch_size
-    )
+    if isinstance(model, Runner):
+        runner: Runner = model
+    else:
+        path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else Path(model)
+        runner = OnnxRuntimeRunner(
+            path, intra_op_threads=intra_op_threads, max_batch_size=max_batch_size
+        )
     spec = runner.spec
     if len(spec.inputs) != 1 or len(spec.outputs) != 1:
-        raise ValueError(f"an image classifier needs one input and one output; {path} has {spec}")
+        raise ValueError(f"an image classifier needs one input and one output; got {spec}")
     x, y = spec.inputs[0], spec.outputs[0]
     if len(x.shape) != 3 or x.shape[0] != 3 or x.shape[1] != x.shape[2] or len(y.shape) != 1:
         raise ValueError(
-            f"{path}: expected input [N,3,S,S] and output [N,classes], got "
+            f"expected input [N,3,S,S] and output [N,classes], got "
             f"{x.name} {list(x.shape)} and {y.name} {list(y.shape)}"
         )
     crop = x.shape[1]
@@ -160,3 +162,11 @@ def image_classifier(
         input_name=y.name,
     )
     return ImageClassifier([pre, runner, post])
+
+
+def is_image_classifier(spec: ModelSpec) -> bool:
+    """Whether a model looks like one: one NCHW square image input, one logits output."""
+    if len(spec.inputs) != 1 or len(spec.outputs) != 1:
+        return False
+    x, y = spec.inputs[0].shape, spec.outputs[0].shape
+    return len(x) == 3 and x[0] == 3 and x[1] == x[2] and x[1] > 0 and len(y) == 1 and y[0] > 0

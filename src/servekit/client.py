@@ -1,0 +1,299 @@
+"""Client helper over tritonclient: any KServe v2 server (Triton, PyTriton, servekit's fronts).
+
+``Client("http://127.0.0.1:8000")`` or ``Client("grpc://127.0.0.1:8001")`` sends numpy
+dicts and returns numpy dicts; ``AsyncClient`` does the same with ``await``. Remote
+errors come back as servekit's own exceptions (``InvalidInput`` for a 400 or
+INVALID_ARGUMENT, ``ModelNotFound``, ``ModelNotReady``...). With
+``shared_memory=True`` (same host only) inputs travel through a system shared-memory
+region instead of the socket.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from .errors import ModelNotReady, ServekitError, from_grpc_code, from_http_status
+from .pipeline import Prediction
+from .spec import as_dtype
+
+__all__ = ["AsyncClient", "Client"]
+
+
+def _parse(url: str) -> tuple[str, str]:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "grpc"):
+        raise ValueError(f"url must start with http:// or grpc://, got {url!r}")
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(f"url needs a host and a port, got {url!r}")
+    return parsed.scheme, f"{parsed.hostname}:{parsed.port}"
+
+
+def _error(exc: Exception, protocol: str) -> ServekitError:
+    status = getattr(exc, "status", lambda: None)()
+    message = getattr(exc, "message", lambda: str(exc))() or str(exc)
+    if protocol == "grpc":
+        return from_grpc_code(str(status or "UNKNOWN"), message)
+    try:
+        code = int(status) if status is not None else 0
+    except ValueError:
+        code = 0
+    if code == 0:  # no HTTP status: the connection itself failed
+        return ModelNotReady(f"cannot reach the server: {message}")
+    return from_http_status(code, message)
+
+
+def _blobs(images: Sequence[bytes]) -> np.ndarray:
+    arr = np.empty((len(images), 1), dtype=object)
+    arr[:, 0] = list(images)
+    return arr
+
+
+def _predictions(out: Mapping[str, np.ndarray]) -> list[list[Prediction]]:
+    return [
+        [Prediction(lab.decode(), int(c), float(s)) for s, c, lab in zip(*row, strict=True)]
+        for row in zip(out["scores"], out["classes"], out["labels"], strict=True)
+    ]
+
+
+TOKEN_HEADER = "triton-access-token"
+
+
+class _Base:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        shared_memory: bool = False,
+        access_token: str | None = None,
+    ) -> None:
+        self.url = url
+        self._headers = {TOKEN_HEADER: access_token} if access_token else None
+        self.protocol, self.address = _parse(url)
+        self.timeout_s = timeout_s
+        self.shared_memory = shared_memory
+        self._mod: Any = None
+        self._shm: tuple[str, Any, int] | None = None  # (name, handle, size)
+
+    def _module(self) -> Any:
+        if self._mod is None:
+            try:
+                if self.protocol == "http":
+                    import tritonclient.http as mod
+                else:
+                    import tritonclient.grpc as mod
+            except ImportError:
+                raise ImportError(
+                    "servekit.client needs tritonclient: pip install 'servekit[triton]'"
+                ) from None
+            self._mod = mod
+        return self._mod
+
+    def _inputs(self, client: Any, inputs: Mapping[str, np.ndarray], binary: bool) -> list[Any]:
+        mod = self._module()
+        out = []
+        arrays = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
+        use_shm = self.shared_memory and all(a.dtype.kind != "O" for a in arrays.values())
+        if use_shm:
+            self._ensure_region(client, sum(a.nbytes for a in arrays.values()))
+            import tritonclient.utils.shared_memory as shm
+
+            name, handle, _ = self._shm  # type: ignore[misc]
+            offset = 0
+            for k, a in arrays.items():
+                shm.set_shared_memory_region(handle, [a], offset=offset)
+                i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
+                i.set_shared_memory(name, a.nbytes, offset=offset)
+                out.append(i)
+                offset += a.nbytes
+            return out
+        for k, a in arrays.items():
+            i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
+            if self.protocol == "http":
+                i.set_data_from_numpy(a, binary_data=binary)
+            else:
+                i.set_data_from_numpy(a)
+            out.append(i)
+        return out
+
+    def _ensure_region(self, client: Any, size: int) -> None:
+        import tritonclient.utils.shared_memory as shm
+
+        if self._shm is not None and self._shm[2] >= size:
+            return
+        self._release_region(client)
+        name = f"servekit-{uuid.uuid4().hex[:12]}"
+        handle = shm.create_shared_memory_region(name, f"/{name}", size)
+        try:
+            client.register_system_shared_memory(name, f"/{name}", size, headers=self._headers)
+        except Exception as exc:
+            shm.destroy_shared_memory_region(handle)
+            raise _error(exc, self.protocol) from None
+        self._shm = (name, handle, size)
+
+    def _release_region(self, client: Any) -> None:
+        if self._shm is None:
+            return
+        import tritonclient.utils.shared_memory as shm
+
+        name, handle, _ = self._shm
+        self._shm = None
+        try:
+            client.unregister_system_shared_memory(name, headers=self._headers)
+        finally:
+            shm.destroy_shared_memory_region(handle)
+
+
+class Client(_Base):
+    """Blocking client; one per thread (tritonclient's clients are not shared safely).
+
+    ``access_token`` is sent on Triton's restricted management APIs (shared-memory
+    registration on PyTriton servers: ``TritonServer.access_token``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        shared_memory: bool = False,
+        access_token: str | None = None,
+    ) -> None:
+        super().__init__(
+            url, timeout_s=timeout_s, shared_memory=shared_memory, access_token=access_token
+        )
+        mod = self._module()
+        if self.protocol == "http":
+            self._client = mod.InferenceServerClient(
+                self.address, connection_timeout=timeout_s, network_timeout=timeout_s
+            )
+        else:
+            self._client = mod.InferenceServerClient(self.address)
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] | None = None,
+        binary: bool = True,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        """Run ``model`` on ``inputs`` (batch dim first); ``binary=False`` sends JSON (HTTP)."""
+        try:
+            result = self._client.infer(
+                model,
+                self._inputs(self._client, inputs, binary),
+                model_version=version,
+                **({"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}),
+            )
+        except ServekitError:
+            raise
+        except Exception as exc:
+            if not hasattr(exc, "status"):
+                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
+            raise _error(exc, self.protocol) from None
+        names = outputs or [o["name"] for o in self._outputs_of(result)]
+        return {n: result.as_numpy(n) for n in names}
+
+    def _outputs_of(self, result: Any) -> list[dict[str, Any]]:
+        response = result.get_response()
+        if self.protocol == "http":
+            return list(response["outputs"])
+        return [{"name": o.name} for o in response.outputs]
+
+    def classify(
+        self, images: Sequence[bytes], model: str = "resnet50_image"
+    ) -> list[list[Prediction]]:
+        """Top-k predictions for encoded images from an image model."""
+        return _predictions(self.infer(model, {"image": _blobs(images)}))
+
+    def is_ready(self, model: str | None = None) -> bool:
+        try:
+            if model is None:
+                return bool(self._client.is_server_ready())
+            return bool(self._client.is_model_ready(model))
+        except Exception:
+            return False
+
+    def wait_ready(self, model: str | None = None, timeout_s: float = 60.0) -> None:
+        """Wait until the server (or ``model``) is ready; raise ``ModelNotReady`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready(model):
+            if time.monotonic() > deadline:
+                raise ModelNotReady(
+                    f"{model or 'server'} at {self.url} not ready after {timeout_s} s"
+                )
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        try:
+            self._release_region(self._client)
+        finally:
+            self._client.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """``await``-able client over tritonclient's aio clients (no shared memory)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 60.0) -> None:
+        super().__init__(url, timeout_s=timeout_s)
+        if self.protocol == "http":
+            import tritonclient.http.aio as aio
+        else:
+            import tritonclient.grpc.aio as aio
+        self._aio = aio
+        self._client = aio.InferenceServerClient(self.address)
+
+    async def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], *, binary: bool = True
+    ) -> dict[str, np.ndarray]:
+        mod = self._module()
+        ins = []
+        for k, a in inputs.items():
+            a = np.ascontiguousarray(a)
+            i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
+            if self.protocol == "http":
+                i.set_data_from_numpy(a, binary_data=binary)
+            else:
+                i.set_data_from_numpy(a)
+            ins.append(i)
+        try:
+            result = await self._client.infer(model, ins)
+        except Exception as exc:
+            if not hasattr(exc, "status"):
+                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
+            raise _error(exc, self.protocol) from None
+        response = result.get_response()
+        names = (
+            [o["name"] for o in response["outputs"]]
+            if self.protocol == "http"
+            else [o.name for o in response.outputs]
+        )
+        return {n: result.as_numpy(n) for n in names}
+
+    async def classify(
+        self, images: Sequence[bytes], model: str = "resnet50_image"
+    ) -> list[list[Prediction]]:
+        return _predictions(await self.infer(model, {"image": _blobs(images)}))
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,28 @@
+"""Runs inside Triton's Python backend stub, in place of PyTriton's proxy ``model.py``.
+
+PyTriton fails every request of a batch with one INTERNAL error. This wraps its
+proxy so a response carrying ``__servekit_error__`` (code, message) becomes an
+error response for that request alone, with the right code (INVALID_ARG -> HTTP
+400 / gRPC INVALID_ARGUMENT, UNAVAILABLE -> 503, ...). servekit installs it as
+``model.py`` next to PyTriton's proxy, renamed ``_pytriton_model.py``.
+"""
+
+import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
+
+from . import _pytriton_model as _proxy  # type: ignore[attr-defined]
+
+ERROR_OUTPUT = "__servekit_error__"
+_wrap_response = _proxy._wrap_response
+
+
+def _wrap_response_or_error(response, requested_output_names, model_outputs_dict):  # type: ignore[no-untyped-def]
+    data = response.data
+    if data is not None and ERROR_OUTPUT in data:
+        code, message = (v.decode("utf-8", "replace") for v in data[ERROR_OUTPUT].reshape(-1)[:2])
+        error_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code))
+    return _wrap_response(response, requested_output_names, model_outputs_dict)
+
+
+_proxy._wrap_response = _wrap_response_or_error
+TritonPythonModel = _proxy.TritonPythonModel

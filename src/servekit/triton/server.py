@@ -1,0 +1,246 @@
+"""``servekit serve``: servekit models behind Triton's HTTP/gRPC API, through PyTriton.
+
+Triton's own server (bundled with PyTriton) speaks KServe v2 over HTTP and gRPC,
+serves metrics and does the dynamic batching; servekit supplies the runners, their
+signatures and batching policies, and per-request error handling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..batching.policy import BatchingPolicy
+from ..pipeline import image_classifier, is_image_classifier
+from ..runners.base import Runner
+from ..runners.onnx import OnnxRuntimeRunner
+from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
+from .env import apply_triton_environment
+
+__all__ = ["ServedModel", "ServerConfig", "TritonServer", "default_models", "serve"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICY = BatchingPolicy(max_batch_size=32)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model to serve: a name, a Runner, its batching policy and instance count."""
+
+    name: str
+    runner: Runner
+    policy: BatchingPolicy = field(default_factory=lambda: DEFAULT_POLICY)
+    instance_count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.instance_count < 1:
+            raise ValueError(f"{self.name}: instance_count must be >= 1, got {self.instance_count}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where Triton listens; defaults are Triton's own ports."""
+
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    exit_timeout_s: int = 5
+    """How long Triton waits for in-flight requests when stopping."""
+    access_token: str | None = None
+    """Token for Triton's management APIs (shared memory, repository, statistics, trace,
+    logging), which PyTriton restricts by default; None = a random one per start."""
+    restricted_endpoints: tuple[str, ...] | None = None
+    """APIs that need the token; None = PyTriton's defaults, () = none."""
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+
+def default_models(
+    model: str | os.PathLike[str] = "resnet50",
+    *,
+    name: str | None = None,
+    policy: BatchingPolicy = DEFAULT_POLICY,
+    instance_count: int = 1,
+    intra_op_threads: int | None = None,
+    top_k: int = 5,
+    labels: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[ServedModel]:
+    """The tensor model and, for image classifiers, ``<name>_image`` (JPEG/PNG in, top-k out).
+
+    ``model`` is a zoo name or a path to an ONNX file whose spec is read from the graph;
+    both models share one runner.
+    """
+    from .. import zoo
+
+    if str(model) in zoo.MODELS:
+        path = zoo.build(str(model), cache_dir)
+        name = name or str(model)
+    else:
+        path = os.fspath(model)
+        name = name or os.path.splitext(os.path.basename(path))[0]
+    runner = OnnxRuntimeRunner(
+        path,
+        intra_op_threads=intra_op_threads,
+        max_batch_size=max(policy.max_batch_size, 1) if policy.max_batch_size else None,
+    )
+    served = [ServedModel(name, runner, policy, instance_count)]
+    if runner.spec.batched and is_image_classifier(runner.spec):
+        clf = image_classifier(runner, top_k=top_k, labels=labels)
+        served.append(ServedModel(f"{name}_image", clf, policy, instance_count))
+    return served
+
+
+class TritonServer:
+    """Triton (via PyTriton) serving servekit models; start, use, stop (or a context manager)."""
+
+    def __init__(self, models: Sequence[ServedModel], config: ServerConfig | None = None) -> None:
+        if not models:
+            raise ValueError("nothing to serve: pass at least one ServedModel")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        self.models = list(models)
+        self.config = config or ServerConfig()
+        self._triton: Any = None
+        self._workdir: Path | None = None
+        self.access_token: str | None = None
+        """The token the running server expects on restricted APIs (``Client(access_token=)``)."""
+
+    def start(self) -> TritonServer:
+        """Warm up every runner, then start Triton; returns once all models are ready."""
+        apply_triton_environment()
+        from pytriton.triton import (
+            Triton,
+            TritonConfig,
+            TritonLifecyclePolicy,
+            TritonSecurityConfig,
+        )
+
+        for m in self.models:
+            m.runner.warmup()
+        c = self.config
+        security = TritonSecurityConfig(
+            access_token=c.access_token,
+            restricted_endpoints=None
+            if c.restricted_endpoints is None
+            else list(c.restricted_endpoints),
+        )
+        # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
+        # to the garbage collector, which warns.
+        self._workdir = Path(tempfile.mkdtemp(prefix="servekit-triton-"))
+        triton = Triton(
+            workspace=self._workdir / "workspace",
+            # Write the models first, then start Triton on them: /v2/health/ready is true
+            # only once every model is loaded (strict readiness), and the runners are
+            # warmed up before that.
+            triton_lifecycle_policy=TritonLifecyclePolicy(
+                launch_triton_on_startup=False, local_model_store=True
+            ),
+            security_config=security,
+            config=TritonConfig(
+                http_address=c.host,
+                http_port=c.http_port,
+                grpc_address=c.host,
+                grpc_port=c.grpc_port,
+                metrics_address=c.host,
+                metrics_port=c.metrics_port,
+                log_verbose=c.log_verbose,
+                exit_timeout_secs=c.exit_timeout_s,
+            ),
+        )
+        try:
+            for m in self.models:
+                install_error_shim(m.name)
+                spec = m.runner.spec
+                triton.bind(
+                    model_name=m.name,
+                    infer_func=[infer_callable(m.runner, m.name) for _ in range(m.instance_count)],
+                    inputs=pytriton_tensors(spec.inputs),
+                    outputs=pytriton_tensors(spec.outputs),
+                    config=pytriton_model_config(spec, m.policy),
+                    # servekit checks outputs itself, and the error pseudo-output is not in the config.
+                    strict=False,
+                )
+            triton.run()
+        except BaseException:
+            triton.stop()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
+        self._triton = triton
+        self.access_token = security.access_token
+        return self
+
+    def is_alive(self) -> bool:
+        return self._triton is not None and self._triton.is_alive()
+
+    def stop(self) -> None:
+        """Stop Triton (waiting up to ``exit_timeout_s`` for in-flight requests) and close runners."""
+        if self._triton is not None:
+            self._triton.stop()
+            self._triton = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        for m in self.models:
+            m.runner.close()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(models: Sequence[ServedModel], config: ServerConfig | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (what ``servekit serve`` runs); a signal during start-up
+    stops the server as soon as it is up."""
+    server = TritonServer(models, config)
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+        c = server.config
+        log.info(
+            "serving %s: HTTP %s, gRPC %s, metrics %s",
+            [m.name for m in models],
+            c.http_url,
+            c.grpc_url,
+            c.metrics_url,
+        )
+        while not stop.wait(1.0):
+            if not server.is_alive():
+                log.error("Triton stopped unexpectedly")
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop()
