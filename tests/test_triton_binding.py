@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
-from servekit import (  # noqa: E402
+from servekit import (
     BatchingPolicy,
     DeadlineExceeded,
     FunctionRunner,
@@ -20,9 +20,9 @@ from servekit import (  # noqa: E402
     TensorSpec,
     TimeoutAction,
 )
-from servekit.errors import from_grpc_code, from_http_status  # noqa: E402
-from servekit.triton import TritonSetupError, triton_environment  # noqa: E402
-from servekit.triton.binding import (  # noqa: E402
+from servekit.errors import from_grpc_code, from_http_status
+from servekit.triton import TritonSetupError, triton_environment
+from servekit.triton.binding import (
     ERROR_OUTPUT,
     infer_callable,
     pytriton_batcher,

@@ -13,17 +13,17 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port
 from servekit import (
     BatchingPolicy,
     InvalidInput,
     ModelNotFound,
     OnnxRuntimeRunner,
     image_classifier,
-)  # noqa: E402
-from servekit.client import AsyncClient, Client  # noqa: E402
-from servekit.stages import synthetic_image  # noqa: E402
-from servekit.triton import ServerConfig, TritonServer, default_models  # noqa: E402
+)
+from servekit.client import AsyncClient, Client
+from servekit.stages import synthetic_image
+from servekit.triton import ServerConfig, TritonServer, default_models
 
 POLICY = BatchingPolicy(max_batch_size=8, max_queue_delay_us=5000)
 

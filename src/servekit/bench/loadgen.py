@@ -1,0 +1,284 @@
+"""The load generator: closed loop at a concurrency, open loop at a Poisson request rate.
+
+Each point warms up, then measures windows until the last three agree on throughput
+and p95 latency within a tolerance (perf_analyzer's method) or a window budget runs
+out. Open-loop latency counts from the moment a request was due, not when it was
+sent, so a client that falls behind shows up as latency instead of hiding it
+(coordinated omission); the point also reports when the client itself was the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ServekitError
+from .stats import WindowStats, is_stable, summarize
+from .targets import Target
+
+__all__ = ["MeasureConfig", "Point", "closed_loop", "open_loop", "parse_levels", "sweep"]
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    window_s: float = 5.0
+    warmup_s: float = 2.0
+    max_windows: int = 10
+    stability: float = 0.1
+    stable_windows: int = 3
+    rows_per_request: int = 1
+    max_in_flight: int = 2048
+    """Open loop: requests outstanding at once before the client counts itself saturated."""
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.warmup_s < 0:
+            raise ValueError(
+                f"window_s must be > 0 and warmup_s >= 0, got {self.window_s}, {self.warmup_s}"
+            )
+        if self.max_windows < self.stable_windows:
+            raise ValueError(
+                f"max_windows ({self.max_windows}) must be >= stable_windows ({self.stable_windows})"
+            )
+
+
+@dataclass(frozen=True)
+class Point:
+    """One level of a sweep, merged over its last ``stable_windows`` windows."""
+
+    mode: str
+    """``concurrency`` or ``rate``."""
+    level: float
+    stats: WindowStats
+    windows: int
+    stable: bool
+    client_cpu: float
+    """CPU the client process used, in cores (all its threads)."""
+    client_bound: bool
+    """The client could not keep up: open loop fell behind its schedule or hit max_in_flight."""
+    achieved_rate: float
+    error_messages: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode,
+            "level": self.level,
+            **self.stats.as_dict(),
+            "windows": self.windows,
+            "stable": self.stable,
+            "client_cpu": self.client_cpu,
+            "client_bound": self.client_bound,
+            "achieved_rate": self.achieved_rate,
+            "errors_seen": list(self.error_messages),
+        }
+
+
+def parse_levels(spec: str) -> list[float]:
+    """``"1:16:2"`` (start:end:step, end included, as perf_analyzer), ``"1:16:x2"`` (doubling),
+    or ``"1,2,4,8"``."""
+    try:
+        if "," in spec or ":" not in spec:
+            levels = [float(s) for s in spec.split(",")]
+        else:
+            parts = spec.split(":")
+            if len(parts) not in (2, 3):
+                raise ValueError
+            start, end = float(parts[0]), float(parts[1])
+            step = parts[2] if len(parts) == 3 else "1"
+            levels = []
+            x = start
+            if step.startswith("x"):
+                factor = float(step[1:])
+                if factor <= 1:
+                    raise ValueError
+                while x <= end + 1e-9:
+                    levels.append(x)
+                    x *= factor
+            else:
+                inc = float(step)
+                if inc <= 0:
+                    raise ValueError
+                while x <= end + 1e-9:
+                    levels.append(x)
+                    x += inc
+    except ValueError:
+        raise ValueError(
+            f"bad range {spec!r}: use start:end:step, start:end:xFACTOR or a,b,c"
+        ) from None
+    if not levels or any(v <= 0 for v in levels):
+        raise ValueError(f"bad range {spec!r}: levels must be positive")
+    return [int(v) if v == int(v) else v for v in levels]
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.ok: list[bool] = []
+        self.errors: dict[str, int] = {}
+
+    def add(self, latency: float, error: BaseException | None) -> None:
+        self.latencies.append(latency)
+        self.ok.append(error is None)
+        if error is not None and len(self.errors) < 5:
+            key = f"{type(error).__name__}: {error}"[:300]
+            self.errors[key] = self.errors.get(key, 0) + 1
+
+    def window(self, start: int, end: int, duration: float, rows: int) -> WindowStats:
+        lat = [x for x, ok in zip(self.latencies[start:end], self.ok[start:end], strict=True) if ok]
+        return summarize(lat, (end - start) - len(lat), duration, rows)
+
+
+async def _measure(
+    recorder: _Recorder, cfg: MeasureConfig, extra: Callable[[], bool] = lambda: False
+) -> tuple[list[WindowStats], list[tuple[int, int, float]], float]:
+    """Warm up, then cut windows until stable; returns windows, their bounds, client CPU."""
+    await asyncio.sleep(cfg.warmup_s)
+    windows: list[WindowStats] = []
+    bounds: list[tuple[int, int, float]] = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    while len(windows) < cfg.max_windows:
+        i0, t0 = len(recorder.latencies), time.perf_counter()
+        await asyncio.sleep(cfg.window_s)
+        i1, t1 = len(recorder.latencies), time.perf_counter()
+        windows.append(recorder.window(i0, i1, t1 - t0, cfg.rows_per_request))
+        bounds.append((i0, i1, t1 - t0))
+        if is_stable(windows, cfg.stability, cfg.stable_windows):
+            break
+    cpu = (time.process_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9)
+    return windows, bounds, cpu
+
+
+def _merge(
+    recorder: _Recorder, bounds: list[tuple[int, int, float]], n: int, rows: int
+) -> WindowStats:
+    used = bounds[-n:]
+    return recorder.window(used[0][0], used[-1][1], sum(b[2] for b in used), rows)
+
+
+async def _check_first(target: Target) -> None:
+    """One request before measuring, so a refused connection or unknown model fails at once."""
+    check = getattr(target, "check", None)
+    if check is not None:
+        await asyncio.wait_for(check(), timeout=60)
+
+
+async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> Point:
+    """``concurrency`` workers, each sending its next request when the last one returns."""
+    await _check_first(target)
+    recorder = _Recorder()
+    stop = False
+
+    async def worker() -> None:
+        while not stop:
+            t0 = time.perf_counter()
+            try:
+                await target.send()
+                error = None
+            except ServekitError as exc:
+                error = exc
+            recorder.add(time.perf_counter() - t0, error)
+
+    workers = [asyncio.create_task(worker()) for _ in range(int(concurrency))]
+    try:
+        windows, bounds, cpu = await _measure(recorder, cfg)
+    finally:
+        stop = True
+        await asyncio.gather(*workers, return_exceptions=True)
+    n = min(cfg.stable_windows, len(windows))
+    stats = _merge(recorder, bounds, n, cfg.rows_per_request)
+    return Point(
+        "concurrency",
+        concurrency,
+        stats,
+        len(windows),
+        is_stable(windows, cfg.stability, cfg.stable_windows),
+        cpu,
+        False,
+        stats.throughput,
+        tuple(recorder.errors),
+    )
+
+
+async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int = 0) -> Point:
+    """Requests due at Poisson arrivals of ``rate`` per second, whatever the responses do."""
+    await _check_first(target)
+    recorder = _Recorder()
+    rng = random.Random(seed)
+    in_flight: set[asyncio.Task] = set()
+    saturated = 0
+    sent = 0
+    stop = False
+
+    async def one(due: float) -> None:
+        try:
+            await target.send()
+            error = None
+        except ServekitError as exc:
+            error = exc
+        recorder.add(time.perf_counter() - due, error)
+
+    async def schedule() -> None:
+        nonlocal saturated, sent
+        due = time.perf_counter()
+        while not stop:
+            due += rng.expovariate(rate)
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(in_flight) >= cfg.max_in_flight:
+                saturated += 1
+                continue
+            task = asyncio.create_task(one(due))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            sent += 1
+
+    scheduler = asyncio.create_task(schedule())
+    start = time.perf_counter()
+    try:
+        windows, bounds, cpu = await _measure(recorder, cfg)
+    finally:
+        stop = True
+        await scheduler
+        await asyncio.gather(*in_flight, return_exceptions=True)
+    achieved = sent / (time.perf_counter() - start)
+    n = min(cfg.stable_windows, len(windows))
+    stats = _merge(recorder, bounds, n, cfg.rows_per_request)
+    behind = achieved < 0.95 * rate or saturated > 0
+    return Point(
+        "rate",
+        rate,
+        stats,
+        len(windows),
+        is_stable(windows, cfg.stability, cfg.stable_windows),
+        cpu,
+        behind,
+        achieved,
+        tuple(recorder.errors),
+    )
+
+
+async def sweep(
+    target: Target,
+    levels: Sequence[float],
+    mode: str,
+    cfg: MeasureConfig,
+    on_point: Callable[[Point], None] | None = None,
+) -> list[Point]:
+    """Measure each level in turn (``mode`` ``concurrency`` or ``rate``)."""
+    if mode not in ("concurrency", "rate"):
+        raise ValueError(f"mode must be 'concurrency' or 'rate', got {mode!r}")
+    points = []
+    for level in levels:
+        if mode == "concurrency":
+            if level != int(level) or level < 1:
+                raise ValueError(f"concurrency must be a positive integer, got {level}")
+            point = await closed_loop(target, int(level), cfg)
+        else:
+            point = await open_loop(target, float(level), cfg)
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+    return points

@@ -1,0 +1,89 @@
+"""Latency statistics and perf_analyzer's stability rule, as pure functions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+__all__ = ["WindowStats", "is_stable", "percentile", "summarize"]
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile of already sorted values (p in [0, 100]); NaN when empty.
+
+    The smallest value with at least p% of the values at or below it, as perf_analyzer
+    reports: always an observed latency, never an interpolation.
+    """
+    if not sorted_values:
+        return math.nan
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return float(sorted_values[rank - 1])
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """One measurement window (or a merge of several)."""
+
+    requests: int
+    """Completed without error."""
+    errors: int
+    duration_s: float
+    inferences: int
+    """Rows (images) completed: requests x batch size."""
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+
+    @property
+    def throughput(self) -> float:
+        """Successful requests per second."""
+        return self.requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def inferences_per_s(self) -> float:
+        return self.inferences / self.duration_s if self.duration_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            **asdict(self),
+            "throughput": self.throughput,
+            "inferences_per_s": self.inferences_per_s,
+        }
+
+
+def summarize(
+    latencies_s: Sequence[float], errors: int, duration_s: float, rows_per_request: int = 1
+) -> WindowStats:
+    """Stats for the successful requests' latencies (seconds in, milliseconds out)."""
+    ms = sorted(x * 1e3 for x in latencies_s)
+    return WindowStats(
+        requests=len(ms),
+        errors=errors,
+        duration_s=duration_s,
+        inferences=len(ms) * rows_per_request,
+        mean_ms=sum(ms) / len(ms) if ms else math.nan,
+        p50_ms=percentile(ms, 50),
+        p90_ms=percentile(ms, 90),
+        p95_ms=percentile(ms, 95),
+        p99_ms=percentile(ms, 99),
+    )
+
+
+def is_stable(windows: Sequence[WindowStats], tolerance: float = 0.1, count: int = 3) -> bool:
+    """perf_analyzer's rule: the last ``count`` windows' throughput and p95 latency are each
+    within ``tolerance`` of those windows' mean."""
+    if len(windows) < count:
+        return False
+    last = windows[-count:]
+    for values in ([w.throughput for w in last], [w.p95_ms for w in last]):
+        if any(math.isnan(v) for v in values):
+            return False
+        mean = sum(values) / count
+        if mean == 0 or any(abs(v - mean) > tolerance * mean for v in values):
+            return False
+    return True
