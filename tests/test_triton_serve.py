@@ -120,9 +120,11 @@ def test_concurrent_requests_each_get_their_own_answer(server, local):
     assert [got[i] for i in range(len(blobs))] == expected
 
 
-def test_shared_memory_inputs_give_the_same_result(server, local):
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_shared_memory_inputs_give_the_same_result(server, local, protocol):
     x = tensor(2, seed=3)
-    with Client(server.config.http_url, shared_memory=True, access_token=server.access_token) as c:
+    url = server.config.http_url if protocol == "http" else server.config.grpc_url
+    with Client(url, shared_memory=True, access_token=server.access_token) as c:
         got = c.infer("resnet50", {"input": x})["logits"]
         again = c.infer("resnet50", {"input": x[:1]})["logits"]
     np.testing.assert_allclose(got, local[0].infer({"input": x})["logits"], rtol=1e-4, atol=1e-4)
@@ -276,3 +278,60 @@ def test_a_server_stops_cleanly_and_frees_its_ports(add_sub_path):
     assert not srv.is_alive()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{config.http_url}/v2/health/ready", timeout=2)
+
+
+def test_bench_command_measures_the_served_model(server, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from servekit.cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench", "--url", server.config.grpc_url, "--model", "resnet50_image", "--concurrency", "1,2",
+            "--window", "0.5", "--warmup", "0.2", "--max-windows", "3", "--stability", "0.5", "--out", str(out),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.with_suffix(".json").read_text())
+    points = next(iter(data["series"].values()))
+    assert [p["level"] for p in points] == [1, 2]
+    assert all(p["errors"] == 0 and p["requests"] > 0 for p in points)
+    assert out.with_suffix(".png").stat().st_size > 1000 and out.with_suffix(".csv").exists()
+
+
+def test_bench_command_reports_an_unknown_model(server):
+    from typer.testing import CliRunner
+
+    from servekit.cli import app
+
+    result = CliRunner().invoke(
+        app, ["bench", "--url", server.config.http_url, "--model", "nope", "--concurrency", "1"]
+    )
+    assert result.exit_code == 2
+    assert "nope" in result.output
+
+
+def test_load_generator_sends_through_shared_memory(server):
+    from servekit.bench import MeasureConfig, closed_loop, open_target
+
+    async def main():
+        target = open_target(
+            server.config.grpc_url,
+            "resnet50",
+            {"input": tensor(1)},
+            shared_memory=True,
+            access_token=server.access_token,
+        )
+        try:
+            return await closed_loop(
+                target, 2, MeasureConfig(window_s=0.5, warmup_s=0.1, max_windows=3, stability=1.0)
+            )
+        finally:
+            await target.close()
+
+    point = asyncio.run(main())
+    assert point.stats.requests > 0 and point.stats.errors == 0

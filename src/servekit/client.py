@@ -61,7 +61,8 @@ def _predictions(out: Mapping[str, np.ndarray]) -> list[list[Prediction]]:
     ]
 
 
-TOKEN_HEADER = "triton-access-token"
+TOKEN_HEADERS = {"http": "triton-access-token", "grpc": "triton-grpc-protocol-triton-access-token"}
+"""Header carrying the token for Triton's restricted APIs, per protocol."""
 
 
 class _Base:
@@ -74,8 +75,8 @@ class _Base:
         access_token: str | None = None,
     ) -> None:
         self.url = url
-        self._headers = {TOKEN_HEADER: access_token} if access_token else None
         self.protocol, self.address = _parse(url)
+        self._headers = {TOKEN_HEADERS[self.protocol]: access_token} if access_token else None
         self.timeout_s = timeout_s
         self.shared_memory = shared_memory
         self._mod: Any = None
@@ -214,6 +215,30 @@ class Client(_Base):
         """Top-k predictions for encoded images from an image model."""
         return _predictions(self.infer(model, {"image": _blobs(images)}))
 
+    def prepare(self, inputs: Mapping[str, np.ndarray], *, binary: bool = True) -> list[Any]:
+        """tritonclient inputs built once (written to shared memory when enabled); reusable
+        with ``infer_prepared`` here or on an ``AsyncClient`` of the same protocol, as long
+        as the inputs do not change."""
+        try:
+            return self._inputs(self._client, inputs, binary)
+        except ServekitError:
+            raise
+        except Exception as exc:
+            if not hasattr(exc, "status"):
+                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
+            raise _error(exc, self.protocol) from None
+
+    def metadata(self, model: str) -> dict[str, Any]:
+        """The model's KServe v2 metadata: ``inputs``/``outputs`` with name, datatype, shape."""
+        try:
+            if self.protocol == "http":
+                return dict(self._client.get_model_metadata(model))
+            return dict(self._client.get_model_metadata(model, as_json=True))
+        except Exception as exc:
+            if not hasattr(exc, "status"):
+                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
+            raise _error(exc, self.protocol) from None
+
     def is_ready(self, model: str | None = None) -> bool:
         try:
             if model is None:
@@ -257,9 +282,8 @@ class AsyncClient(_Base):
         self._aio = aio
         self._client = aio.InferenceServerClient(self.address)
 
-    async def infer(
-        self, model: str, inputs: Mapping[str, np.ndarray], *, binary: bool = True
-    ) -> dict[str, np.ndarray]:
+    def prepare(self, inputs: Mapping[str, np.ndarray], *, binary: bool = True) -> list[Any]:
+        """tritonclient inputs built once, for many ``infer_prepared`` calls."""
         mod = self._module()
         ins = []
         for k, a in inputs.items():
@@ -270,8 +294,17 @@ class AsyncClient(_Base):
             else:
                 i.set_data_from_numpy(a)
             ins.append(i)
+        return ins
+
+    async def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], *, binary: bool = True
+    ) -> dict[str, np.ndarray]:
+        return await self.infer_prepared(model, self.prepare(inputs, binary=binary))
+
+    async def infer_prepared(self, model: str, prepared: list[Any]) -> dict[str, np.ndarray]:
+        """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s)."""
         try:
-            result = await self._client.infer(model, ins)
+            result = await self._client.infer(model, prepared)
         except Exception as exc:
             if not hasattr(exc, "status"):
                 raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc

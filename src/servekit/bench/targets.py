@@ -26,14 +26,33 @@ class Target(Protocol):
 
 
 class RemoteTarget:
-    """A KServe v2 server over HTTP or gRPC (tritonclient's asyncio clients)."""
+    """A KServe v2 server over HTTP or gRPC (tritonclient's asyncio clients).
 
-    def __init__(self, url: str, model: str, inputs: Mapping[str, np.ndarray]) -> None:
-        from ..client import AsyncClient
+    The request is built once and reused, since the payload never changes; with
+    ``shared_memory`` it is written once into a registered system shared-memory region
+    (same host only; ``access_token`` for servers that restrict that API, as PyTriton does).
+    """
 
-        self.name = f"{url} {model}"
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        shared_memory: bool = False,
+        access_token: str | None = None,
+    ) -> None:
+        from ..client import AsyncClient, Client
+
+        self.name = f"{url} {model}{' (shm)' if shared_memory else ''}"
         self.url, self.model, self.inputs = url, model, dict(inputs)
         self._client = AsyncClient(url)
+        self._registrar = None
+        if shared_memory:
+            self._registrar = Client(url, shared_memory=True, access_token=access_token)
+            self._prepared = self._registrar.prepare(self.inputs)
+        else:
+            self._prepared = self._client.prepare(self.inputs)
 
     async def check(self) -> None:
         """Fail fast and clearly: the server must answer and know the model."""
@@ -45,10 +64,12 @@ class RemoteTarget:
             raise ModelNotReady(f"cannot reach {self.url}: {exc}") from None
 
     async def send(self) -> None:
-        await self._client.infer(self.model, self.inputs)
+        await self._client.infer_prepared(self.model, self._prepared)
 
     async def close(self) -> None:
         await self._client.close()
+        if self._registrar is not None:
+            self._registrar.close()
 
 
 class BatcherTarget:
@@ -90,8 +111,15 @@ class RunnerTarget:
         self._pool.shutdown(wait=True)
 
 
-def open_target(url: str, model: str, inputs: Mapping[str, np.ndarray]) -> RemoteTarget:
+def open_target(
+    url: str,
+    model: str,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    shared_memory: bool = False,
+    access_token: str | None = None,
+) -> RemoteTarget:
     """A remote target for ``http://host:port`` or ``grpc://host:port``."""
     if not url.startswith(("http://", "grpc://")):
         raise ServekitError(f"target url must start with http:// or grpc://, got {url!r}")
-    return RemoteTarget(url, model, inputs)
+    return RemoteTarget(url, model, inputs, shared_memory=shared_memory, access_token=access_token)

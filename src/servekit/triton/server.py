@@ -133,12 +133,18 @@ class TritonServer:
         """The token the running server expects on restricted APIs (``Client(access_token=)``)."""
 
     def start(self) -> TritonServer:
-        """Warm up every runner, then start Triton; returns once all models are ready."""
+        """Warm up every runner, then start Triton and load the models; returns once all are ready.
+
+        Readiness for load balancers is per model: ``/v2/models/<name>/ready`` turns true
+        only after that model's runner is warm and loaded. (PyTriton starts Triton empty
+        and then loads the models, so ``/v2/health/ready`` is true a moment earlier; its
+        local-model-store mode would avoid that but races its own handshake with the
+        Python backend stubs.)
+        """
         apply_triton_environment()
         from pytriton.triton import (
             Triton,
             TritonConfig,
-            TritonLifecyclePolicy,
             TritonSecurityConfig,
         )
 
@@ -156,12 +162,6 @@ class TritonServer:
         self._workdir = Path(tempfile.mkdtemp(prefix="servekit-triton-"))
         triton = Triton(
             workspace=self._workdir / "workspace",
-            # Write the models first, then start Triton on them: /v2/health/ready is true
-            # only once every model is loaded (strict readiness), and the runners are
-            # warmed up before that.
-            triton_lifecycle_policy=TritonLifecyclePolicy(
-                launch_triton_on_startup=False, local_model_store=True
-            ),
             security_config=security,
             config=TritonConfig(
                 http_address=c.host,

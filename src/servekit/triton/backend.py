@@ -1,0 +1,178 @@
+"""The ``servekit`` Python-based Triton backend: what ``backend: "servekit"`` runs.
+
+Triton loads ``backends/servekit/model.py`` (a one-line import of this module) for every
+model whose config says ``backend: "servekit"``. ``parameters`` in config.pbtxt choose
+what runs:
+
+- ``kind: "runner"`` (default): ``runner`` (``onnxruntime``) on ``model_file``
+  (default ``model.onnx``) from the version folder, ``threads`` intra-op threads;
+- ``kind: "preprocess"``: image bytes -> FP32 CHW (``resize``, ``crop``);
+- ``kind: "postprocess"``: logits -> top-k (``top_k``, ``labels_file`` in the version folder).
+
+The config's inputs and outputs must match what servekit builds; a mismatch, a missing
+or corrupt model file fails the load with a message naming it. Each request in a batch
+is validated and answered on its own (``run_requests``): one bad request errors alone,
+with Triton's code for it (INVALID_ARG -> HTTP 400).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batching.execute import run_requests
+from ..errors import ServekitError, triton_code
+from ..runners.base import Runner
+from ..spec import ModelSpec, TensorSpec
+
+__all__ = ["TritonPythonModel", "build_runner", "check_config", "spec_from_config"]
+
+KINDS = ("runner", "preprocess", "postprocess")
+
+
+def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
+    """The ``ModelSpec`` a (JSON) model config declares."""
+
+    def tensors(items: list[Mapping[str, Any]]) -> tuple[TensorSpec, ...]:
+        return tuple(
+            TensorSpec(t["name"], t["data_type"], [int(d) for d in t.get("dims", [])])
+            for t in items
+        )
+
+    return ModelSpec(
+        tensors(list(config.get("input", []))),
+        tensors(list(config.get("output", []))),
+        int(config.get("max_batch_size", 0)),
+    )
+
+
+def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_size: int) -> Runner:
+    """The runner or stage that ``parameters`` describe.
+
+    Raises:
+        ValueError: unknown kind or runner, bad parameter values, a missing or unreadable model file.
+    """
+    kind = parameters.get("kind", "runner")
+    if kind not in KINDS:
+        raise ValueError(f"parameter kind must be one of {list(KINDS)}, got {kind!r}")
+    mbs = max(max_batch_size, 1)
+    if kind == "preprocess":
+        from ..stages import Preprocess
+
+        return Preprocess(
+            resize=int(parameters.get("resize", 256)),
+            crop=int(parameters.get("crop", 224)),
+            max_batch_size=mbs,
+            workers=int(parameters.get("workers", 1)),
+        )
+    if kind == "postprocess":
+        from ..stages import Postprocess
+
+        labels = parameters.get("labels_file")
+        return Postprocess(
+            num_classes=int(parameters.get("num_classes", 1000)),
+            top_k=int(parameters.get("top_k", 5)),
+            labels=version_dir / labels if labels else None,
+            max_batch_size=mbs,
+        )
+    engine = parameters.get("runner", "onnxruntime")
+    if engine != "onnxruntime":
+        raise ValueError(f"runner {engine!r} is not available; this servekit has 'onnxruntime'")
+    precision = parameters.get("precision", "fp32")
+    if precision != "fp32":
+        raise ValueError(f"precision {precision!r} is not available for onnxruntime here; use fp32")
+    path = version_dir / parameters.get("model_file", "model.onnx")
+    if not path.is_file():
+        raise ValueError(f"model file {path} does not exist (run `servekit repo build`)")
+    from ..runners.onnx import OnnxRuntimeRunner
+
+    threads = parameters.get("threads")
+    try:
+        return OnnxRuntimeRunner(
+            path,
+            intra_op_threads=int(threads) if threads else None,
+            max_batch_size=max_batch_size if max_batch_size else 0,
+        )
+    except Exception as exc:
+        raise ValueError(f"cannot load {path.name}: {type(exc).__name__}: {exc}") from None
+
+
+def check_config(name: str, built: ModelSpec, declared: ModelSpec) -> None:
+    """Raise ``ValueError`` naming the first tensor whose config differs from the runner's."""
+    for kind, have, want in (
+        ("input", built.inputs, declared.inputs),
+        ("output", built.outputs, declared.outputs),
+    ):
+        by_name = {t.name: t for t in have}
+        for t in want:
+            if t.name not in by_name:
+                raise ValueError(
+                    f"{name}: config.pbtxt declares {kind} {t.name!r}, which the model does not have "
+                    f"(it has {sorted(by_name)})"
+                )
+            got = by_name[t.name]
+            dims_ok = len(got.shape) == len(t.shape) and all(
+                a == b or a == -1 for a, b in zip(got.shape, t.shape, strict=True)
+            )
+            if got.dtype != t.dtype or not dims_ok:
+                raise ValueError(
+                    f"{name}: config.pbtxt {kind} {t.name!r} is {t.dtype.triton} {list(t.shape)}, "
+                    f"but the model has {got.dtype.triton} {list(got.shape)}"
+                )
+        missing = sorted(set(by_name) - {t.name for t in want})
+        if kind == "input" and missing:
+            raise ValueError(f"{name}: config.pbtxt lacks the model's input(s) {missing}")
+
+
+class TritonPythonModel:
+    """Triton's Python model interface, thin: parse once, then convert, run, convert back."""
+
+    def initialize(self, args: Mapping[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
+
+        self._pb = pb_utils
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        declared = spec_from_config(config)
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        try:
+            runner = build_runner(parameters, version_dir, declared.max_batch_size)
+            check_config(self.name, runner.spec, declared)
+            self.runner = runner
+            self.spec = declared
+            runner.warmup()
+        except Exception as exc:
+            raise pb_utils.TritonModelException(f"servekit backend: {self.name}: {exc}") from None
+        self.inputs = [t.name for t in declared.inputs]
+        self.outputs = [t.name for t in declared.outputs]
+        pb_utils.Logger.log_info(
+            f"servekit: {self.name} v{args['model_version']} ready "
+            f"({parameters.get('kind', 'runner')}, max_batch_size {declared.max_batch_size})"
+        )
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        pb = self._pb
+        inputs = [
+            {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests
+        ]
+        responses = []
+        for result in run_requests(self.runner, inputs, self.runner.spec):
+            if isinstance(result, ServekitError):
+                code = getattr(pb.TritonError, triton_code(result), pb.TritonError.INTERNAL)
+                responses.append(
+                    pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {result}", code))
+                )
+            else:
+                tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]
+                responses.append(pb.InferenceResponse(output_tensors=tensors))
+        return responses
+
+    def finalize(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()

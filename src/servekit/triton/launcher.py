@@ -1,0 +1,234 @@
+"""``servekit triton``: the tritonserver bundled with PyTriton on a model repository.
+
+It assembles a backend directory (the Python backend's library and utilities, the stub
+for the running Python, and ``servekit/model.py``), applies the stub's environment
+(``env.py``) and runs ``tritonserver`` with Triton's own flags. Models fail to load
+alone (``--exit-on-error=false``): a missing or corrupt model never takes the others down.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .env import TritonEnvironment, TritonSetupError, triton_environment
+
+__all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
+
+CONTROL_MODES = ("none", "poll", "explicit")
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    """The tritonserver flags servekit sets; anything else goes in ``extra_args``."""
+
+    model_repository: Path
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    model_control_mode: str = "none"
+    repository_poll_secs: int = 5
+    load_models: tuple[str, ...] = ()
+    """With ``explicit``: models to load at start (``--load-model``); empty = none."""
+    log_verbose: int = 0
+    exit_timeout_s: int = 5
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.model_control_mode not in CONTROL_MODES:
+            raise ValueError(
+                f"model_control_mode must be one of {list(CONTROL_MODES)}, got {self.model_control_mode!r}"
+            )
+        if not Path(self.model_repository).is_dir():
+            raise ValueError(f"model repository {self.model_repository} is not a directory")
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+
+def backend_model_file() -> Path:
+    """``triton_backends/servekit/model.py``: from the source tree, or as installed data."""
+    here = Path(__file__).resolve()
+    candidates = [
+        here.parents[3] / "triton_backends" / "servekit" / "model.py",
+        Path(sys.prefix) / "share" / "servekit" / "triton_backends" / "servekit" / "model.py",
+    ]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise TritonSetupError(
+        f"servekit's Triton backend model.py not found (looked in {[str(p) for p in candidates]})"
+    )
+
+
+def backend_directory(root: Path, env: TritonEnvironment) -> Path:
+    """``root/backends`` with ``python/`` (library, utilities, stub) and ``servekit/model.py``."""
+    backends = root / "backends"
+    python = backends / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    source = env.tritonserver / "backends" / "python"
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(source / name, python / name)
+    shutil.copy2(env.stub, python / "triton_python_backend_stub")
+    servekit = backends / "servekit"
+    servekit.mkdir(exist_ok=True)
+    shutil.copy2(backend_model_file(), servekit / "model.py")
+    return backends
+
+
+class TritonProcess:
+    """A tritonserver process with the servekit backend; start, use, stop (or a context manager)."""
+
+    def __init__(self, options: TritonOptions) -> None:
+        self.options = options
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._workdir: Path | None = None
+        self.log_path: Path | None = None
+
+    def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
+        o = self.options
+        cmd = [
+            str(env.tritonserver / "bin" / "tritonserver"),
+            f"--model-repository={Path(o.model_repository).resolve()}",
+            f"--backend-directory={backends}",
+            f"--http-address={o.host}",
+            f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}",
+            f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}",
+            f"--metrics-port={o.metrics_port}",
+            f"--model-control-mode={o.model_control_mode}",
+            f"--log-verbose={o.log_verbose}",
+            f"--exit-timeout-secs={o.exit_timeout_s}",
+            "--exit-on-error=false",
+            "--allow-gpu-metrics=false",
+        ]
+        if o.model_control_mode == "poll":
+            cmd.append(f"--repository-poll-secs={o.repository_poll_secs}")
+        cmd += [f"--load-model={m}" for m in o.load_models]
+        return cmd + list(o.extra_args)
+
+    def start(self, timeout_s: float = 120.0) -> TritonProcess:
+        """Start tritonserver and wait until it is live and has finished its initial loads."""
+        env = triton_environment()
+        self._workdir = Path(tempfile.mkdtemp(prefix="servekit-tritonserver-"))
+        backends = backend_directory(self._workdir, env)
+        self.log_path = self._workdir / "tritonserver.log"
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                self.command(backends, env),
+                env=env.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self._http_ok("/v2/health/live"):
+            if self._proc.poll() is not None:
+                raise TritonSetupError(
+                    f"tritonserver exited with code {self._proc.returncode}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TritonSetupError(
+                    f"tritonserver not live after {timeout_s} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+        return self
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.options.http_url}{path}", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, models: Sequence[str], timeout_s: float = 120.0) -> None:
+        """Wait until every named model is ready; raise with Triton's log tail if one is not."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(models)
+        while pending:
+            pending = [m for m in pending if not self._http_ok(f"/v2/models/{m}/ready")]
+            if not pending:
+                return
+            if not self.is_alive() or time.monotonic() > deadline:
+                raise TritonSetupError(f"models {pending} not ready:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return (
+            self.log_path.read_text(errors="replace")
+            if self.log_path and self.log_path.exists()
+            else ""
+        )
+
+    def stop(self) -> int | None:
+        """SIGTERM (Triton drains for ``exit_timeout_s``), then SIGKILL if it lingers."""
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+                try:
+                    self._proc.wait(self.options.exit_timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                    self._proc.wait()
+            code = self._proc.returncode
+            self._proc = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        return code
+
+    def wait(self) -> int:
+        """Block until tritonserver exits (what ``servekit triton`` does); SIGINT/SIGTERM stop it."""
+        assert self._proc is not None
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: self.stop())
+        try:
+            while self._proc is not None and self._proc.poll() is None:
+                time.sleep(0.5)
+            return self._proc.returncode if self._proc is not None else 0
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def __enter__(self) -> TritonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

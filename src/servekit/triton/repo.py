@@ -1,0 +1,142 @@
+"""The reference model repository: preprocess -> ResNet-50 -> postprocess, and their ensemble.
+
+Rendered from servekit's configuration (``ModelSpec`` + ``BatchingPolicy`` + instances ->
+config.pbtxt), so the repository in git (``model_repository/``) and ``servekit repo
+build`` agree by construction; weights are built into version folders, never committed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batching.policy import BatchingPolicy
+from ..spec import ModelSpec, TensorSpec
+from .pbtxt import EnsembleStep, ensemble_config, model_config, render
+
+__all__ = ["RepositoryModel", "build_repository", "reference_repository"]
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    """One model folder: its config and what its version folder needs."""
+
+    name: str
+    config: Any
+    """``ModelConfig`` protobuf message."""
+    weights: str | None = None
+    """Zoo model to build into ``1/model.onnx``."""
+    versions: tuple[int, ...] = field(default=(1,))
+
+
+def reference_repository(
+    *,
+    model: str = "resnet50",
+    policy: BatchingPolicy | None = None,
+    top_k: int = 5,
+    instances: int = 1,
+    threads: int | None = None,
+) -> list[RepositoryModel]:
+    """The four models of the ResNet-50 ensemble; image bytes in, top-k out."""
+    policy = policy or BatchingPolicy(max_batch_size=16)
+    image = TensorSpec("image", "BYTES", [1])
+    tensor = TensorSpec("input", np.float32, [3, 224, 224])
+    logits = TensorSpec("logits", np.float32, [1000])
+    outputs = (
+        TensorSpec("scores", np.float32, [top_k]),
+        TensorSpec("classes", np.int64, [top_k]),
+        TensorSpec("labels", "BYTES", [top_k]),
+    )
+    mbs = policy.max_batch_size or 16
+    runner_params = {"kind": "runner", "runner": "onnxruntime", "model_file": "model.onnx"}
+    if threads:
+        runner_params["threads"] = str(threads)
+    stages = [
+        RepositoryModel(
+            "preprocess",
+            model_config(
+                "preprocess",
+                ModelSpec((image,), (tensor,), mbs),
+                policy,
+                instance_count=instances,
+                parameters={"kind": "preprocess", "resize": "256", "crop": "224"},
+            ),
+        ),
+        RepositoryModel(
+            model,
+            model_config(
+                model,
+                ModelSpec((tensor,), (logits,), mbs),
+                policy,
+                instance_count=instances,
+                parameters=runner_params,
+            ),
+            weights=model,
+        ),
+        RepositoryModel(
+            "postprocess",
+            model_config(
+                "postprocess",
+                ModelSpec((logits,), outputs, mbs),
+                policy,
+                instance_count=instances,
+                parameters={"kind": "postprocess", "top_k": str(top_k), "num_classes": "1000"},
+            ),
+        ),
+    ]
+    ensemble = RepositoryModel(
+        f"{model}_ensemble",
+        ensemble_config(
+            f"{model}_ensemble",
+            (image,),
+            outputs,
+            [
+                EnsembleStep("preprocess", {"image": "image"}, {"input": "preprocessed"}),
+                EnsembleStep(model, {"input": "preprocessed"}, {"logits": "logits"}),
+                EnsembleStep(
+                    "postprocess",
+                    {"logits": "logits"},
+                    {"scores": "scores", "classes": "classes", "labels": "labels"},
+                ),
+            ],
+            mbs,
+        ),
+    )
+    return [*stages, ensemble]
+
+
+def build_repository(
+    directory: str | os.PathLike[str],
+    models: list[RepositoryModel] | None = None,
+    *,
+    force: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[Path]:
+    """Write each model's config.pbtxt and version folders, building weights from the zoo.
+
+    Existing weights are kept unless ``force``. Returns the files written.
+    """
+    from .. import zoo
+
+    root = Path(directory)
+    written: list[Path] = []
+    for m in models or reference_repository():
+        folder = root / m.name
+        folder.mkdir(parents=True, exist_ok=True)
+        config = folder / "config.pbtxt"
+        config.write_text(render(m.config))
+        written.append(config)
+        for version in m.versions:
+            vdir = folder / str(version)
+            vdir.mkdir(exist_ok=True)
+            if m.weights:
+                target = vdir / "model.onnx"
+                if force or not target.exists():
+                    shutil.copyfile(zoo.build(m.weights, cache_dir), target)
+                    written.append(target)
+    return written
