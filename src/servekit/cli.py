@@ -286,6 +286,85 @@ def bench(
         console.print(f"wrote {out.with_suffix('.json')}, .csv, .png")
 
 
+repo_app = typer.Typer(help="Triton model repositories rendered from servekit's configuration.")
+app.add_typer(repo_app, name="repo")
+
+
+@repo_app.command("build")
+def repo_build(
+    directory: Annotated[Path, typer.Argument(help="Repository folder (created if missing).")],
+    force: Annotated[bool, typer.Option(help="Rebuild weights that already exist.")] = False,
+    max_batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    instances: Annotated[int, typer.Option(min=1, help="instance_group count per model.")] = 1,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="ONNX Runtime threads per instance.")
+    ] = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Write preprocess, resnet50, postprocess and resnet50_ensemble (configs and weights)."""
+    from .batching import BatchingPolicy
+    from .triton.repo import build_repository, reference_repository
+
+    models = reference_repository(
+        policy=BatchingPolicy(max_batch_size=max_batch_size), instances=instances, threads=threads
+    )
+    with console.status(f"building {directory}"):
+        written = build_repository(directory, models, force=force, cache_dir=cache_dir)
+    for path in written:
+        console.print(f"wrote {path}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def triton(
+    ctx: typer.Context,
+    model_repository: Annotated[
+        Path, typer.Option(help="Triton model repository.", exists=True, file_okay=False)
+    ],
+    model_control_mode: Annotated[
+        str, typer.Option(help="none, poll or explicit (Triton's).")
+    ] = "none",
+    repository_poll_secs: Annotated[int, typer.Option(min=1)] = 5,
+    load_model: Annotated[
+        list[str] | None, typer.Option(help="With explicit: model to load at start.")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "0.0.0.0",
+    http_port: Annotated[int, typer.Option()] = 8000,
+    grpc_port: Annotated[int, typer.Option()] = 8001,
+    metrics_port: Annotated[int, typer.Option()] = 8002,
+    log_verbose: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
+    installed and the environment fixed. Other tritonserver flags pass through, e.g.
+    `servekit triton --model-repository model_repository -- --strict-readiness=false`."""
+    from .triton.env import TritonSetupError
+    from .triton.launcher import TritonOptions, TritonProcess
+
+    try:
+        options = TritonOptions(
+            model_repository,
+            host=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            model_control_mode=model_control_mode,
+            repository_poll_secs=repository_poll_secs,
+            load_models=tuple(load_model or ()),
+            log_verbose=log_verbose,
+            extra_args=tuple(ctx.args),
+        )
+        process = TritonProcess(options).start()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except TritonSetupError as exc:
+        console.print(f"[red]cannot start Triton:[/red] {exc}")
+        raise typer.Exit(3) from None
+    console.print(
+        f"tritonserver on {options.http_url} (gRPC {options.grpc_url}, metrics {options.metrics_url}); "
+        f"log: {process.log_path}"
+    )
+    raise typer.Exit(process.wait())
+
+
 @app.command()
 def demo(
     model: Annotated[str, typer.Option(help="Zoo model name or ONNX path.")] = "resnet50",

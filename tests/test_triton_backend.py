@@ -1,0 +1,325 @@
+"""The servekit Python-based backend on the real tritonserver: ensemble, stages, versions, faults."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton", reason="needs the triton extra (its bundled tritonserver)")
+
+from conftest import free_port
+from servekit import (
+    BatchingPolicy,
+    InvalidInput,
+    ModelSpec,
+    OnnxRuntimeRunner,
+    TensorSpec,
+    image_classifier,
+)
+from servekit.client import Client
+from servekit.stages import Postprocess, Preprocess, synthetic_image
+from servekit.triton.launcher import TritonOptions, TritonProcess
+from servekit.triton.pbtxt import model_config, parse, render
+from servekit.triton.repo import build_repository, reference_repository
+from servekit.zoo._onnx import FLOAT, GraphBuilder
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENSEMBLE_MODELS = ["preprocess", "resnet50", "postprocess", "resnet50_ensemble"]
+ADDER_SPEC = ModelSpec(
+    (TensorSpec("a", np.float32, [4]), TensorSpec("b", np.float32, [4])),
+    (TensorSpec("sum", np.float32, [4]),),
+    8,
+)
+
+
+def adder_onnx(offset: float) -> bytes:
+    """sum = a + b + offset: versions that give different answers to the same request."""
+    g = GraphBuilder()
+    g.const("offset", np.array([offset], np.float32))
+    g.node("Add", ["a", "b"], "ab")
+    g.node("Add", ["ab", "offset"], "sum")
+    io = ["batch", 4]
+    return g.model(
+        "adder", [("a", FLOAT, io), ("b", FLOAT, io)], [("sum", FLOAT, io)]
+    ).SerializeToString()
+
+
+def write_adder(repo: Path, name: str = "adder", versions=(1,), policy: str | None = None) -> None:
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model_config(
+        name,
+        ADDER_SPEC,
+        BatchingPolicy(max_batch_size=8),
+        parameters={"kind": "runner"},
+        versions=policy,
+    )
+    (folder / "config.pbtxt").write_text(render(config))
+    for v in versions:
+        add_version(repo, name, v)
+
+
+def add_version(repo: Path, name: str, version: int) -> None:
+    vdir = repo / name / str(version)
+    tmp = repo / f".{name}-{version}.tmp"
+    tmp.mkdir()
+    (tmp / "model.onnx").write_bytes(adder_onnx(float(version * 100)))
+    tmp.rename(vdir)  # appears whole, never half-written
+
+
+def options(repo: Path, mode: str = "none", **kw) -> TritonOptions:
+    return TritonOptions(
+        repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        model_control_mode=mode, exit_timeout_s=2, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, model_cache) -> Path:
+    path = tmp_path_factory.mktemp("repo")
+    build_repository(path, cache_dir=model_cache)
+    write_adder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def triton(repo):
+    process = TritonProcess(options(repo, "poll", repository_poll_secs=1))
+    process.start()
+    try:
+        process.wait_ready([*ENSEMBLE_MODELS, "adder"])
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def local(resnet50_path):
+    runner = OnnxRuntimeRunner(resnet50_path)
+    return runner, image_classifier(runner)
+
+
+@pytest.fixture(params=["http", "grpc"])
+def client(request, triton):
+    url = triton.options.http_url if request.param == "http" else triton.options.grpc_url
+    with Client(url) as c:
+        yield c
+
+
+def images(n: int, start: int = 0) -> list[bytes]:
+    return [synthetic_image(start + i, size=(240 + 13 * i, 200)) for i in range(n)]
+
+
+def test_committed_repository_configs_are_what_repo_build_renders():
+    for m in reference_repository():
+        committed = (REPO_ROOT / "model_repository" / m.name / "config.pbtxt").read_text()
+        assert committed == render(m.config), (
+            f"model_repository/{m.name} is stale: run servekit repo build"
+        )
+        assert parse(committed) == m.config  # and it parses back to the same message
+
+
+def test_ensemble_equals_the_in_process_pipeline(client, local):
+    blobs = images(4)
+    remote = client.classify(blobs, model="resnet50_ensemble")
+    expected = local[1].classify(blobs)
+    for r, e in zip(remote, expected, strict=True):
+        assert [p.class_id for p in r] == [p.class_id for p in e]
+        assert [p.label for p in r] == [p.label for p in e]
+        np.testing.assert_allclose([p.score for p in r], [p.score for p in e], rtol=1e-4, atol=1e-5)
+
+
+def test_each_stage_can_be_called_on_its_own(client, local):
+    blob = images(1, start=9)
+    arr = np.array([[blob[0]]], dtype=object)
+    tensor = client.infer("preprocess", {"image": arr})["input"]
+    np.testing.assert_allclose(
+        tensor, Preprocess(workers=1).infer({"image": arr})["input"], atol=1e-6
+    )
+    logits = client.infer("resnet50", {"input": tensor})["logits"]
+    np.testing.assert_allclose(
+        logits, local[0].infer({"input": tensor})["logits"], rtol=1e-4, atol=1e-4
+    )
+    top = client.infer("postprocess", {"logits": logits})
+    expected = Postprocess().infer({"logits": logits})
+    np.testing.assert_array_equal(top["classes"], expected["classes"])
+
+
+def test_bad_requests_get_clear_errors_and_others_keep_working(client):
+    with pytest.raises(InvalidInput, match=r"preprocess: input 'image' row 0: cannot decode image"):
+        client.classify([b"\xff\xd8 not really"], model="resnet50_ensemble")
+    with pytest.raises(InvalidInput, match=r"'input'.*FP64.*FP32|FP32.*FP64"):
+        client.infer("resnet50", {"input": np.zeros((1, 3, 224, 224))})
+    assert len(client.classify(images(1), model="resnet50_ensemble")[0]) == 5
+
+
+def test_one_bad_image_in_a_batch_fails_alone(triton):
+    with Client(triton.options.http_url) as c:
+        arr = np.array([[images(1)[0]], [b"junk"]], dtype=object)
+        with pytest.raises(InvalidInput, match="row 1"):
+            c.infer("preprocess", {"image": arr})  # one request: it is the request that is bad
+    results: dict[int, object] = {}
+
+    def one(i: int, blob: bytes) -> None:
+        with Client(triton.options.grpc_url) as c:
+            try:
+                results[i] = c.classify([blob], model="resnet50_ensemble")[0][0].class_id
+            except InvalidInput as exc:
+                results[i] = exc
+
+    work = [*enumerate(images(5, start=30)), (99, b"junk")]
+    threads = [threading.Thread(target=one, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(results[i], int) for i in range(5))
+    assert isinstance(results[99], InvalidInput)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def counter(text: str, name: str, model: str) -> float:
+    m = re.search(rf'^{name}{{model="{model}",version="1"}} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_dynamic_batching_is_configured_and_visible_in_metrics(triton):
+    before = scrape(triton.options.metrics_url)
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+
+    def one() -> None:
+        with Client(triton.options.grpc_url) as c:
+            c.infer("resnet50", {"input": x})
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(triton.options.metrics_url)
+        done = counter(after, "nv_inference_request_success", "resnet50") - counter(
+            before, "nv_inference_request_success", "resnet50"
+        )
+        if done >= 12 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    execs = counter(after, "nv_inference_exec_count", "resnet50") - counter(
+        before, "nv_inference_exec_count", "resnet50"
+    )
+    assert done == 12 and execs < done
+
+
+def repository_index(url: str) -> dict[str, dict]:
+    req = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return {(m["name"], m.get("version", "")): m for m in json.loads(r.read())}
+
+
+def test_a_new_version_added_under_load_is_served_without_a_failed_request(triton, repo):
+    a = np.ones((1, 4), np.float32)
+    seen: list[float] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with Client(triton.options.http_url) as c:
+            while not stop.is_set():
+                try:
+                    seen.append(float(c.infer("adder", {"a": a, "b": a})["sum"][0, 0]))
+                except BaseException as exc:
+                    failures.append(exc)
+
+    workers = [threading.Thread(target=load) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        while len(seen) < 20:
+            time.sleep(0.01)
+        add_version(repo, "adder", 2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (not seen or seen[-1] != 202.0):
+            time.sleep(0.05)
+        switched = len(seen)
+        while len(seen) < switched + 20:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert not failures, failures[:3]
+    assert set(seen) <= {102.0, 202.0}  # version 1 or 2, never anything else
+    first_v2 = seen.index(202.0)
+    assert set(seen[switched:]) == {202.0}  # latest-1 policy: only v2 once it took over
+    assert first_v2 > 0
+
+
+def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(triton, repo):
+    write_adder(repo, "broken", versions=())
+    vdir = repo / "broken" / "1"
+    vdir.mkdir()
+    (vdir / "model.onnx").write_bytes(b"this is not an onnx file")
+    deadline = time.monotonic() + 30
+    state = {}
+    while time.monotonic() < deadline:
+        state = repository_index(triton.options.http_url).get(("broken", "1"), {})
+        if state.get("state") == "UNAVAILABLE" and state.get("reason"):
+            break
+        time.sleep(0.2)
+    assert state.get("state") == "UNAVAILABLE"
+    assert "cannot load model.onnx" in state["reason"]
+    with Client(triton.options.http_url) as c:
+        assert len(c.classify(images(1), model="resnet50_ensemble")[0]) == 5
+
+
+def test_explicit_load_unload_and_a_specific_version_policy(tmp_path):
+    write_adder(tmp_path, "adder", versions=(1, 2), policy="specific:1")
+    write_adder(tmp_path, "missing_file", versions=())
+    (tmp_path / "missing_file" / "1").mkdir()
+    with TritonProcess(options(tmp_path, "explicit")) as process:
+        import tritonclient.http as th
+
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.http_port}")
+        try:
+            admin.load_model("adder")
+            a = np.ones((1, 4), np.float32)
+            with Client(process.options.http_url) as c:
+                assert (
+                    c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
+                )  # version 1, not the newer 2
+                assert admin.is_model_ready("adder", "1") and not admin.is_model_ready("adder", "2")
+                admin.unload_model("adder")
+                with pytest.raises(Exception, match="adder"):
+                    c.infer("adder", {"a": a, "b": a})
+            with pytest.raises(Exception, match=r"model file .*model.onnx does not exist"):
+                admin.load_model("missing_file")
+        finally:
+            admin.close()
+
+
+def test_repo_build_and_triton_commands(tmp_path, model_cache):
+    from typer.testing import CliRunner
+
+    from servekit.cli import app
+
+    result = CliRunner().invoke(
+        app, ["repo", "build", str(tmp_path / "r"), "--cache-dir", str(model_cache)]
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r" / "resnet50" / "1" / "model.onnx").exists()
+    bad = CliRunner().invoke(
+        app, ["triton", "--model-repository", str(tmp_path / "r"), "--model-control-mode", "lazy"]
+    )
+    assert bad.exit_code != 0 and "model_control_mode" in bad.output
