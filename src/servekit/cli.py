@@ -230,6 +230,9 @@ def bench(
     access_token: Annotated[
         str | None, typer.Option(help="Token for restricted APIs (PyTriton's shared memory).")
     ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="HTTP: send JSON tensors, not binary.")
+    ] = False,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
@@ -284,6 +287,74 @@ def bench(
         write_csv(series, out.with_suffix(".csv"))
         plot_latency_vs_throughput(series, out.with_suffix(".png"), title=model)
         console.print(f"wrote {out.with_suffix('.json')}, .csv, .png")
+
+
+@app.command()
+def compare(
+    runtimes: Annotated[
+        str, typer.Option(help="Comma-separated: raw, batcher, pytriton, ensemble, ray.")
+    ] = "raw,batcher,pytriton,ensemble,ray",
+    concurrency: Annotated[str, typer.Option(help="Closed loop levels.")] = "1,2,4,8,16",
+    model: Annotated[
+        str, typer.Option(help="Zoo model or ONNX path (an image classifier).")
+    ] = "resnet50",
+    max_batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    instances: Annotated[int, typer.Option(min=1)] = 2,
+    threads: Annotated[int | None, typer.Option(min=1, help="ORT threads per instance.")] = 1,
+    window: Annotated[float, typer.Option()] = 5.0,
+    warmup: Annotated[float, typer.Option()] = 3.0,
+    max_windows: Annotated[int, typer.Option(min=3)] = 8,
+    out: Annotated[Path, typer.Option(help="Writes OUT.md, OUT.json, OUT.csv, OUT.png.")] = Path(
+        "bench/results/compare"
+    ),
+    cache_dir: CacheDir = None,
+) -> None:
+    """Start each runtime in turn on loopback with the same model and policy, run the same
+    sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
+    are skipped and named."""
+    import os
+    import platform
+    import shlex
+    import sys
+
+    from .batching import BatchingPolicy
+    from .bench import MeasureConfig, parse_levels
+    from .bench.compare import compare as run_compare
+    from .bench.compare import markdown_report
+    from .bench.report import plot_latency_vs_throughput, table, write_csv, write_json
+
+    path = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
+    try:
+        levels = parse_levels(concurrency)
+        cfg = MeasureConfig(window_s=window, warmup_s=warmup, max_windows=max_windows)
+        result = run_compare(
+            path,
+            [r.strip() for r in runtimes.split(",") if r.strip()],
+            levels,
+            cfg,
+            policy=BatchingPolicy(max_batch_size=max_batch_size),
+            instances=instances,
+            threads=threads,
+            on_event=console.print,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    for name, points in result.series.items():
+        console.print(table(points, title=name))
+    command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_json(
+        result.series, out.with_suffix(".json"), {"skipped": result.skipped, "command": command}
+    )
+    write_csv(result.series, out.with_suffix(".csv"))
+    plot = None
+    if result.series:
+        plot_latency_vs_throughput(
+            result.series, out.with_suffix(".png"), title="servekit compare: ResNet-50 on JPEGs"
+        )
+        plot = out.with_suffix(".png").name
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine))
+    console.print(f"wrote {out.with_suffix('.md')}")
 
 
 repo_app = typer.Typer(help="Triton model repositories rendered from servekit's configuration.")

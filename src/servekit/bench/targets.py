@@ -41,6 +41,7 @@ class RemoteTarget:
         *,
         shared_memory: bool = False,
         access_token: str | None = None,
+        binary: bool = True,
     ) -> None:
         from ..client import AsyncClient, Client
 
@@ -52,7 +53,7 @@ class RemoteTarget:
             self._registrar = Client(url, shared_memory=True, access_token=access_token)
             self._prepared = self._registrar.prepare(self.inputs)
         else:
-            self._prepared = self._client.prepare(self.inputs)
+            self._prepared = self._client.prepare(self.inputs, binary=binary)
 
     async def check(self) -> None:
         """Fail fast and clearly: the server must answer and know the model."""
@@ -118,8 +119,12 @@ def open_target(
     *,
     shared_memory: bool = False,
     access_token: str | None = None,
+    binary: bool = True,
 ) -> RemoteTarget:
-    """A remote target for ``http://host:port`` or ``grpc://host:port``."""
+    """A remote target for ``http://host:port`` or ``grpc://host:port``; ``binary=False``
+    sends JSON (HTTP only), as wrk or curl would."""
     if not url.startswith(("http://", "grpc://")):
         raise ServekitError(f"target url must start with http:// or grpc://, got {url!r}")
-    return RemoteTarget(url, model, inputs, shared_memory=shared_memory, access_token=access_token)
+    return RemoteTarget(
+        url, model, inputs, shared_memory=shared_memory, access_token=access_token, binary=binary
+    )

@@ -1,0 +1,249 @@
+"""``servekit compare``: every runtime in turn, same model, same policy, same load, one report.
+
+Each runtime is a context manager that starts it on loopback and yields a load-generator
+target for the image model (JPEG in, top-5 out): the in-process Pipeline, servekit's
+Batcher in front of it, PyTriton (``servekit serve``), the Triton ensemble
+(``servekit triton`` with the servekit backend), and Ray Serve when servekit has an app
+for it. Runtimes that cannot run here are skipped and named with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batching import Batcher, BatchingPolicy
+from ..stages import synthetic_image
+from .loadgen import MeasureConfig, Point, sweep
+from .targets import BatcherTarget, RunnerTarget, open_target
+
+__all__ = ["RUNTIMES", "ComparisonResult", "compare", "markdown_report"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Setup:
+    model_path: Path
+    policy: BatchingPolicy
+    instances: int
+    threads: int | None
+    payload: dict[str, np.ndarray]
+
+
+@contextlib.contextmanager
+def _raw(setup: Setup) -> Iterator[Any]:
+    from ..pipeline import image_classifier
+    from ..runners.onnx import OnnxRuntimeRunner
+
+    clf = image_classifier(OnnxRuntimeRunner(setup.model_path))
+    target = RunnerTarget(clf, setup.payload, threads=16, name="raw")
+    try:
+        yield target
+    finally:
+        clf.close()
+
+
+@contextlib.contextmanager
+def _batcher(setup: Setup) -> Iterator[Any]:
+    from ..pipeline import image_classifier
+    from ..runners.onnx import OnnxRuntimeRunner
+
+    clf = image_classifier(OnnxRuntimeRunner(setup.model_path, intra_op_threads=setup.threads))
+    batcher = Batcher(clf, setup.policy, instance_count=setup.instances, name="resnet50_image")
+    try:
+        yield BatcherTarget(batcher, setup.payload)
+    finally:
+        batcher.close()
+        clf.close()
+
+
+@contextlib.contextmanager
+def _pytriton(setup: Setup) -> Iterator[Any]:
+    from ..triton import ServerConfig, TritonServer, default_models
+
+    config = ServerConfig(
+        host="127.0.0.1",
+        http_port=_free_port(),
+        grpc_port=_free_port(),
+        metrics_port=_free_port(),
+        exit_timeout_s=2,
+    )
+    models = default_models(
+        setup.model_path,
+        name="resnet50",
+        policy=setup.policy,
+        instance_count=setup.instances,
+        intra_op_threads=setup.threads,
+    )
+    with TritonServer(models, config):
+        yield open_target(config.grpc_url, "resnet50_image", setup.payload)
+
+
+@contextlib.contextmanager
+def _ensemble(setup: Setup) -> Iterator[Any]:
+    from ..triton.launcher import TritonOptions, TritonProcess
+    from ..triton.repo import build_repository, reference_repository
+
+    with tempfile.TemporaryDirectory(prefix="servekit-compare-") as tmp:
+        repo = Path(tmp) / "repo"
+        models = reference_repository(
+            policy=setup.policy, instances=setup.instances, threads=setup.threads
+        )
+        build_repository(repo, models)
+        (repo / "resnet50" / "1" / "model.onnx").write_bytes(setup.model_path.read_bytes())
+        options = TritonOptions(
+            repo,
+            host="127.0.0.1",
+            http_port=_free_port(),
+            grpc_port=_free_port(),
+            metrics_port=_free_port(),
+            exit_timeout_s=2,
+        )
+        with TritonProcess(options) as process:
+            process.wait_ready([m.name for m in models])
+            yield open_target(options.grpc_url, "resnet50_ensemble", setup.payload)
+
+
+def _ray_unavailable(setup: Setup) -> Any:
+    raise _Skip("servekit has no Ray Serve app yet (ray_app/ is an open issue)")
+
+
+class _Skip(Exception):
+    """A runtime that cannot run here, with the reason."""
+
+
+def _needs(module: str, extra: str) -> Callable[[Callable[[Setup], Any]], Callable[[Setup], Any]]:
+    def wrap(factory: Callable[[Setup], Any]) -> Callable[[Setup], Any]:
+        def checked(setup: Setup) -> Any:
+            try:
+                __import__(module)
+            except ImportError:
+                raise _Skip(
+                    f"{module} is not installed (pip install 'servekit[{extra}]')"
+                ) from None
+            return factory(setup)
+
+        return checked
+
+    return wrap
+
+
+RUNTIMES: dict[str, Callable[[Setup], Any]] = {
+    "raw": _raw,
+    "batcher": _batcher,
+    "pytriton": _needs("pytriton", "triton")(_pytriton),
+    "ensemble": _needs("pytriton", "triton")(_ensemble),
+    "ray": _needs("ray", "ray")(_ray_unavailable),
+}
+"""Runtime name -> context manager yielding a target; ``raw`` is the baseline."""
+
+
+@dataclass
+class ComparisonResult:
+    series: dict[str, list[Point]]
+    skipped: dict[str, str]
+
+    def share_of_raw(self) -> dict[str, float]:
+        """Each runtime's best inferences/s as a fraction of raw's best."""
+        if "raw" not in self.series:
+            return {}
+        raw = max(p.stats.inferences_per_s for p in self.series["raw"])
+        return {
+            name: max(p.stats.inferences_per_s for p in pts) / raw
+            for name, pts in self.series.items()
+        }
+
+
+def compare(
+    model_path: Path,
+    runtimes: Sequence[str],
+    levels: Sequence[float],
+    cfg: MeasureConfig,
+    *,
+    policy: BatchingPolicy | None = None,
+    instances: int = 1,
+    threads: int | None = None,
+    on_event: Callable[[str], None] = lambda _: None,
+) -> ComparisonResult:
+    """Run the same closed-loop sweep against each runtime in turn."""
+    unknown = [r for r in runtimes if r not in RUNTIMES]
+    if unknown:
+        raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
+    payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
+    setup = Setup(
+        Path(model_path), policy or BatchingPolicy(max_batch_size=8), instances, threads, payload
+    )
+    result = ComparisonResult({}, {})
+    for name in runtimes:
+        try:
+            context = RUNTIMES[name](setup)
+        except _Skip as exc:
+            result.skipped[name] = str(exc)
+            on_event(f"skipped {name}: {exc}")
+            continue
+        on_event(f"measuring {name}")
+        with context as target:
+
+            async def run(target: Any = target) -> list[Point]:
+                try:
+                    return await sweep(target, levels, "concurrency", cfg)
+                finally:
+                    await target.close()
+
+            result.series[name] = asyncio.run(run())
+    return result
+
+
+def markdown_report(result: ComparisonResult, command: str, plot: str | None, machine: str) -> str:
+    """The comparison as Markdown: the command, the table, shares of raw, skipped runtimes."""
+    shares = result.share_of_raw()
+    lines = [
+        "# servekit compare",
+        "",
+        f"Machine: {machine}.",
+        "",
+        "```sh",
+        command,
+        "```",
+        "",
+        "Every runtime classifies the same 320x240 JPEG (decode, resize, crop, normalise, "
+        "ResNet-50, top-5), closed loop, one image per request, same policy.",
+        "",
+        "| runtime | concurrency | images/s | share of raw (best) | p50 ms | p95 ms | p99 ms | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, points in result.series.items():
+        for p in points:
+            s = p.stats
+            lines.append(
+                f"| {name} | {p.level:g} | {s.inferences_per_s:.1f} | {shares.get(name, float('nan')):.1%} | "
+                f"{s.p50_ms:.1f} | {s.p95_ms:.1f} | {s.p99_ms:.1f} | {s.errors} |"
+            )
+    if shares:
+        lines += [
+            "",
+            "Best throughput as a share of raw: "
+            + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+            + ".",
+        ]
+    if result.skipped:
+        lines += [
+            "",
+            "Skipped: " + "; ".join(f"{k} ({v})" for k, v in result.skipped.items()) + ".",
+        ]
+    if plot:
+        lines += ["", f"![latency against throughput]({plot})"]
+    return "\n".join(lines) + "\n"
