@@ -1,8 +1,9 @@
 """Cross-check servekit's load generator against wrk: same JSON body, same endpoint, same concurrency.
 
-Starts `servekit serve`'s ResNet-50 (PyTriton) on loopback, writes one KServe v2 JSON
+Starts `servekit serve` (ResNet-50 on PyTriton) as its own process on loopback, writes one KServe v2 JSON
 request (FP32 [1,3,224,224]) to a file, then measures it twice at the same concurrency:
-servekit's closed loop (HTTP, JSON) and wrk (`-c N`, Lua script posting the file).
+servekit's closed loop (HTTP, JSON) between two wrk runs (`-c N`, Lua script posting
+the file), compared with the mean of the two.
 Needs wrk (Debian: apt-get install wrk).
 
     python bench/wrk_check.py --concurrency 4 --seconds 30
@@ -15,16 +16,17 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from servekit import BatchingPolicy, zoo
 from servekit.bench import MeasureConfig, closed_loop, open_target
-from servekit.triton import ServerConfig, TritonServer, default_models
+from servekit.client import Client
 
 LUA = """
 wrk.method = "POST"
@@ -59,65 +61,79 @@ def main() -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        exit_timeout_s=2,
-    )
-    models = default_models(
-        zoo.build("resnet50"), name="resnet50", policy=BatchingPolicy(max_batch_size=8)
-    )
-    with TritonServer(models, config), tempfile.TemporaryDirectory() as tmp:
-        body = Path(tmp) / "body.json"
-        body.write_bytes(json_body(x))
-        body_bytes = body.stat().st_size
-        script = Path(tmp) / "post.lua"
-        script.write_text(LUA)
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    http_url = f"http://127.0.0.1:{ports['http']}"
+    # The server runs in its own process (the real `servekit serve`), as it would for wrk:
+    # in this process it would share the GIL with the load generator.
+    server = subprocess.Popen(
+        [sys.executable, "-m", "servekit.cli", "serve", "--model", "resnet50", "--host", "127.0.0.1",
+         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
+         "--max-batch-size", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with Client(http_url) as c:
+            c.wait_ready("resnet50", timeout_s=180)
+        with tempfile.TemporaryDirectory() as tmp:
+            body = Path(tmp) / "body.json"
+            body.write_bytes(json_body(x))
+            body_bytes = body.stat().st_size
+            script = Path(tmp) / "post.lua"
+            script.write_text(LUA)
 
-        async def ours():
-            target = open_target(config.http_url, "resnet50", {"input": x}, binary=False)
-            try:
-                cfg = MeasureConfig(window_s=args.seconds / 3, warmup_s=3, max_windows=6)
-                return await closed_loop(target, args.concurrency, cfg)
-            finally:
-                await target.close()
+            async def ours():
+                target = open_target(http_url, "resnet50", {"input": x}, binary=False)
+                try:
+                    cfg = MeasureConfig(window_s=args.seconds / 3, warmup_s=3, max_windows=6)
+                    return await closed_loop(target, args.concurrency, cfg)
+                finally:
+                    await target.close()
 
-        point = asyncio.run(ours())
-        url = f"{config.http_url}/v2/models/resnet50/infer"
-        cmd = [
-            "wrk",
-            "-t",
-            "2",
-            "-c",
-            str(args.concurrency),
-            "-d",
-            f"{args.seconds}s",
-            "--latency",
-            "-s",
-            str(script),
-            url,
-        ]
-        out = subprocess.run(
-            cmd,
-            env={"SERVEKIT_BODY": str(body), "PATH": "/usr/bin:/bin"},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    wrk_rps = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+            url = f"{http_url}/v2/models/resnet50/infer"
+            cmd = [
+                "wrk",
+                "-t",
+                "2",
+                "-c",
+                str(args.concurrency),
+                "-d",
+                f"{args.seconds}s",
+                "--latency",
+                "-s",
+                str(script),
+                url,
+            ]
+            env = {"SERVEKIT_BODY": str(body), "PATH": "/usr/bin:/bin"}
+
+            def wrk() -> tuple[float, int]:
+                out = subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, check=True
+                ).stdout
+                print(out)
+                non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+                rps = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))
+                return rps, int(non2xx.group(1)) if non2xx else 0
+
+            # wrk before and after ours, so drift on a shared machine shows and averages out.
+            before, bad_before = wrk()
+            point = asyncio.run(ours())
+            after, bad_after = wrk()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    wrk_rps = (before + after) / 2
     ours_rps = point.stats.throughput
-    print(out)
     result = {
         "concurrency": args.concurrency,
         "body_bytes": body_bytes,
         "servekit_requests_per_s": ours_rps,
         "servekit_p50_ms": point.stats.p50_ms,
         "servekit_errors": point.stats.errors,
+        "servekit_client_cpu_cores": point.client_cpu,
+        "wrk_requests_per_s_before": before,
+        "wrk_requests_per_s_after": after,
         "wrk_requests_per_s": wrk_rps,
-        "wrk_non_2xx": int(non2xx.group(1)) if non2xx else 0,
+        "wrk_non_2xx": bad_before + bad_after,
         "difference": abs(ours_rps - wrk_rps) / wrk_rps,
         "wrk_command": " ".join(cmd[:-3]) + " -s post.lua URL",
     }

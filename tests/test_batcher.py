@@ -546,6 +546,21 @@ def test_infer_sync_on_the_batchers_own_loop_is_refused():
     asyncio.run(main())
 
 
+def test_a_batcher_outlives_the_asyncio_run_that_used_it():
+    b = Batcher(Model(), spec=SPEC)
+
+    async def use():
+        return await b.infer(request(0))
+
+    assert asyncio.run(use())["y"].shape == (1, 3)
+    assert b.infer_sync(request(1))["y"].shape == (
+        1,
+        3,
+    )  # that loop is gone: a private one takes over
+    b.close()  # same thread as the finished loop: must not be refused
+    assert b.closed
+
+
 def test_async_callers_on_another_loop_are_served_too():
     with Batcher(Model(), spec=SPEC) as b:
         b.infer_sync(request(0))  # binds the private loop

@@ -335,3 +335,24 @@ def test_load_generator_sends_through_shared_memory(server):
 
     point = asyncio.run(main())
     assert point.stats.requests > 0 and point.stats.errors == 0
+
+
+def test_the_locust_user_sends_kserve_requests(server, tmp_path):
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("locust", reason="locust is in the dev extra")
+    locustfile = Path(__file__).resolve().parents[1] / "bench" / "locustfile.py"
+    prefix = tmp_path / "locust"
+    subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "-u", "2", "-r", "2", "-t", "4s",
+         "--host", server.config.http_url, "--csv", str(prefix), "--only-summary"],
+        env={**os.environ, "SERVEKIT_MODEL": "resnet50_image"}, check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    assert int(rows["resnet50_image"]["Request Count"]) > 0
+    assert int(rows["resnet50_image"]["Failure Count"]) == 0

@@ -200,7 +200,7 @@ class Batcher:
         ``wait_s`` bounds how long this caller waits; on expiry the request is cancelled
         (dropped if it has not started) and ``DeadlineExceeded`` is raised.
         """
-        if self._loop_thread_id == threading.get_ident():
+        if self._on_own_loop():
             raise RuntimeError(
                 "infer_sync would block the batcher's own event loop; use `await batcher.infer()`"
             )
@@ -337,6 +337,16 @@ class Batcher:
             self._inbox_signalled = False
         for request in requests:
             self._enqueue_from_thread(request)
+
+    def _on_own_loop(self) -> bool:
+        """Whether the caller is on the batcher's running loop (blocking there would deadlock)."""
+        loop = self._loop
+        return (
+            loop is not None
+            and loop.is_running()
+            and not loop.is_closed()
+            and self._loop_thread_id == threading.get_ident()
+        )
 
     def _count_cancelled(self) -> None:
         self.stats.request_cancelled += 1

@@ -21,6 +21,9 @@ from .targets import Target
 
 __all__ = ["MeasureConfig", "Point", "closed_loop", "open_loop", "parse_levels", "sweep"]
 
+CLIENT_BOUND_CORES = 0.85
+"""Client CPU (in cores) above which a point against a remote target is flagged client-bound."""
+
 
 @dataclass(frozen=True)
 class MeasureConfig:
@@ -57,7 +60,8 @@ class Point:
     client_cpu: float
     """CPU the client process used, in cores (all its threads)."""
     client_bound: bool
-    """The client could not keep up: open loop fell behind its schedule or hit max_in_flight."""
+    """The client was the limit: it used nearly a core (remote targets), or an open loop
+    fell behind its schedule or hit max_in_flight."""
     achieved_rate: float
     error_messages: tuple[str, ...] = field(default_factory=tuple)
 
@@ -188,6 +192,8 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
         await asyncio.gather(*workers, return_exceptions=True)
     n = min(cfg.stable_windows, len(windows))
     stats = _merge(recorder, bounds, n, cfg.rows_per_request)
+    # The generator's event loop is one thread: near a full core, it is the bottleneck.
+    client_bound = getattr(target, "remote", False) and cpu > CLIENT_BOUND_CORES
     return Point(
         "concurrency",
         concurrency,
@@ -195,7 +201,7 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
         len(windows),
         is_stable(windows, cfg.stability, cfg.stable_windows),
         cpu,
-        False,
+        client_bound,
         stats.throughput,
         tuple(recorder.errors),
     )
@@ -247,6 +253,7 @@ async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int =
     n = min(cfg.stable_windows, len(windows))
     stats = _merge(recorder, bounds, n, cfg.rows_per_request)
     behind = achieved < 0.95 * rate or saturated > 0
+    behind = behind or (getattr(target, "remote", False) and cpu > CLIENT_BOUND_CORES)
     return Point(
         "rate",
         rate,

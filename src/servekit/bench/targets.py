@@ -26,12 +26,17 @@ class Target(Protocol):
 
 
 class RemoteTarget:
-    """A KServe v2 server over HTTP or gRPC (tritonclient's asyncio clients).
+    """A KServe v2 server over HTTP or gRPC.
 
-    The request is built once and reused, since the payload never changes; with
-    ``shared_memory`` it is written once into a registered system shared-memory region
-    (same host only; ``access_token`` for servers that restrict that API, as PyTriton does).
+    The request is built once and reused, since the payload never changes. Over HTTP the
+    body itself is encoded once (binary tensors, or JSON with ``binary=False``) and each
+    request only posts those bytes, as wrk would; over gRPC tritonclient's asyncio client
+    sends the prepared inputs. With ``shared_memory`` the inputs are written once into a
+    registered system shared-memory region (same host only; ``access_token`` for servers
+    that restrict that API, as PyTriton does).
     """
+
+    remote = True
 
     def __init__(
         self,
@@ -49,25 +54,57 @@ class RemoteTarget:
         self.url, self.model, self.inputs = url, model, dict(inputs)
         self._client = AsyncClient(url)
         self._registrar = None
+        self._session: Any = None
         if shared_memory:
             self._registrar = Client(url, shared_memory=True, access_token=access_token)
             self._prepared = self._registrar.prepare(self.inputs)
         else:
             self._prepared = self._client.prepare(self.inputs, binary=binary)
+        self._body: bytes | None = None
+        if url.startswith("http://"):
+            import tritonclient.http as th
+
+            body, json_size = th.InferenceServerClient.generate_request_body(self._prepared)
+            self._body = body
+            self._headers = {
+                "Content-Type": "application/octet-stream" if json_size else "application/json"
+            }
+            if json_size is not None:
+                self._headers["Inference-Header-Content-Length"] = str(json_size)
+            self._endpoint = f"{url}/v2/models/{model}/infer"
 
     async def check(self) -> None:
         """Fail fast and clearly: the server must answer and know the model."""
         try:
-            await self.send()
+            await self._client.infer_prepared(self.model, self._prepared)
         except ModelNotFound:
             raise
         except ModelNotReady as exc:
             raise ModelNotReady(f"cannot reach {self.url}: {exc}") from None
 
     async def send(self) -> None:
-        await self._client.infer_prepared(self.model, self._prepared)
+        if self._body is None:
+            await self._client.infer_prepared(self.model, self._prepared)
+            return
+        import aiohttp
+
+        from ..errors import from_http_status
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        try:
+            async with self._session.post(
+                self._endpoint, data=self._body, headers=self._headers
+            ) as r:
+                payload = await r.read()
+                if r.status != 200:
+                    raise from_http_status(r.status, payload[:500].decode("utf-8", "replace"))
+        except aiohttp.ClientError as exc:
+            raise ModelNotReady(f"cannot reach {self.url}: {exc}") from None
 
     async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
         await self._client.close()
         if self._registrar is not None:
             self._registrar.close()
