@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # One resolver run for every extra the suite exercises (PyTriton needs numpy < 2).
-EXTRAS ?= dev,triton
+EXTRAS ?= dev,triton,http,ray
 
 .PHONY: serve demo test models bench lint clean
 
@@ -36,6 +36,7 @@ bench: models
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import tempfile
 import time
@@ -29,14 +28,9 @@ from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.stages import synthetic_image
 from servekit.triton import ServerConfig, TritonServer, default_models
+from servekit.triton.env import free_port
 from servekit.triton.launcher import TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, reference_repository
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pipeline_numbers(clf, jpeg: bytes, seconds: float) -> tuple[dict[int, float], float, float]:

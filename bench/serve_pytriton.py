@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import time
 from pathlib import Path
 
@@ -26,12 +25,7 @@ from servekit import BatchingPolicy, OnnxRuntimeRunner, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.triton import ServerConfig, TritonServer, default_models
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from servekit.triton.env import free_port
 
 
 def raw_images_per_s(runner: OnnxRuntimeRunner, batch: int, seconds: float) -> float:

@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import numpy as np
 
 from servekit.bench import MeasureConfig, closed_loop, open_target
 from servekit.client import Client
+from servekit.triton.env import free_port
 
 LUA = """
 wrk.method = "POST"
@@ -35,12 +35,6 @@ local f = io.open(os.getenv("SERVEKIT_BODY"), "rb")
 wrk.body = f:read("*a")
 f:close()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def json_body(x: np.ndarray) -> bytes:

@@ -30,9 +30,7 @@ def add_sub_path(model_cache: Path) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on right now (loopback)."""
-    import socket
+    """A loopback port nothing listens on (re-exported for the test modules)."""
+    from servekit.triton.env import free_port as _free
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free()

@@ -297,6 +297,34 @@ def test_a_runner_exception_fails_only_its_batch_and_the_batcher_keeps_serving()
     asyncio.run(main())
 
 
+def test_bad_input_found_while_running_fails_only_its_own_request():
+    def picky(d):
+        if (d["x"] == 13).any():
+            raise InvalidInput("cannot decode row")
+        return {"y": row_fn(d["x"])}
+
+    gate = threading.Event()
+
+    def gated(d):
+        gate.wait(10)
+        return picky(d)
+
+    async def main():
+        async with Batcher(gated, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
+            first = asyncio.ensure_future(b.infer(request(0)))
+            await asyncio.sleep(0)
+            rest = [asyncio.ensure_future(b.infer(request(i))) for i in (1, 13, 2)]
+            await asyncio.sleep(0)
+            gate.set()
+            return await asyncio.gather(first, *rest, return_exceptions=True), b.stats
+
+    results, stats = asyncio.run(main())
+    assert isinstance(results[2], InvalidInput)
+    for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
+        np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
+    assert stats.request_failure == 1 and stats.request_success == 3
+
+
 def test_garbage_outputs_are_runner_errors_naming_the_problem():
     def short(d):
         return {"y": d["x"][:1]}
@@ -558,6 +586,17 @@ def test_a_batcher_outlives_the_asyncio_run_that_used_it():
         3,
     )  # that loop is gone: a private one takes over
     b.close()  # same thread as the finished loop: must not be refused
+    assert b.closed
+
+
+def test_close_after_the_loop_that_used_it_has_ended():
+    b = Batcher(Model(), spec=SPEC)
+
+    async def use():
+        return await b.infer(request(0))
+
+    asyncio.run(use())
+    b.close()  # the loop is gone and this is its thread: closing must not be refused
     assert b.closed
 
 

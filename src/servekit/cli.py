@@ -145,10 +145,13 @@ def serve(
     top_k: Annotated[int | None, typer.Option("--top-k", min=1)] = None,
     labels: Annotated[Path | None, typer.Option(help="Labels file for the image model.")] = None,
     log_verbose: Annotated[int, typer.Option(help="Triton's --log-verbose level.")] = 0,
+    runtime: Annotated[
+        str, typer.Option(help="triton (PyTriton, HTTP+gRPC) or ray (Ray Serve, HTTP).")
+    ] = "triton",
     cache_dir: CacheDir = None,
 ) -> None:
-    """Serve a model over KServe v2 HTTP/gRPC with Triton (PyTriton): the tensor model and,
-    for image classifiers, <name>_image (encoded images in, top-k out)."""
+    """Serve a model over KServe v2 HTTP/gRPC with Triton (PyTriton), or over HTTP on Ray
+    Serve: the tensor model and, for image classifiers, <name>_image (images in, top-k out)."""
     from .config import load_config, policy_from_dict
     from .triton import ServerConfig, TritonSetupError, default_models
     from .triton import serve as run_server
@@ -178,6 +181,18 @@ def serve(
         batching["max_queue_delay_us"] = max_queue_delay_us
     if max_queue_size is not None:
         queue["max_queue_size"] = max_queue_size
+    if runtime not in ("triton", "ray"):
+        raise typer.BadParameter(f"runtime must be triton or ray, got {runtime!r}")
+    if runtime == "ray":
+        _serve_ray(
+            model or settings.get("model", "resnet50"),
+            name or settings.get("name"),
+            {**batching, "queue": queue},
+            server,
+            instances or settings.get("instances", 1),
+            top_k or settings.get("top_k", 5),
+        )
+        return
     try:
         policy = policy_from_dict({**batching, "queue": queue})
         models = default_models(
@@ -355,6 +370,33 @@ def compare(
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine))
     console.print(f"wrote {out.with_suffix('.md')}")
+
+
+def _serve_ray(
+    model: str, name: str | None, batching: dict, server: dict, replicas: int, top_k: int
+) -> None:
+    try:
+        import ray
+        from ray import serve as ray_serve
+
+        from .ray import build_app
+    except ImportError:
+        console.print("[red]error:[/red] Ray Serve is not installed: pip install 'servekit[ray]'")
+        raise typer.Exit(3) from None
+    args = {"model": model, "batching": batching, "model_replicas": replicas, "top_k": top_k}
+    if name:
+        args["name"] = name
+    host, port = server.get("host", "0.0.0.0"), int(server.get("http_port", 8000))
+    ray.init(address="local", include_dashboard=False)
+    try:
+        ray_serve.start(http_options={"host": host, "port": port})
+        console.print(f"starting Ray Serve on http://{host}:{port} (KServe v2 over HTTP)")
+        ray_serve.run(build_app(args), name="servekit", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
 
 
 repo_app = typer.Typer(help="Triton model repositories rendered from servekit's configuration.")

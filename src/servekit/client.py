@@ -48,6 +48,15 @@ def _error(exc: Exception, protocol: str) -> ServekitError:
     return from_http_status(code, message)
 
 
+def _remote_failure(exc: Exception, url: str, protocol: str) -> ServekitError:
+    """A tritonclient failure as a servekit error: no status means the server was unreachable."""
+    if isinstance(exc, ServekitError):
+        return exc
+    if not hasattr(exc, "status"):
+        return ModelNotReady(f"cannot reach {url}: {exc}")
+    return _error(exc, protocol)
+
+
 def _blobs(images: Sequence[bytes]) -> np.ndarray:
     arr = np.empty((len(images), 1), dtype=object)
     arr[:, 0] = list(images)
@@ -194,12 +203,8 @@ class Client(_Base):
                 model_version=version,
                 **({"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}),
             )
-        except ServekitError:
-            raise
         except Exception as exc:
-            if not hasattr(exc, "status"):
-                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
-            raise _error(exc, self.protocol) from None
+            raise _remote_failure(exc, self.url, self.protocol) from None
         names = outputs or [o["name"] for o in self._outputs_of(result)]
         return {n: result.as_numpy(n) for n in names}
 
@@ -221,12 +226,8 @@ class Client(_Base):
         as the inputs do not change."""
         try:
             return self._inputs(self._client, inputs, binary)
-        except ServekitError:
-            raise
         except Exception as exc:
-            if not hasattr(exc, "status"):
-                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
-            raise _error(exc, self.protocol) from None
+            raise _remote_failure(exc, self.url, self.protocol) from None
 
     def metadata(self, model: str) -> dict[str, Any]:
         """The model's KServe v2 metadata: ``inputs``/``outputs`` with name, datatype, shape."""
@@ -235,9 +236,7 @@ class Client(_Base):
                 return dict(self._client.get_model_metadata(model))
             return dict(self._client.get_model_metadata(model, as_json=True))
         except Exception as exc:
-            if not hasattr(exc, "status"):
-                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
-            raise _error(exc, self.protocol) from None
+            raise _remote_failure(exc, self.url, self.protocol) from None
 
     def is_ready(self, model: str | None = None) -> bool:
         try:
@@ -306,9 +305,7 @@ class AsyncClient(_Base):
         try:
             result = await self._client.infer(model, prepared)
         except Exception as exc:
-            if not hasattr(exc, "status"):
-                raise ModelNotReady(f"cannot reach {self.url}: {exc}") from exc
-            raise _error(exc, self.protocol) from None
+            raise _remote_failure(exc, self.url, self.protocol) from None
         response = result.get_response()
         names = (
             [o["name"] for o in response["outputs"]]

@@ -18,6 +18,8 @@ to the same HTTP and gRPC statuses).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "DeadlineExceeded",
     "InvalidInput",
@@ -98,9 +100,7 @@ _TRITON = {
 }
 
 
-def _lookup(
-    table: dict[type[ServekitError], object], exc: BaseException, default: object
-) -> object:
+def _lookup(table: Mapping[type, object], exc: BaseException, default: object) -> object:
     for cls in type(exc).__mro__:
         if cls in table:
             return table[cls]

@@ -40,6 +40,7 @@ from ..runners.base import BaseRunner
 from ..spec import ModelSpec
 from .concat import concat, split
 from .decision import decide
+from .execute import run_requests
 from .policy import BatchingPolicy
 from .queue import RequestQueue
 from .request import Request
@@ -51,6 +52,13 @@ log = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
 BatchFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+class _AsRunner:
+    """A batch function seen as a Runner, for ``run_requests``."""
+
+    def __init__(self, fn: BatchFn, spec: ModelSpec) -> None:
+        self.infer, self.spec = fn, spec
 
 
 class _State(Enum):
@@ -182,7 +190,7 @@ class Batcher:
         request = self._request(inputs, priority, timeout_us, loop.create_future())
         self._enqueue(request)
         try:
-            return await request.future  # type: ignore[no-any-return]
+            return await request.future  # type: ignore[no-any-return,misc]
         except asyncio.CancelledError:
             self.stats.request_cancelled += 1
             raise
@@ -227,7 +235,7 @@ class Batcher:
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Blocking ``aclose`` for threaded callers (not from the batcher's own loop)."""
-        if self._loop_thread_id == threading.get_ident():
+        if self._on_own_loop():
             raise RuntimeError(
                 "close() would block the batcher's event loop; use `await batcher.aclose()`"
             )
@@ -498,6 +506,13 @@ class Batcher:
         try:
             outputs = self._fn(concat([r.inputs for r in batch], self._names))
             return self._split(outputs, rows), None, (time.perf_counter() - start) * 1e6
+        except InvalidInput as exc:
+            if len(batch) == 1:
+                return None, exc, (time.perf_counter() - start) * 1e6
+            # Bad input found only while running (an undecodable image, say): run the
+            # requests one by one so only the culprit fails.
+            parts = run_requests(_AsRunner(self._fn, self.spec), [r.inputs for r in batch])
+            return parts, None, (time.perf_counter() - start) * 1e6  # type: ignore[return-value]
         except Exception as exc:
             return None, self._as_error(exc), (time.perf_counter() - start) * 1e6
 
@@ -568,8 +583,12 @@ class Batcher:
             for r in batch:
                 r.fail(error or RunnerError(f"{self.name}: batch failed"))
             return
-        self.stats.request_success += len(batch)
         for r, out in zip(batch, parts, strict=True):
+            if isinstance(out, BaseException):
+                self.stats.request_failure += 1
+                r.fail(out)
+                continue
+            self.stats.request_success += 1
             fut = r.future
             if not fut.done():
                 try:  # noqa: SIM105 (contextlib.suppress costs more in this loop)

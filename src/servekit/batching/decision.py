@@ -7,7 +7,7 @@ a fake clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .request import Request
@@ -28,7 +28,7 @@ def decide(
     now: float,
     *,
     limit: int,
-    preferred: Sequence[int] = (),
+    preferred: Collection[int] = (),
     delay_s: float = 0.0,
     flush: bool = False,
 ) -> Decision:

@@ -1,7 +1,7 @@
 """``servekit compare``: every runtime in turn, same model, same policy, same load, one report.
 
-Each runtime is a context manager that starts it on loopback and yields a load-generator
-target for the image model (JPEG in, top-5 out): the in-process Pipeline, servekit's
+Each runtime is a context manager that starts it on loopback and yields a factory of
+load-generator targets (made inside the measuring event loop) for the image model (JPEG in, top-5 out): the in-process Pipeline, servekit's
 Batcher in front of it, PyTriton (``servekit serve``), the Triton ensemble
 (``servekit triton`` with the servekit backend), and Ray Serve when servekit has an app
 for it. Runtimes that cannot run here are skipped and named with the reason.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,16 +21,11 @@ import numpy as np
 
 from ..batching import Batcher, BatchingPolicy
 from ..stages import synthetic_image
+from ..triton.env import free_port
 from .loadgen import MeasureConfig, Point, sweep
 from .targets import BatcherTarget, RunnerTarget, open_target
 
 __all__ = ["RUNTIMES", "ComparisonResult", "compare", "markdown_report"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -49,9 +43,8 @@ def _raw(setup: Setup) -> Iterator[Any]:
     from ..runners.onnx import OnnxRuntimeRunner
 
     clf = image_classifier(OnnxRuntimeRunner(setup.model_path))
-    target = RunnerTarget(clf, setup.payload, threads=16, name="raw")
     try:
-        yield target
+        yield lambda: RunnerTarget(clf, setup.payload, threads=16, name="raw")
     finally:
         clf.close()
 
@@ -64,7 +57,7 @@ def _batcher(setup: Setup) -> Iterator[Any]:
     clf = image_classifier(OnnxRuntimeRunner(setup.model_path, intra_op_threads=setup.threads))
     batcher = Batcher(clf, setup.policy, instance_count=setup.instances, name="resnet50_image")
     try:
-        yield BatcherTarget(batcher, setup.payload)
+        yield lambda: BatcherTarget(batcher, setup.payload)
     finally:
         batcher.close()
         clf.close()
@@ -76,9 +69,9 @@ def _pytriton(setup: Setup) -> Iterator[Any]:
 
     config = ServerConfig(
         host="127.0.0.1",
-        http_port=_free_port(),
-        grpc_port=_free_port(),
-        metrics_port=_free_port(),
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
         exit_timeout_s=2,
     )
     models = default_models(
@@ -89,7 +82,7 @@ def _pytriton(setup: Setup) -> Iterator[Any]:
         intra_op_threads=setup.threads,
     )
     with TritonServer(models, config):
-        yield open_target(config.grpc_url, "resnet50_image", setup.payload)
+        yield lambda: open_target(config.grpc_url, "resnet50_image", setup.payload)
 
 
 @contextlib.contextmanager
@@ -107,14 +100,14 @@ def _ensemble(setup: Setup) -> Iterator[Any]:
         options = TritonOptions(
             repo,
             host="127.0.0.1",
-            http_port=_free_port(),
-            grpc_port=_free_port(),
-            metrics_port=_free_port(),
+            http_port=free_port(),
+            grpc_port=free_port(),
+            metrics_port=free_port(),
             exit_timeout_s=2,
         )
         with TritonProcess(options) as process:
             process.wait_ready([m.name for m in models])
-            yield open_target(options.grpc_url, "resnet50_ensemble", setup.payload)
+            yield lambda: open_target(options.grpc_url, "resnet50_ensemble", setup.payload)
 
 
 def _ray_unavailable(setup: Setup) -> Any:
@@ -148,7 +141,7 @@ RUNTIMES: dict[str, Callable[[Setup], Any]] = {
     "ensemble": _needs("pytriton", "triton")(_ensemble),
     "ray": _needs("ray", "ray")(_ray_unavailable),
 }
-"""Runtime name -> context manager yielding a target; ``raw`` is the baseline."""
+"""Runtime name -> context manager yielding a target factory; ``raw`` is the baseline."""
 
 
 @dataclass
@@ -195,9 +188,10 @@ def compare(
             on_event(f"skipped {name}: {exc}")
             continue
         on_event(f"measuring {name}")
-        with context as target:
+        with context as make_target:
 
-            async def run(target: Any = target) -> list[Point]:
+            async def run(make_target: Any = make_target) -> list[Point]:
+                target = make_target()  # inside the loop: asyncio clients bind to it
                 try:
                     return await sweep(target, levels, "concurrency", cfg)
                 finally:

@@ -48,7 +48,7 @@ def decode_image(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img: Image.Image = Image.open(io.BytesIO(data))
             w, h = img.size
             if w * h > max_pixels:
                 raise InvalidInput(
@@ -73,7 +73,7 @@ def decode_image(
     else:
         size = (int(resize * w / h), resize)
     if size != (w, h):
-        img = img.resize(size, Image.BILINEAR)
+        img = img.resize(size, Image.Resampling.BILINEAR)
     w, h = size
     if w < crop or h < crop:
         raise InvalidInput(

@@ -24,6 +24,40 @@ __all__ = [
 ]
 
 
+class Endpoints:
+    """Client URLs for a Triton listening on ``host`` and its three ports."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now (for tests and benchmarks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class TritonSetupError(RuntimeError):
     """Something Triton needs is missing; the message says what and how to get it."""
 

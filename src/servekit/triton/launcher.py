@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .env import TritonEnvironment, TritonSetupError, triton_environment
+from .env import Endpoints, TritonEnvironment, TritonSetupError, triton_environment
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -29,7 +29,7 @@ CONTROL_MODES = ("none", "poll", "explicit")
 
 
 @dataclass(frozen=True)
-class TritonOptions:
+class TritonOptions(Endpoints):
     """The tritonserver flags servekit sets; anything else goes in ``extra_args``."""
 
     model_repository: Path
@@ -52,22 +52,6 @@ class TritonOptions:
             )
         if not Path(self.model_repository).is_dir():
             raise ValueError(f"model repository {self.model_repository} is not a directory")
-
-    @property
-    def client_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.client_host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"grpc://{self.client_host}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
 
 def backend_model_file() -> Path:
@@ -208,6 +192,9 @@ class TritonProcess:
             code = self._proc.returncode
             self._proc = None
         if self._workdir is not None:
+            from .server import kill_leftovers
+
+            kill_leftovers(str(self._workdir))
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
         return code

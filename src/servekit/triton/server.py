@@ -23,9 +23,16 @@ from ..pipeline import image_classifier, is_image_classifier
 from ..runners.base import Runner
 from ..runners.onnx import OnnxRuntimeRunner
 from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
-from .env import apply_triton_environment
+from .env import Endpoints, apply_triton_environment
 
-__all__ = ["ServedModel", "ServerConfig", "TritonServer", "default_models", "serve"]
+__all__ = [
+    "ServedModel",
+    "ServerConfig",
+    "TritonServer",
+    "default_models",
+    "kill_leftovers",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(Endpoints):
     """Where Triton listens; defaults are Triton's own ports."""
 
     host: str = "0.0.0.0"
@@ -63,21 +70,34 @@ class ServerConfig:
     restricted_endpoints: tuple[str, ...] | None = None
     """APIs that need the token; None = PyTriton's defaults, () = none."""
 
-    @property
-    def client_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
 
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.client_host}:{self.http_port}"
+def kill_leftovers(prefix: str) -> int:
+    """SIGKILL processes started from ``prefix`` that outlived their server; returns how many.
 
-    @property
-    def grpc_url(self) -> str:
-        return f"grpc://{self.client_host}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+    When tritonserver dies at shutdown, its Python backend stubs can outlive it (their
+    parent becomes init). Each holds memory; this finds them by the executable path under
+    the server's private workspace (Linux ``/proc``).
+    """
+    killed = 0
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if argv0.startswith(prefix):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    if killed:
+        log.warning("killed %d process(es) left behind under %s", killed, prefix)
+    return killed
 
 
 def default_models(
@@ -98,6 +118,7 @@ def default_models(
     """
     from .. import zoo
 
+    path: str | Path
     if str(model) in zoo.MODELS:
         path = zoo.build(str(model), cache_dir)
         name = name or str(model)
@@ -205,6 +226,7 @@ class TritonServer:
             self._triton.stop()
             self._triton = None
         if self._workdir is not None:
+            kill_leftovers(str(self._workdir))
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
         for m in self.models:

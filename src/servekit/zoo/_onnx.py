@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -22,15 +24,15 @@ class GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name
 
-    def node(self, op: str, inputs: list[str], output: str, **attrs: object) -> str:
+    def node(self, op: str, inputs: list[str], output: str, **attrs: Any) -> str:
         self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
         return output
 
     def model(
         self,
         name: str,
-        inputs: list[tuple[str, int, list[int | str]]],
-        outputs: list[tuple[str, int, list[int | str]]],
+        inputs: list[tuple[str, int, list[Any]]],
+        outputs: list[tuple[str, int, list[Any]]],
         doc: str = "",
     ) -> onnx.ModelProto:
         graph = helper.make_graph(

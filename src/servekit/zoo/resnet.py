@@ -41,13 +41,15 @@ def _conv2d(x: np.ndarray, w: np.ndarray, stride: int, pad: int) -> np.ndarray:
     if kh == kw == 1:
         xs = x[:, :, ::stride, ::stride]
         return np.tensordot(w[:, :, 0, 0], xs, axes=([1], [1])).transpose(1, 0, 2, 3)
-    win = sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride]
+    win = sliding_window_view(x, (kh, kw), axis=(2, 3))  # type: ignore[call-overload]
+    win = win[:, :, ::stride, ::stride]
     return np.tensordot(win, w, axes=([1, 4, 5], [1, 2, 3])).transpose(0, 3, 1, 2)
 
 
 def _maxpool(x: np.ndarray) -> np.ndarray:
     x = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
-    return sliding_window_view(x, (3, 3), axis=(2, 3))[:, :, ::2, ::2].max(axis=(4, 5))
+    windows = sliding_window_view(x, (3, 3), axis=(2, 3))  # type: ignore[call-overload]
+    return windows[:, :, ::2, ::2].max(axis=(4, 5))
 
 
 def _calibration_batch(rng: np.random.Generator, n: int, size: int) -> np.ndarray:

@@ -1,0 +1,173 @@
+"""A KServe v2 HTTP front for servekit models: a plain ASGI app any runtime can sit behind.
+
+Serve it with any ASGI server (``serve_http`` uses uvicorn) or mount it as a Ray Serve
+ingress. Models are Runners (called on a thread) or ``Batcher``s (awaited), so the same
+front gives dynamic batching in-process. Errors map once through ``errors.http_status``:
+bad requests are 400 naming the tensor, unknown models 404, a full queue 503 with
+``Retry-After``; an unexpected exception is a 500 for that request and never stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import ModelNotFound, Overloaded, RunnerError, ServekitError, http_status
+from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata
+
+__all__ = ["KServeApp", "serve_http"]
+
+log = logging.getLogger(__name__)
+
+_MODEL = re.compile(
+    r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<rest>/ready|/infer)?$"
+)
+
+
+class KServeApp:
+    """ASGI app: ``/v2/health/{live,ready}``, ``/v2``, ``/v2/models/{name}[/versions/{v}][/ready|/infer]``.
+
+    Args:
+        models: name -> Runner (run on a worker thread) or Batcher (awaited).
+        max_body_bytes: larger request bodies are refused with 413 before they are read whole.
+        ready: extra readiness check (e.g. warm-up done); all models must also be present.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, Any],
+        *,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self.models = dict(models)
+        self.max_body_bytes = max_body_bytes
+        self._ready = ready or (lambda: True)
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        try:
+            status, body, headers = await self._route(scope, receive)
+        except ServekitError as exc:
+            status, body, headers = self._error(exc)
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unexpected error on %s", scope.get("path"))
+            status, body, headers = self._error(
+                RunnerError(f"internal error: {type(exc).__name__}: {exc}")
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (k.encode(), v.encode())
+                    for k, v in {**headers, "content-length": str(len(body))}.items()
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def _json(status: int, data: Any) -> tuple[int, bytes, dict[str, str]]:
+        return status, json.dumps(data).encode(), {"content-type": "application/json"}
+
+    def _error(self, exc: ServekitError) -> tuple[int, bytes, dict[str, str]]:
+        status, body, headers = self._json(http_status(exc), {"error": str(exc)})
+        if isinstance(exc, Overloaded):
+            headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
+        return status, body, headers
+
+    def _model(self, name: str) -> Any:
+        if name not in self.models:
+            raise ModelNotFound(f"unknown model {name!r}; serving {sorted(self.models)}")
+        return self.models[name]
+
+    async def _route(
+        self, scope: dict[str, Any], receive: Callable[..., Any]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        method, path = scope["method"], scope["path"].rstrip("/")
+        if method == "GET" and path == "/v2/health/live":
+            return 200, b"", {}
+        if method == "GET" and path == "/v2/health/ready":
+            return (200 if self._ready() else 503), b"", {}
+        if method == "GET" and path == "/v2":
+            return self._json(200, {"name": "servekit", "extensions": ["binary_tensor_data"]})
+        m = _MODEL.match(path)
+        if m is None:
+            return self._json(404, {"error": f"no route {method} {scope['path']}"})
+        model = self._model(m["name"])
+        if m["version"] not in (None, "1"):
+            raise ModelNotFound(
+                f"model {m['name']!r} has no version {m['version']!r}; it has ['1']"
+            )
+        if m["rest"] is None and method == "GET":
+            return self._json(200, metadata(m["name"], model.spec))
+        if m["rest"] == "/ready" and method == "GET":
+            return (200 if self._ready() else 503), b"", {}
+        if m["rest"] == "/infer" and method == "POST":
+            return await self._infer(m["name"], model, scope, receive)
+        return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
+
+    async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        declared = int(headers.get("content-length", "0") or 0)
+        if declared > self.max_body_bytes:
+            raise _TooLarge(declared, self.max_body_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _TooLarge(size, self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def _infer(
+        self, name: str, model: Any, scope: dict[str, Any], receive: Callable[..., Any]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        try:
+            body = await self._read_body(scope, receive)
+        except _TooLarge as exc:
+            return self._json(413, {"error": str(exc)})
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        length = headers.get(HEADER_LENGTH)
+        request = decode_request(body, int(length) if length else None)
+        if asyncio.iscoroutinefunction(model.infer):
+            outputs = await model.infer(request.inputs)
+        else:
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                None, model.infer, request.inputs
+            )
+        payload, out_headers = encode_response(name, outputs, request)
+        return 200, payload, out_headers
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes exceeds the limit of {limit}")
+
+
+def serve_http(
+    app: KServeApp, host: str = "0.0.0.0", port: int = 8000, log_level: str = "warning"
+) -> None:
+    """Run the front with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,229 @@
+"""The KServe v2 inference protocol's HTTP/REST encoding: requests in, responses out.
+
+JSON tensors (``data`` as a flat or nested list) and Triton's binary tensor data
+extension (``Inference-Header-Content-Length``: a JSON header, then each binary input's
+bytes in order; BYTES elements as 4-byte little-endian length + bytes) both decode to
+numpy; responses encode outputs as JSON, or as binary when the request asks for it
+(``binary_data_output`` or an output's ``binary_data`` parameter), as tritonclient does.
+Every malformed request raises ``InvalidInput`` naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInput
+from ..spec import DTYPES, ModelSpec, as_dtype
+
+__all__ = ["DecodedRequest", "decode_request", "encode_response", "metadata"]
+
+HEADER_LENGTH = "inference-header-content-length"
+_DATATYPES = {d.datatype for d in DTYPES}
+
+
+@dataclass(frozen=True)
+class DecodedRequest:
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[str, ...] | None
+    """Requested output names, or None for all."""
+    binary_outputs: frozenset[str]
+    id: str | None
+    parameters: Mapping[str, Any]
+
+
+def _bytes_from_binary(raw: memoryview, count: int, name: str) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(raw):
+            raise InvalidInput(f"input {name!r}: BYTES data ends inside element {i} of {count}")
+        (n,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + n > len(raw):
+            raise InvalidInput(
+                f"input {name!r}: BYTES element {i} claims {n} bytes, only {len(raw) - pos} left"
+            )
+        out[i] = bytes(raw[pos : pos + n])
+        pos += n
+    if pos != len(raw):
+        raise InvalidInput(
+            f"input {name!r}: {len(raw) - pos} bytes left over after {count} BYTES elements"
+        )
+    return out
+
+
+def _bytes_to_binary(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.reshape(-1):
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(struct.pack("<I", len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _json_data(data: Any, datatype: str, shape: list[int], name: str) -> np.ndarray:
+    count = int(np.prod(shape)) if shape else 1
+    flat = np.asarray(data, dtype=object).reshape(-1) if isinstance(data, list) else None
+    if flat is None:
+        raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
+    if flat.size != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} needs {count} values, 'data' has {flat.size}"
+        )
+    if datatype == "BYTES":
+        out = np.empty(count, dtype=object)
+        out[:] = [
+            v.encode() if isinstance(v, str) else bytes(v) if isinstance(v, list) else v
+            for v in flat
+        ]
+        return out.reshape(shape)
+    try:
+        return np.asarray(flat.tolist(), dtype=as_dtype(datatype).numpy).reshape(shape)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
+
+
+def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
+    """Decode an infer request body (JSON, or JSON header + binary tensors)."""
+    header_bytes = body if header_length is None else body[:header_length]
+    if header_length is not None and not 0 < header_length <= len(body):
+        raise InvalidInput(
+            f"Inference-Header-Content-Length {header_length} does not fit a {len(body)}-byte body"
+        )
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"request is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+        raise InvalidInput("request must be a JSON object with an 'inputs' list")
+    binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
+    pos = 0
+    inputs: dict[str, np.ndarray] = {}
+    for i, item in enumerate(header["inputs"]):
+        if not isinstance(item, dict):
+            raise InvalidInput(f"inputs[{i}] must be an object")
+        name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"inputs[{i}] needs a 'name'")
+        if datatype not in _DATATYPES:
+            raise InvalidInput(
+                f"input {name!r}: unknown datatype {datatype!r}; expected one of {sorted(_DATATYPES)}"
+            )
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise InvalidInput(
+                f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
+            )
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
+        size = (item.get("parameters") or {}).get("binary_data_size")
+        count = int(np.prod(shape)) if shape else 1
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or pos + size > len(binary):
+                raise InvalidInput(
+                    f"input {name!r}: binary_data_size {size!r} exceeds the {len(binary) - pos} binary bytes left"
+                )
+            raw = binary[pos : pos + size]
+            pos += size
+            if datatype == "BYTES":
+                inputs[name] = _bytes_from_binary(raw, count, name).reshape(shape)
+            else:
+                dtype = as_dtype(datatype).numpy
+                if size != count * dtype.itemsize:
+                    raise InvalidInput(
+                        f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, got {size}"
+                    )
+                inputs[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        elif "data" in item:
+            inputs[name] = _json_data(item["data"], datatype, shape, name)
+        else:
+            raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
+    if pos != len(binary):
+        raise InvalidInput(f"{len(binary) - pos} binary bytes after the last input")
+    requested = header.get("outputs")
+    names: tuple[str, ...] | None = None
+    binary_out: set[str] = set()
+    all_binary = bool((header.get("parameters") or {}).get("binary_data_output", False))
+    if requested is not None:
+        if not isinstance(requested, list):
+            raise InvalidInput("'outputs' must be a list")
+        names = tuple(str(o["name"]) for o in requested if isinstance(o, dict) and "name" in o)
+        binary_out = {
+            o["name"]
+            for o in requested
+            if isinstance(o, dict) and (o.get("parameters") or {}).get("binary_data")
+        }
+    return DecodedRequest(
+        inputs,
+        names,
+        frozenset(binary_out) | (frozenset(["*"]) if all_binary else frozenset()),
+        header.get("id"),
+        header.get("parameters") or {},
+    )
+
+
+def encode_response(
+    model: str, outputs: Mapping[str, np.ndarray], request: DecodedRequest, version: str = "1"
+) -> tuple[bytes, dict[str, str]]:
+    """Response body and headers; binary outputs follow the JSON header when requested."""
+    wanted = request.outputs if request.outputs is not None else tuple(outputs)
+    unknown = [n for n in wanted if n not in outputs]
+    if unknown:
+        raise InvalidInput(f"unknown output(s) {unknown} requested; {model} has {sorted(outputs)}")
+    entries, tails = [], []
+    for name in wanted:
+        array = outputs[name]
+        datatype = as_dtype(array.dtype).datatype
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if "*" in request.binary_outputs or name in request.binary_outputs:
+            raw = (
+                _bytes_to_binary(array)
+                if datatype == "BYTES"
+                else np.ascontiguousarray(array).tobytes()
+            )
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            tails.append(raw)
+        elif datatype == "BYTES":
+            entry["data"] = [
+                v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                for v in array.reshape(-1)
+            ]
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        entries.append(entry)
+    body: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
+    if request.id is not None:
+        body["id"] = request.id
+    header = json.dumps(body, separators=(",", ":")).encode()
+    if not tails:
+        return header, {"content-type": "application/json"}
+    return header + b"".join(tails), {
+        "content-type": "application/octet-stream",
+        HEADER_LENGTH: str(len(header)),
+    }
+
+
+def metadata(
+    name: str, spec: ModelSpec, versions: Sequence[str] = ("1",), platform: str = "servekit"
+) -> dict[str, Any]:
+    """``GET /v2/models/{name}``: tensors with the batch dim as -1, as Triton reports them."""
+    lead = [-1] if spec.batched else []
+
+    def tensors(items: Sequence[Any]) -> list[dict[str, Any]]:
+        return [
+            {"name": t.name, "datatype": t.dtype.datatype, "shape": lead + list(t.shape)}
+            for t in items
+        ]
+
+    return {
+        "name": name,
+        "versions": list(versions),
+        "platform": platform,
+        "inputs": tensors(spec.inputs),
+        "outputs": tensors(spec.outputs),
+    }

@@ -1,0 +1,113 @@
+"""The real commands as a user runs them: `servekit serve` and `servekit triton` in their own
+processes, reached over loopback, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton", reason="needs the triton extra")
+
+from conftest import free_port
+from servekit.client import Client
+from servekit.triton.repo import build_repository, reference_repository
+
+
+def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    with Client(url) as c:
+        while not c.is_ready(model):
+            assert proc.poll() is None, (
+                f"exited early:\n{proc.stdout.read().decode(errors='replace')[-3000:]}"
+            )
+            assert time.monotonic() < deadline, "not ready in time"
+            time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_serve_command_with_a_config_file(tmp_path, model_cache):
+    http = free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f"""
+model = "tiny_cnn"
+top_k = 3
+cache_dir = "{model_cache}"
+[server]
+host = "127.0.0.1"
+http_port = {http}
+grpc_port = {free_port()}
+metrics_port = {free_port()}
+[batching]
+max_batch_size = 4
+max_queue_delay_us = 1000
+"""
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servekit.cli", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "tiny_cnn_image", proc)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            preds = c.classify([_jpeg()], model="tiny_cnn_image")
+            assert len(preds[0]) == 3
+            meta = c.metadata("tiny_cnn")
+            assert meta["inputs"][0]["shape"] == [-1, 3, 32, 32]
+    finally:
+        code = stop(proc)
+    assert code == 0
+
+
+def _jpeg() -> bytes:
+    from servekit.stages import synthetic_image
+
+    return synthetic_image(0)
+
+
+def test_triton_command_serves_the_repository(tmp_path, model_cache):
+    repo = tmp_path / "repo"
+    build_repository(repo, reference_repository(), cache_dir=model_cache)
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
+         "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "resnet50_ensemble", proc)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            out = c.infer("resnet50_ensemble", {"image": np.array([[_jpeg()]], dtype=object)})
+            assert out["scores"].shape == (1, 5)
+    finally:
+        code = stop(proc)
+    assert code == 0
+
+
+def test_serve_command_refuses_a_bad_config(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[batching]\nmax_batch = 4\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "servekit.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "max_batch" in result.stdout + result.stderr

@@ -1,0 +1,116 @@
+"""The Ray Serve app on a real local Ray, reached over KServe v2 HTTP with tritonclient."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the ray extra")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("tritonclient.http")
+
+from conftest import free_port
+from servekit import InvalidInput, ModelNotFound, OnnxRuntimeRunner, image_classifier
+from servekit.client import Client
+from servekit.ray import build_app
+from servekit.stages import synthetic_image
+
+
+@pytest.fixture(scope="module")
+def ray_url(resnet50_path):
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(
+            {
+                "model": str(resnet50_path),
+                "name": "resnet50",
+                "batching": {"max_batch_size": 8, "max_queue_delay_us": 2000},
+                "model_cpus": 0.5,
+                "stage_cpus": 0.25,
+            }
+        )
+        serve.run(app, name="servekit", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        with Client(url) as c:
+            c.wait_ready("resnet50_image", timeout_s=120)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(resnet50_path):
+    runner = OnnxRuntimeRunner(resnet50_path)
+    return runner, image_classifier(runner)
+
+
+def test_ray_app_answers_like_the_in_process_pipeline(ray_url, local):
+    images = [synthetic_image(i) for i in range(3)]
+    with Client(ray_url) as c:
+        assert c.classify(images, model="resnet50_image") == local[1].classify(images)
+        x = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+        np.testing.assert_allclose(
+            c.infer("resnet50", {"input": x})["logits"],
+            local[0].infer({"input": x})["logits"],
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+
+def test_concurrent_requests_batch_and_each_get_their_own_answer(ray_url, local):
+    images = [synthetic_image(20 + i) for i in range(8)]
+    expected = [p[0].class_id for p in local[1].classify(images)]
+    got: dict[int, int] = {}
+
+    def one(i: int) -> None:
+        with Client(ray_url) as c:
+            got[i] = c.classify([images[i]], model="resnet50_image")[0][0].class_id
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(8)] == expected
+
+
+def test_bad_inputs_get_a_400_naming_the_problem(ray_url):
+    with Client(ray_url) as c:
+        with pytest.raises(InvalidInput, match="expected dtype FP32, got FP64"):
+            c.infer("resnet50", {"input": np.zeros((1, 3, 224, 224))})
+        with pytest.raises(InvalidInput, match="cannot decode image"):
+            c.classify([b"junk"], model="resnet50_image")
+        with pytest.raises(ModelNotFound, match="nope"):
+            c.infer("nope", {"input": np.zeros((1, 3, 224, 224), np.float32)})
+        assert len(c.classify([synthetic_image(1)], model="resnet50_image")[0]) == 5
+
+
+def test_a_killed_model_replica_is_replaced_and_later_requests_succeed(ray_url):
+    names = [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Model" in a["name"]
+    ]
+    assert names, "no Model replica found"
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 90
+    with Client(ray_url) as c:
+        while True:
+            try:
+                assert len(c.classify([synthetic_image(2)], model="resnet50_image")[0]) == 5
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the app did not recover"
+                time.sleep(0.5)
+        for _ in range(3):  # and it keeps serving
+            assert len(c.classify([synthetic_image(3)], model="resnet50_image")[0]) == 5
