@@ -12,20 +12,40 @@ FAST = MeasureConfig(window_s=0.3, warmup_s=0.1, max_windows=3, stability=1.0)
 
 def test_compare_runs_each_runtime_and_reports_shares_of_raw(tiny_cnn_path):
     events: list[str] = []
-    result = compare(tiny_cnn_path, ["raw", "batcher", "ray"], [1, 2], FAST, on_event=events.append)
+    result = compare(
+        tiny_cnn_path, ["raw", "batcher"], [1, 2], FAST, on_event=events.append, ceiling_seconds=0.2
+    )
     assert list(result.series) == ["raw", "batcher"]
-    assert "ray" in result.skipped and "ray" in result.skipped["ray"].lower()
+    assert result.ceiling and set(result.ceiling_by_batch) == {1, 8, 16}
     for points in result.series.values():
         assert [p.level for p in points] == [1, 2]
         assert all(p.stats.errors == 0 and p.stats.requests > 0 for p in points)
     shares = result.share_of_raw()
-    assert shares["raw"] == 1.0 and shares["batcher"] > 0
+    best_raw = max(p.stats.inferences_per_s for p in result.series["raw"])
+    assert shares["raw"] == pytest.approx(best_raw / result.ceiling) and shares["batcher"] > 0
+    result.skipped["ray"] = "ray is not installed"
     report = markdown_report(
         result, "servekit compare --runtimes raw,batcher,ray", "compare.png", "test box"
     )
-    assert "| raw | 1 |" in report and "| batcher | 2 |" in report
-    assert "Skipped: ray (" in report and "servekit compare --runtimes raw,batcher,ray" in report
-    assert any("skipped ray" in e for e in events)
+    assert "| raw | 1 |" in report and "| batcher | 2 |" in report and "Raw ceiling:" in report
+    assert "Skipped: ray (ray is not installed)" in report
+    assert "servekit compare --runtimes raw,batcher,ray" in report
+    assert any("raw ceiling" in e for e in events)
+
+
+def test_unavailable_runtimes_are_skipped_with_the_reason(tiny_cnn_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("no ray here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    result = compare(tiny_cnn_path, ["ray"], [1], FAST)
+    assert result.series == {} and "pip install 'servekit[ray]'" in result.skipped["ray"]
 
 
 def test_unknown_runtimes_are_named(tiny_cnn_path):

@@ -319,6 +319,9 @@ def compare(
     window: Annotated[float, typer.Option()] = 5.0,
     warmup: Annotated[float, typer.Option()] = 3.0,
     max_windows: Annotated[int, typer.Option(min=3)] = 8,
+    ceiling_seconds: Annotated[
+        float, typer.Option(help="Seconds per batch size for the raw ceiling (0 = skip).")
+    ] = 8.0,
     out: Annotated[Path, typer.Option(help="Writes OUT.md, OUT.json, OUT.csv, OUT.png.")] = Path(
         "bench/results/compare"
     ),
@@ -351,6 +354,7 @@ def compare(
             instances=instances,
             threads=threads,
             on_event=console.print,
+            ceiling_seconds=ceiling_seconds,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -110,8 +110,56 @@ def _ensemble(setup: Setup) -> Iterator[Any]:
             yield lambda: open_target(options.grpc_url, "resnet50_ensemble", setup.payload)
 
 
-def _ray_unavailable(setup: Setup) -> Any:
-    raise _Skip("servekit has no Ray Serve app yet (ray_app/ is an open issue)")
+@contextlib.contextmanager
+def _ray(setup: Setup) -> Iterator[Any]:
+    import ray
+    from ray import serve
+
+    from ..ray import build_app, policy_to_dict
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(
+            {
+                "model": str(setup.model_path),
+                "name": "resnet50",
+                "batching": policy_to_dict(setup.policy),
+                "model_replicas": setup.instances,
+                "model_cpus": 0.5,
+                "threads": setup.threads,
+            }
+        )
+        serve.run(app, name="servekit", route_prefix="/")
+        yield lambda: open_target(f"http://127.0.0.1:{port}", "resnet50_image", setup.payload)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
+    """The in-process Pipeline's best images/s over batch sizes 1, 8 and 16 (no server at all)."""
+    import time
+
+    from ..pipeline import image_classifier
+    from ..runners.onnx import OnnxRuntimeRunner
+
+    jpeg = synthetic_image(0)
+    by_batch: dict[int, float] = {}
+    clf = image_classifier(OnnxRuntimeRunner(model_path))
+    try:
+        for batch in (1, 8, 16):
+            images = [jpeg] * batch
+            clf.classify(images)
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                clf.classify(images)
+                n += batch
+            by_batch[batch] = n / (time.perf_counter() - start)
+    finally:
+        clf.close()
+    return max(by_batch.values()), by_batch
 
 
 class _Skip(Exception):
@@ -139,21 +187,28 @@ RUNTIMES: dict[str, Callable[[Setup], Any]] = {
     "batcher": _batcher,
     "pytriton": _needs("pytriton", "triton")(_pytriton),
     "ensemble": _needs("pytriton", "triton")(_ensemble),
-    "ray": _needs("ray", "ray")(_ray_unavailable),
+    "ray": _needs("ray", "ray")(_ray),
 }
-"""Runtime name -> context manager yielding a target factory; ``raw`` is the baseline."""
+"""Runtime name -> context manager yielding a target factory. ``raw`` is the in-process
+Pipeline called one image per request from concurrent threads (no batching, no server)."""
 
 
 @dataclass
 class ComparisonResult:
     series: dict[str, list[Point]]
     skipped: dict[str, str]
+    ceiling: float | None = None
+    """The in-process Pipeline's best images/s at its best batch size: the raw ceiling."""
+    ceiling_by_batch: dict[int, float] | None = None
 
     def share_of_raw(self) -> dict[str, float]:
-        """Each runtime's best inferences/s as a fraction of raw's best."""
-        if "raw" not in self.series:
+        """Each runtime's best inferences/s as a fraction of the raw ceiling (or raw's best)."""
+        if self.ceiling:
+            raw = self.ceiling
+        elif "raw" in self.series:
+            raw = max(p.stats.inferences_per_s for p in self.series["raw"])
+        else:
             return {}
-        raw = max(p.stats.inferences_per_s for p in self.series["raw"])
         return {
             name: max(p.stats.inferences_per_s for p in pts) / raw
             for name, pts in self.series.items()
@@ -170,8 +225,10 @@ def compare(
     instances: int = 1,
     threads: int | None = None,
     on_event: Callable[[str], None] = lambda _: None,
+    ceiling_seconds: float = 0.0,
 ) -> ComparisonResult:
-    """Run the same closed-loop sweep against each runtime in turn."""
+    """Run the same closed-loop sweep against each runtime in turn; with ``ceiling_seconds``,
+    first measure the in-process Pipeline's best batched throughput as the raw ceiling."""
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
@@ -180,6 +237,11 @@ def compare(
         Path(model_path), policy or BatchingPolicy(max_batch_size=8), instances, threads, payload
     )
     result = ComparisonResult({}, {})
+    if ceiling_seconds > 0:
+        on_event("measuring the raw ceiling (in-process Pipeline, batch 1/8/16)")
+        result.ceiling, result.ceiling_by_batch = pipeline_ceiling(
+            Path(model_path), ceiling_seconds
+        )
     for name in runtimes:
         try:
             context = RUNTIMES[name](setup)
@@ -215,6 +277,14 @@ def markdown_report(result: ComparisonResult, command: str, plot: str | None, ma
         "",
         "Every runtime classifies the same 320x240 JPEG (decode, resize, crop, normalise, "
         "ResNet-50, top-5), closed loop, one image per request, same policy.",
+        "",
+        (
+            f"Raw ceiling: {result.ceiling:.1f} images/s, the in-process Pipeline at its best batch size "
+            f"(by batch: {', '.join(f'{b}: {v:.1f}' for b, v in (result.ceiling_by_batch or {}).items())}). "
+            "The `raw` rows call the same Pipeline one image per request from concurrent threads."
+            if result.ceiling
+            else "Shares are of the `raw` rows' best."
+        ),
         "",
         "| runtime | concurrency | images/s | share of raw (best) | p50 ms | p95 ms | p99 ms | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
