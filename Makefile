@@ -31,7 +31,7 @@ test: $(STAMP)
 
 bench: models
 	$(BIN)/python bench/raw.py
-	$(BIN)/python bench/batcher.py --no-ray
+	$(BIN)/python bench/batcher.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
