@@ -123,7 +123,14 @@ class _Base:
                 out.append(i)
                 offset += a.nbytes
             return out
-        for k, a in arrays.items():
+        return out + self._socket_inputs(arrays, binary)
+
+    def _socket_inputs(self, inputs: Mapping[str, np.ndarray], binary: bool) -> list[Any]:
+        """Inputs that travel in the request itself (binary tensors or JSON over HTTP)."""
+        mod = self._module()
+        out = []
+        for k, a in inputs.items():
+            a = np.ascontiguousarray(a)
             i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
             if self.protocol == "http":
                 i.set_data_from_numpy(a, binary_data=binary)
@@ -131,6 +138,12 @@ class _Base:
                 i.set_data_from_numpy(a)
             out.append(i)
         return out
+
+    def _output_names(self, result: Any) -> list[str]:
+        response = result.get_response()
+        if self.protocol == "http":
+            return [o["name"] for o in response["outputs"]]
+        return [o.name for o in response.outputs]
 
     def _ensure_region(self, client: Any, size: int) -> None:
         import tritonclient.utils.shared_memory as shm
@@ -205,14 +218,8 @@ class Client(_Base):
             )
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
-        names = outputs or [o["name"] for o in self._outputs_of(result)]
+        names = outputs or self._output_names(result)
         return {n: result.as_numpy(n) for n in names}
-
-    def _outputs_of(self, result: Any) -> list[dict[str, Any]]:
-        response = result.get_response()
-        if self.protocol == "http":
-            return list(response["outputs"])
-        return [{"name": o.name} for o in response.outputs]
 
     def classify(
         self, images: Sequence[bytes], model: str = "resnet50_image"
@@ -283,17 +290,7 @@ class AsyncClient(_Base):
 
     def prepare(self, inputs: Mapping[str, np.ndarray], *, binary: bool = True) -> list[Any]:
         """tritonclient inputs built once, for many ``infer_prepared`` calls."""
-        mod = self._module()
-        ins = []
-        for k, a in inputs.items():
-            a = np.ascontiguousarray(a)
-            i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
-            if self.protocol == "http":
-                i.set_data_from_numpy(a, binary_data=binary)
-            else:
-                i.set_data_from_numpy(a)
-            ins.append(i)
-        return ins
+        return self._socket_inputs(inputs, binary)
 
     async def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], *, binary: bool = True
@@ -306,13 +303,7 @@ class AsyncClient(_Base):
             result = await self._client.infer(model, prepared)
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
-        response = result.get_response()
-        names = (
-            [o["name"] for o in response["outputs"]]
-            if self.protocol == "http"
-            else [o.name for o in response.outputs]
-        )
-        return {n: result.as_numpy(n) for n in names}
+        return {n: result.as_numpy(n) for n in self._output_names(result)}
 
     async def classify(
         self, images: Sequence[bytes], model: str = "resnet50_image"

@@ -179,43 +179,21 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
 
 
 def _specs(model: str, top_k: int) -> dict[str, ModelSpec]:
-    """The served signatures, read from the ONNX graph (not run) on the driver."""
-    import onnx
-
+    """The served signatures, from the same core objects the replicas build (on the driver)."""
     from .. import zoo
-    from ..pipeline import is_image_classifier
-    from ..spec import TensorSpec
+    from ..pipeline import image_classifier, is_image_classifier
+    from ..runners.onnx import OnnxRuntimeRunner
 
     path = zoo.build(model) if model in zoo.MODELS else model
-    graph = onnx.load(str(path), load_external_data=False).graph
-
-    def tensors(items: Any) -> tuple[TensorSpec, ...]:
-        out = []
-        for t in items:
-            dims = [d.dim_value if d.dim_value > 0 else -1 for d in t.type.tensor_type.shape.dim][
-                1:
-            ]
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.type.tensor_type.elem_type)
-            out.append(TensorSpec(t.name, dtype, dims))
-        return tuple(out)
-
-    init = {i.name for i in graph.initializer}
-    spec = ModelSpec(
-        tensors([i for i in graph.input if i.name not in init]), tensors(graph.output), 64
-    )
-    if not is_image_classifier(spec):
-        raise ValueError(
-            f"{model}: the Ray app serves image classifiers (one NCHW input, one logits output)"
-        )
-    import numpy as np
-
-    image = ModelSpec(
-        (TensorSpec("image", "BYTES", [1]),),
-        (
-            TensorSpec("scores", np.float32, [top_k]),
-            TensorSpec("classes", np.int64, [top_k]),
-            TensorSpec("labels", "BYTES", [top_k]),
-        ),
-        64,
-    )
-    return {"model": spec, "image": image}
+    runner = OnnxRuntimeRunner(path, intra_op_threads=1)
+    try:
+        if not is_image_classifier(runner.spec):
+            raise ValueError(
+                f"{model}: the Ray app serves image classifiers (one NCHW input, one logits output)"
+            )
+        clf = image_classifier(runner, top_k=top_k)
+        specs = {"model": runner.spec, "image": clf.spec}
+        clf.steps[0].close()
+        return specs
+    finally:
+        runner.close()

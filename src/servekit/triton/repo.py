@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..batching.policy import BatchingPolicy
-from ..spec import ModelSpec, TensorSpec
+from ..spec import ModelSpec
 from .pbtxt import EnsembleStep, ensemble_config, model_config, render
 
 __all__ = ["RepositoryModel", "build_repository", "reference_repository"]
@@ -44,14 +42,12 @@ def reference_repository(
 ) -> list[RepositoryModel]:
     """The four models of the ResNet-50 ensemble; image bytes in, top-k out."""
     policy = policy or BatchingPolicy(max_batch_size=16)
-    image = TensorSpec("image", "BYTES", [1])
-    tensor = TensorSpec("input", np.float32, [3, 224, 224])
-    logits = TensorSpec("logits", np.float32, [1000])
-    outputs = (
-        TensorSpec("scores", np.float32, [top_k]),
-        TensorSpec("classes", np.int64, [top_k]),
-        TensorSpec("labels", "BYTES", [top_k]),
-    )
+    # The stages' own signatures, so the repository can never drift from what the backend builds.
+    from ..stages import Postprocess, Preprocess
+
+    pre_spec, post_spec = Preprocess(workers=1).spec, Postprocess(top_k=top_k).spec
+    (image,), (tensor,) = pre_spec.inputs, pre_spec.outputs
+    (logits,), outputs = post_spec.inputs, post_spec.outputs
     mbs = policy.max_batch_size or 16
     runner_params = {"kind": "runner", "runner": "onnxruntime", "model_file": "model.onnx"}
     if threads:
