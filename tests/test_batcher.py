@@ -170,9 +170,11 @@ def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
             np.testing.assert_array_equal(res["y"], row_fn(x["x"]))
             assert not any(i in b for b in poisoned_batches)
     if c["ordering"]:
-        # Results arrive in the order requests were taken into batches.
+        # Triton's preserve_ordering: responses in the order the requests arrived (one
+        # priority level here). Not the order the model saw the batches: two instance
+        # threads may start their batches in either order.
         delivered = [i for i in completed if i not in cancelled and i in executed]
-        assert delivered == sorted(delivered, key=executed.__getitem__)
+        assert delivered == sorted(delivered)
     s = batcher.stats
     assert s.execution_count == len(model.batches)
     assert s.inference_count == sum(len(b) for b in model.batches)
