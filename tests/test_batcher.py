@@ -327,6 +327,34 @@ def test_bad_input_found_while_running_fails_only_its_own_request():
     assert stats.request_failure == 1 and stats.request_success == 3
 
 
+def test_bad_input_found_by_a_coroutine_batch_function_fails_only_its_own_request():
+    calls: list[int] = []
+
+    async def picky(d):
+        calls.append(len(d["x"]))
+        await gate.wait()
+        if (d["x"] == 13).any():
+            raise InvalidInput("cannot decode row")
+        return {"y": row_fn(d["x"])}
+
+    async def main():
+        async with Batcher(picky, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
+            first = asyncio.ensure_future(b.infer(request(0)))
+            await asyncio.sleep(0)
+            rest = [asyncio.ensure_future(b.infer(request(i))) for i in (1, 13, 2)]
+            await asyncio.sleep(0)
+            gate.set()
+            return await asyncio.gather(first, *rest, return_exceptions=True), b.stats
+
+    gate = asyncio.Event()
+    results, stats = asyncio.run(main())
+    assert calls[:2] == [1, 3], "the three later requests should have formed one batch"
+    assert isinstance(results[2], InvalidInput)
+    for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
+        np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
+    assert stats.request_failure == 1 and stats.request_success == 3
+
+
 def test_garbage_outputs_are_runner_errors_naming_the_problem():
     def short(d):
         return {"y": d["x"][:1]}

@@ -526,9 +526,21 @@ class Batcher:
         try:
             outputs = await self._fn(concat([r.inputs for r in batch], self._names))  # type: ignore[misc]
             parts = self._split(outputs, rows)
+        except InvalidInput as exc:
+            if len(batch) == 1:
+                error = exc
+            else:  # as in _run_batch: one by one, so only the culprit fails
+                parts = [await self._run_one_async(r) for r in batch]  # type: ignore[misc]
         except Exception as exc:
             error = self._as_error(exc)
         self._complete(seq, batch, queue_us, parts, error, (time.perf_counter() - start) * 1e6)
+
+    async def _run_one_async(self, request: Request) -> Arrays | ServekitError:
+        try:
+            outputs = await self._fn(concat([request.inputs], self._names))  # type: ignore[misc]
+            return self._split(outputs, [request.rows])[0]
+        except Exception as exc:
+            return self._as_error(exc)
 
     def _split(self, outputs: Mapping[str, np.ndarray], rows: list[int]) -> list[Arrays]:
         if self._check_outputs:

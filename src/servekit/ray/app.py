@@ -43,7 +43,11 @@ class _Batched:
         self.runner = runner
         self.batcher = Batcher(runner, policy_from_dict(policy), name=name)
 
-    async def __call__(self, inputs: dict[str, Any]) -> dict[str, Any] | ServekitError:
+    async def __call__(
+        self, inputs: dict[str, Any] | ServekitError
+    ) -> dict[str, Any] | ServekitError:
+        if isinstance(inputs, ServekitError):  # an earlier stage's error passes through
+            return inputs
         try:
             return await self.batcher.infer(inputs)
         except ServekitError as exc:
@@ -52,20 +56,50 @@ class _Batched:
     def spec(self) -> ModelSpec:
         return self.runner.spec
 
+    def where(self) -> dict[str, Any]:
+        """This replica's node and batch counts (which replica did the work, and how much)."""
+        import ray
+
+        s = self.batcher.stats
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "executions": s.execution_count,
+            "inferences": s.inference_count,
+        }
+
 
 class _Remote:
-    """What ``KServeApp`` needs (``spec``, ``async infer``) over a chain of deployment handles."""
+    """What ``KServeApp`` needs (``spec``, ``async infer``) over a chain of deployment handles.
 
-    def __init__(self, spec: ModelSpec, *handles: Any) -> None:
+    Requests are batched here too, so one handle call carries a whole batch down the
+    chain: per-request handle calls cost more CPU than the model on a small machine.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        spec: ModelSpec,
+        handles: tuple[Any, ...],
+        policy: BatchingPolicy,
+        in_flight: int,
+    ) -> None:
         self.spec, self.handles = spec, handles
+        self.batcher = Batcher(
+            self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
+        )
 
-    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    async def _chain(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # Each stage's response goes straight to the next replica, not back through here.
         value: Any = inputs
         for handle in self.handles:
-            value = await handle.remote(value)
-            if isinstance(value, ServekitError):
-                raise value
+            value = handle.remote(value)
+        value = await value
+        if isinstance(value, ServekitError):
+            raise value
         return value  # type: ignore[no-any-return]
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return await self.batcher.infer(inputs)
 
 
 def build_app(args: Mapping[str, Any] | None = None) -> Any:
@@ -136,8 +170,10 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
         def __init__(self, pre: Any, net: Any, post: Any, specs: Mapping[str, ModelSpec]) -> None:
             self.app = KServeApp(
                 {
-                    name: _Remote(specs["model"], net),
-                    f"{name}_image": _Remote(specs["image"], pre, net, post),
+                    name: _Remote(name, specs["model"], (net,), policy, in_flight),
+                    f"{name}_image": _Remote(
+                        f"{name}_image", specs["image"], (pre, net, post), policy, in_flight
+                    ),
                 }
             )
 
@@ -160,6 +196,11 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
             )
 
     specs = _specs(model, top_k)
+    replicas = int(args.get("model_replicas", 1))
+    if args.get("autoscaling"):
+        replicas = int(args["autoscaling"].get("max_replicas", replicas))
+    # Batches in flight from the ingress: enough to keep every model replica and stage busy.
+    in_flight = int(args.get("ingress_batches", 2 * replicas + 1))
     crop = specs["model"].inputs[0].shape[1]
     model_options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": float(args.get("model_cpus", 1.0))}
@@ -167,7 +208,7 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
     if args.get("autoscaling"):
         model_options["autoscaling_config"] = dict(args["autoscaling"])
     else:
-        model_options["num_replicas"] = int(args.get("model_replicas", 1))
+        model_options["num_replicas"] = replicas
     stage_options = {
         "num_replicas": int(args.get("stage_replicas", 1)),
         "ray_actor_options": {"num_cpus": stage_cpus},
