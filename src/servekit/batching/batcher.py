@@ -262,6 +262,11 @@ class Batcher:
     def closed(self) -> bool:
         return self._state is _State.CLOSED
 
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queue (Triton's ``nv_inference_pending_request_count``)."""
+        return len(self._queue)
+
     # ------------------------------------------------------------ admission
 
     def _request(
@@ -271,19 +276,23 @@ class Batcher:
         timeout_us: int | None,
         future: asyncio.Future | concurrent.futures.Future,
     ) -> Request:
-        rows = self.spec.validate_inputs(inputs)
-        if rows > self._max_rows:
-            raise InvalidInput(
-                f"{self.name}: batch size {rows} exceeds max_batch_size {self._max_rows}"
-            )
-        if priority or timeout_us is not None:
-            try:
-                level = self.policy.level_of(priority)
-            except ValueError as exc:
-                raise InvalidInput(f"{self.name}: {exc}") from None
-            timeout = self.policy.queue_policy(level).timeout_us(timeout_us)
-        else:
-            level, timeout = self._default_level, self._default_timeout_us
+        level, timeout = self._default_level, self._default_timeout_us
+        try:
+            rows = self.spec.validate_inputs(inputs)
+            if rows > self._max_rows:
+                raise InvalidInput(
+                    f"{self.name}: batch size {rows} exceeds max_batch_size {self._max_rows}"
+                )
+            if priority or timeout_us is not None:
+                try:
+                    level = self.policy.level_of(priority)
+                except ValueError as exc:
+                    raise InvalidInput(f"{self.name}: {exc}") from None
+                timeout = self.policy.queue_policy(level).timeout_us(timeout_us)
+        except InvalidInput:
+            with self._lock:  # callers on any thread land here
+                self.stats.request_invalid += 1
+            raise
         now = self._clock()
         names = self._names
         shape_key = (

@@ -28,6 +28,9 @@ class BatcherStats:
     request_success: int = 0
     request_failure: int = 0
     """Failed in execution, timed out, rejected as overloaded, or failed at shutdown."""
+    request_invalid: int = 0
+    """Refused at admission: inputs that break the signature (not in request_failure,
+    which the event loop alone updates; metrics report the two together)."""
     request_cancelled: int = 0
     request_rejected: int = 0
     """Rejected at admission because the queue was full (also counted in failures)."""

@@ -1,0 +1,242 @@
+"""Prometheus metrics with Triton's names and labels, for the runtimes Triton does not run.
+
+Triton (and so PyTriton and the servekit backend) exports ``nv_inference_*`` itself on its
+metrics port. servekit's Batcher, its KServe v2 front and the Ray app export the same
+names, labels (``model``, ``version``) and meanings, so one dashboard and one autoscaling
+rule serve every runtime. Counters are read from each Batcher's ``stats`` at scrape time;
+latency summaries (``*_summary_us`` with quantiles, as Triton's
+``--metrics-config summary_latencies=true``) come from a sliding window of per-request
+observations fed by the Batcher's batch listener. GPU gauges come from NVML
+(``nvidia-ml-py``) where a GPU exists and are left out cleanly where none does.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .batching import Batcher, BatchRecord
+
+__all__ = ["CONTENT_TYPE", "COUNTERS", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+COUNTERS = {
+    "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
+    "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
+    "nv_inference_count": "Number of inferences performed",
+    "nv_inference_exec_count": "Number of model executions performed",
+    "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds",
+    "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds",
+}
+GAUGES = {
+    "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model",
+}
+SUMMARIES = {
+    "nv_inference_request_summary_us": "Summary of inference request duration in microseconds",
+    "nv_inference_queue_summary_us": "Summary of inference queuing duration in microseconds",
+    "nv_inference_compute_infer_summary_us": "Summary of compute inference duration in microseconds",
+}
+GPU_GAUGES = {
+    "nv_gpu_utilization": "GPU utilization rate [0.0 - 1.0)",
+    "nv_gpu_memory_total_bytes": "GPU total memory, in bytes",
+    "nv_gpu_memory_used_bytes": "GPU used memory, in bytes",
+}
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+
+
+@dataclass
+class _Window:
+    """Per-request observations of one summary over the last ``window_s`` seconds."""
+
+    window_s: float
+    points: collections.deque[tuple[float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=100_000)
+    )
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, now: float, values: Iterable[float]) -> None:
+        for v in values:
+            self.points.append((now, v))
+            self.count += 1
+            self.total += v
+
+    def quantiles(self, now: float) -> list[float]:
+        while self.points and self.points[0][0] < now - self.window_s:
+            self.points.popleft()
+        if not self.points:
+            return [float("nan")] * len(QUANTILES)
+        values = np.fromiter((v for _, v in self.points), dtype=np.float64)
+        return [float(q) for q in np.quantile(values, QUANTILES)]
+
+
+@dataclass
+class _Watched:
+    batcher: Batcher
+    labels: str
+    summaries: dict[str, _Window]
+    front_failures: int = 0
+
+
+class Metrics:
+    """Triton-named metrics for Batchers; ``render()`` is the Prometheus text exposition.
+
+    Args:
+        window_s: how far back the summaries' quantiles look.
+        gpu: export NVML GPU gauges when a GPU and ``nvidia-ml-py`` are present.
+        clock: injectable for tests.
+    """
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        *,
+        gpu: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._models: dict[tuple[str, str], _Watched] = {}
+        self._lock = threading.Lock()
+        self._gpu = _Nvml() if gpu else None
+
+    def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
+        """Export ``batcher``'s traffic as model ``model``, version ``version``."""
+        key = (model, version)
+        if key in self._models:
+            raise ValueError(f"model {model!r} version {version!r} is already watched")
+        watched = _Watched(
+            batcher,
+            f'model="{_escape(model)}",version="{_escape(version)}"',
+            {name: _Window(self.window_s) for name in SUMMARIES},
+        )
+        self._models[key] = watched
+        batcher.listeners.append(lambda record: self._observe(watched, record))
+
+    def failed(self, model: str, version: str = "1") -> None:
+        """Count a request that failed before it reached the model's Batcher (a bad body, say)."""
+        watched = self._models.get((model, version))
+        if watched is not None:
+            with self._lock:
+                watched.front_failures += 1
+
+    @property
+    def models(self) -> list[tuple[str, str]]:
+        return list(self._models)
+
+    def _observe(self, watched: _Watched, record: BatchRecord) -> None:
+        now = self._clock()
+        with self._lock:
+            w = watched.summaries
+            w["nv_inference_queue_summary_us"].add(now, record.queue_us)
+            w["nv_inference_compute_infer_summary_us"].add(now, [record.compute_us])
+            w["nv_inference_request_summary_us"].add(
+                now, (q + record.compute_us for q in record.queue_us)
+            )
+
+    def render(self) -> str:
+        """The current values in Prometheus text format 0.0.4."""
+        now = self._clock()
+        lines: list[str] = []
+        with self._lock:
+            rows = [(w, w.batcher.stats.snapshot(), w.front_failures) for w in self._models.values()]
+            values: dict[str, list[tuple[str, float]]] = {n: [] for n in (*COUNTERS, *GAUGES)}
+            for w, s, front in rows:
+                request_us = w.summaries["nv_inference_request_summary_us"].total
+                for name, value in (
+                    ("nv_inference_request_success", s.request_success),
+                    (
+                        "nv_inference_request_failure",
+                        s.request_failure + s.request_invalid + front,
+                    ),
+                    ("nv_inference_count", s.inference_count),
+                    ("nv_inference_exec_count", s.execution_count),
+                    ("nv_inference_request_duration_us", request_us),
+                    ("nv_inference_queue_duration_us", s.queue_us),
+                    ("nv_inference_compute_infer_duration_us", s.compute_us),
+                    ("nv_inference_pending_request_count", w.batcher.pending),
+                ):
+                    values[name].append((w.labels, float(value)))
+            for name, help_text in COUNTERS.items():
+                _family(lines, name, "counter", help_text, values[name])
+            for name, help_text in GAUGES.items():
+                _family(lines, name, "gauge", help_text, values[name])
+            for name, help_text in SUMMARIES.items():
+                lines.append(f"# HELP {name} {help_text}")
+                lines.append(f"# TYPE {name} summary")
+                for w, _, _ in rows:
+                    window = w.summaries[name]
+                    for q, v in zip(QUANTILES, window.quantiles(now), strict=True):
+                        lines.append(f'{name}{{{w.labels},quantile="{q}"}} {_num(v)}')
+                    lines.append(f"{name}_count{{{w.labels}}} {window.count}")
+                    lines.append(f"{name}_sum{{{w.labels}}} {_num(window.total)}")
+        if self._gpu is not None:
+            for name, (help_text, samples) in self._gpu.read().items():
+                _family(lines, name, "gauge", help_text, samples)
+        return "\n".join(lines) + "\n"
+
+
+def _family(
+    lines: list[str], name: str, kind: str, help_text: str, samples: list[tuple[str, float]]
+) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+    lines.extend(f"{name}{{{labels}}} {_num(v)}" for labels, v in samples)
+
+
+def _num(v: float) -> str:
+    if v != v:
+        return "NaN"
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class _Nvml:
+    """NVML GPU gauges, or nothing where there is no GPU or no ``nvidia-ml-py``."""
+
+    def __init__(self) -> None:
+        self.handles: list[tuple[str, Any]] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                self.handles.append((uuid.decode() if isinstance(uuid, bytes) else uuid, handle))
+            self._nvml = pynvml
+        except Exception:  # no library, no driver or no GPU: no GPU metrics
+            self.handles = []
+
+    @property
+    def available(self) -> bool:
+        return bool(self.handles)
+
+    def read(self) -> dict[str, tuple[str, list[tuple[str, float]]]]:
+        if not self.handles:
+            return {}
+        nvml = self._nvml
+        out: dict[str, tuple[str, list[tuple[str, float]]]] = {
+            name: (help_text, []) for name, help_text in GPU_GAUGES.items()
+        }
+        for uuid, handle in self.handles:
+            labels = f'gpu_uuid="{_escape(uuid)}"'
+            try:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception:
+                continue
+            out["nv_gpu_utilization"][1].append((labels, util))
+            out["nv_gpu_memory_total_bytes"][1].append((labels, float(mem.total)))
+            out["nv_gpu_memory_used_bytes"][1].append((labels, float(mem.used)))
+        return out
