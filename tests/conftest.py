@@ -34,3 +34,31 @@ def free_port() -> int:
     from servekit.triton.env import free_port as _free
 
     return _free()
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """A Prometheus exposition's samples, keyed by (name as exposed, labels); parsed by
+    prometheus_client, so a malformed exposition fails the test too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            # The parser names counter samples the OpenMetrics way (``_total``); Triton's
+            # and servekit's exposition do not.
+            name = s.name.removesuffix("_total") if family.type == "counter" else s.name
+            out[(name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """GET a metrics endpoint and parse it (``parse_metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return parse_metrics(r.read().decode())
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent, as a counter that never moved)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)

@@ -144,3 +144,32 @@ def test_a_model_replica_killed_under_load_is_replaced_and_later_requests_succee
                 time.sleep(0.5)
         for _ in range(3):  # and it keeps serving
             assert len(c.classify([synthetic_image(3)], model="resnet50_image")[0]) == 5
+
+
+def test_the_ingress_exports_triton_named_metrics_for_known_traffic(ray_url):
+    from conftest import sample, scrape
+
+    labels = {"model": "resnet50_image", "version": "1"}
+    names = ("nv_inference_request_success", "nv_inference_request_failure")
+    names += ("nv_inference_exec_count", "nv_inference_count")
+
+    def counts() -> dict[str, float]:
+        got = scrape(f"{ray_url}/metrics")
+        return {n: sample(got, n, **labels) for n in names}
+
+    before = counts()
+    with Client(ray_url) as c:
+        for i in range(3):  # one at a time: one ingress batch each
+            c.classify([synthetic_image(50 + i)], model="resnet50_image")
+        with pytest.raises(InvalidInput):
+            c.classify([b"junk"], model="resnet50_image")
+    after = counts()
+    assert {n: after[n] - before[n] for n in names} == {
+        "nv_inference_request_success": 3,
+        "nv_inference_request_failure": 1,
+        "nv_inference_exec_count": 4,
+        "nv_inference_count": 4,
+    }
+    got = scrape(f"{ray_url}/metrics")
+    p50 = sample(got, "nv_inference_request_summary_us", **labels, quantile="0.5")
+    assert 1_000 < p50 < 10_000_000  # a ResNet-50 request: milliseconds, not micro or minutes

@@ -323,3 +323,60 @@ def test_repo_build_and_triton_commands(tmp_path, model_cache):
         app, ["triton", "--model-repository", str(tmp_path / "r"), "--model-control-mode", "lazy"]
     )
     assert bad.exit_code != 0 and "model_control_mode" in bad.output
+
+
+def test_metrics_count_known_traffic_exactly(triton):
+    """Triton's counters for the servekit backend and the ensemble after known traffic:
+    sequential requests are one execution each, latency summaries are on, and the bad
+    image's error response is counted in servekit_request_failure."""
+    from conftest import sample
+    from conftest import scrape as scrape_metrics
+
+    def counts() -> dict[tuple[str, str], float]:
+        got = scrape_metrics(triton.options.metrics_url)
+        return {
+            (model, name): sample(got, name, model=model, version="1")
+            for model in ("preprocess", "resnet50", "resnet50_ensemble")
+            for name in (
+                "nv_inference_request_success",
+                "nv_inference_request_failure",
+                "nv_inference_exec_count",
+                "nv_inference_request_summary_us_count",
+            )
+        } | {
+            (model, "servekit_request_failure"): sample(
+                got, "servekit_request_failure", model=model, version="1", code="INVALID_ARG"
+            )
+            for model in ("preprocess", "resnet50")
+        }
+
+    # Triton counts the bad image's request as a success (execute returned normally) and
+    # never lets the FP64 request reach the model; servekit counts the error it answered.
+    want = {
+        ("preprocess", "nv_inference_request_success"): 4,
+        ("preprocess", "nv_inference_request_failure"): 0,
+        ("preprocess", "servekit_request_failure"): 1,
+        ("preprocess", "nv_inference_exec_count"): 4,
+        ("resnet50", "nv_inference_request_success"): 3,
+        ("resnet50", "nv_inference_request_failure"): 0,
+        ("resnet50", "servekit_request_failure"): 0,
+        ("resnet50", "nv_inference_exec_count"): 3,
+        ("resnet50_ensemble", "nv_inference_request_success"): 3,
+    }
+    before = counts()
+    with Client(triton.options.http_url) as c:
+        for i in range(3):
+            c.classify(images(1, 60 + i), model="resnet50_ensemble")
+        with pytest.raises(InvalidInput):
+            c.classify([b"not an image"], model="resnet50_ensemble")
+        with pytest.raises(InvalidInput):
+            c.infer("resnet50", {"input": np.zeros((1, 3, 224, 224))})
+    deadline = time.monotonic() + 10
+    while True:  # Triton counts a request just after answering it
+        after = counts()
+        delta = {k: after[k] - before[k] for k in after}
+        if all(delta[k] >= v for k, v in want.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert {k: delta[k] for k in want} == want
+    assert delta[("resnet50", "nv_inference_request_summary_us_count")] == 3

@@ -374,3 +374,37 @@ def test_the_locust_user_sends_kserve_requests(server, tmp_path):
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     assert int(rows["resnet50_image"]["Request Count"]) > 0
     assert int(rows["resnet50_image"]["Failure Count"]) == 0
+
+
+def test_metrics_count_known_traffic_exactly(server):
+    """Triton's own counters and latency summaries for a PyTriton model after known
+    traffic: sequential requests are one execution each; the bad image's error response,
+    which Triton counts as a success, is counted in servekit_request_failure."""
+    from conftest import sample, scrape
+
+    labels = {"model": "resnet50_image", "version": "1"}
+    names = ("nv_inference_request_success", "nv_inference_request_failure")
+    names += ("nv_inference_exec_count", "nv_inference_request_summary_us_count")
+
+    def counts() -> dict[str, float]:
+        got = scrape(server.config.metrics_url)
+        out = {n: sample(got, n, **labels) for n in names}
+        out["servekit"] = sample(got, "servekit_request_failure", **labels, code="INVALID_ARG")
+        return out
+
+    before = counts()
+    with Client(server.config.http_url) as c:
+        for i in range(3):
+            c.classify(images(1, 40 + i))
+        with pytest.raises(InvalidInput):
+            c.classify([b"not an image"])
+    want = {names[0]: 4, names[1]: 0, names[2]: 4, "servekit": 1}
+    deadline = time.monotonic() + 10
+    while True:  # Triton counts a request just after answering it
+        after = counts()
+        delta = {n: after[n] - before[n] for n in after}
+        if all(delta[n] >= want[n] for n in want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert {n: delta[n] for n in want} == want
+    assert delta["nv_inference_request_summary_us_count"] == 4  # summary_latencies is on

@@ -13,6 +13,7 @@ from .errors import (
     RunnerError,
     ServekitError,
 )
+from .metrics import Metrics
 from .pipeline import ImageClassifier, Pipeline, Prediction, image_classifier
 from .runners import BaseRunner, FunctionRunner, OnnxRuntimeRunner, Runner
 from .spec import DType, ModelSpec, TensorSpec, as_dtype
@@ -30,6 +31,7 @@ __all__ = [
     "FunctionRunner",
     "ImageClassifier",
     "InvalidInput",
+    "Metrics",
     "ModelNotFound",
     "ModelNotReady",
     "ModelSpec",

@@ -146,7 +146,9 @@ class Metrics:
         now = self._clock()
         lines: list[str] = []
         with self._lock:
-            rows = [(w, w.batcher.stats.snapshot(), w.front_failures) for w in self._models.values()]
+            rows = [
+                (w, w.batcher.stats.snapshot(), w.front_failures) for w in self._models.values()
+            ]
             values: dict[str, list[tuple[str, float]]] = {n: [] for n in (*COUNTERS, *GAUGES)}
             for w, s, front in rows:
                 request_us = w.summaries["nv_inference_request_summary_us"].total

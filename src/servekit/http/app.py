@@ -16,7 +16,16 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import ModelNotFound, Overloaded, RunnerError, ServekitError, http_status
+from ..batching import Batcher
+from ..errors import (
+    InvalidInput,
+    ModelNotFound,
+    Overloaded,
+    RunnerError,
+    ServekitError,
+    http_status,
+)
+from ..metrics import CONTENT_TYPE, Metrics
 from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata
 
 __all__ = ["KServeApp", "serve_http"]
@@ -31,10 +40,14 @@ _MODEL = re.compile(
 class KServeApp:
     """ASGI app: ``/v2/health/{live,ready}``, ``/v2``, ``/v2/models/{name}[/versions/{v}][/ready|/infer]``.
 
+    ``GET /metrics`` is the Prometheus exposition (Triton's ``nv_inference_*`` names) for
+    every model that is a Batcher or holds one in ``.batcher``.
+
     Args:
         models: name -> Runner (run on a worker thread) or Batcher (awaited).
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
+        metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
     """
 
     def __init__(
@@ -43,10 +56,16 @@ class KServeApp:
         *,
         max_body_bytes: int = 64 * 1024 * 1024,
         ready: Callable[[], bool] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.models = dict(models)
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
+        self.metrics = metrics if metrics is not None else Metrics()
+        for name, model in self.models.items():
+            batcher = model if isinstance(model, Batcher) else getattr(model, "batcher", None)
+            if isinstance(batcher, Batcher) and (name, "1") not in self.metrics.models:
+                self.metrics.watch(batcher, name)
 
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
@@ -105,6 +124,8 @@ class KServeApp:
             return 200, b"", {}
         if method == "GET" and path == "/v2/health/ready":
             return (200 if self._ready() else 503), b"", {}
+        if method == "GET" and path == "/metrics":
+            return 200, self.metrics.render().encode(), {"content-type": CONTENT_TYPE}
         if method == "GET" and path == "/v2":
             return self._json(200, {"name": "servekit", "extensions": ["binary_tensor_data"]})
         m = _MODEL.match(path)
@@ -147,8 +168,14 @@ class KServeApp:
         except _TooLarge as exc:
             return self._json(413, {"error": str(exc)})
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        length = headers.get(HEADER_LENGTH)
-        request = decode_request(body, int(length) if length else None)
+        raw = headers.get(HEADER_LENGTH)
+        try:
+            if raw and not raw.isdigit():
+                raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
+            request = decode_request(body, int(raw) if raw else None)
+        except InvalidInput:
+            self.metrics.failed(name)  # never reached the model's Batcher
+            raise
         if asyncio.iscoroutinefunction(model.infer):
             outputs = await model.infer(request.inputs)
         else:

@@ -13,16 +13,30 @@ from . import _pytriton_model as _proxy  # type: ignore[attr-defined]
 
 ERROR_OUTPUT = "__servekit_error__"
 _wrap_response = _proxy._wrap_response
+_failures = None  # servekit's FailureCounter, made in initialize (one model per stub)
 
 
 def _wrap_response_or_error(response, requested_output_names, model_outputs_dict):  # type: ignore[no-untyped-def]
     data = response.data
     if data is not None and ERROR_OUTPUT in data:
         code, message = (v.decode("utf-8", "replace") for v in data[ERROR_OUTPUT].reshape(-1)[:2])
+        if _failures is not None:
+            _failures.count(code)
         error_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code))
     return _wrap_response(response, requested_output_names, model_outputs_dict)
 
 
+class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-defined]
+    def initialize(self, args):  # type: ignore[no-untyped-def]
+        global _failures
+        try:
+            from servekit.triton.stub_metrics import FailureCounter
+
+            _failures = FailureCounter(pb_utils, args["model_name"], str(args["model_version"]))
+        except ImportError:  # servekit not importable by this stub: no failure counter
+            _failures = None
+        return super().initialize(args)
+
+
 _proxy._wrap_response = _wrap_response_or_error
-TritonPythonModel = _proxy.TritonPythonModel

@@ -28,6 +28,7 @@ from ..batching.execute import run_requests
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner
 from ..spec import ModelSpec, TensorSpec
+from .stub_metrics import FailureCounter
 
 __all__ = ["TritonPythonModel", "build_runner", "check_config", "spec_from_config"]
 
@@ -148,6 +149,7 @@ class TritonPythonModel:
             runner.warmup()
         except Exception as exc:
             raise pb_utils.TritonModelException(f"servekit backend: {self.name}: {exc}") from None
+        self.failures = FailureCounter(pb_utils, self.name, str(args["model_version"]))
         self.inputs = [t.name for t in declared.inputs]
         self.outputs = [t.name for t in declared.outputs]
         pb_utils.Logger.log_info(
@@ -163,6 +165,7 @@ class TritonPythonModel:
         responses = []
         for result in run_requests(self.runner, inputs, self.runner.spec):
             if isinstance(result, ServekitError):
+                self.failures.count(triton_code(result))
                 code = getattr(pb.TritonError, triton_code(result), pb.TritonError.INTERNAL)
                 responses.append(
                     pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {result}", code))

@@ -20,6 +20,7 @@ __all__ = [
     "TritonEnvironment",
     "TritonSetupError",
     "apply_triton_environment",
+    "gpu_present",
     "triton_environment",
 ]
 
@@ -56,6 +57,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def gpu_present() -> bool:
+    """Whether an NVIDIA driver exposes a GPU here (Triton's GPU metrics are off otherwise)."""
+    return Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
 
 
 class TritonSetupError(RuntimeError):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .env import Endpoints, TritonEnvironment, TritonSetupError, triton_environment
+from .env import Endpoints, TritonEnvironment, TritonSetupError, gpu_present, triton_environment
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -109,7 +109,9 @@ class TritonProcess:
             f"--log-verbose={o.log_verbose}",
             f"--exit-timeout-secs={o.exit_timeout_s}",
             "--exit-on-error=false",
-            "--allow-gpu-metrics=false",
+            # Latency quantiles under the names servekit's own runtimes export too.
+            "--metrics-config=summary_latencies=true",
+            f"--allow-gpu-metrics={'true' if gpu_present() else 'false'}",
         ]
         if o.model_control_mode == "poll":
             cmd.append(f"--repository-poll-secs={o.repository_poll_secs}")

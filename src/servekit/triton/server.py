@@ -23,7 +23,7 @@ from ..pipeline import image_classifier, is_image_classifier
 from ..runners.base import Runner
 from ..runners.onnx import OnnxRuntimeRunner
 from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
-from .env import Endpoints, apply_triton_environment
+from .env import Endpoints, apply_triton_environment, gpu_present
 
 __all__ = [
     "ServedModel",
@@ -191,6 +191,8 @@ class TritonServer:
                 grpc_port=c.grpc_port,
                 metrics_address=c.host,
                 metrics_port=c.metrics_port,
+                metrics_config=["summary_latencies=true"],
+                allow_gpu_metrics=gpu_present(),
                 log_verbose=c.log_verbose,
                 exit_timeout_secs=c.exit_timeout_s,
             ),

@@ -1,0 +1,44 @@
+"""The failure counter Triton's Python backend lacks, for servekit code running in its stub.
+
+Triton 2.51 counts a request in ``nv_inference_request_failure`` only when a Python model's
+``execute`` raises; a request answered with an error response (a bad image in a batch of
+good ones, say) is counted as a success. The servekit backend and the PyTriton error shim
+answer per-request errors that way, so they also count them here, through the Python
+backend's custom-metrics API, on Triton's own metrics endpoint:
+``servekit_request_failure{model, version, code}``. servekit's own runtimes (Batcher, HTTP
+front, Ray) count the same requests in ``nv_inference_request_failure`` and do not export
+this family, so dashboards add the two without counting anything twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FAILURE_METRIC", "FailureCounter"]
+
+FAILURE_METRIC = "servekit_request_failure"
+
+
+class FailureCounter:
+    """Counts error responses per Triton error code (a no-op where metrics are off)."""
+
+    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+        self._labels = {"model": model, "version": version}
+        self._metrics: dict[str, Any] = {}
+        try:
+            self._family = pb_utils.MetricFamily(
+                name=FAILURE_METRIC,
+                description="Requests a servekit model answered with an error response",
+                kind=pb_utils.MetricFamily.COUNTER,
+            )
+        except Exception:  # metrics disabled in this tritonserver
+            self._family = None
+
+    def count(self, code: str) -> None:
+        if self._family is None:
+            return
+        metric = self._metrics.get(code)
+        if metric is None:
+            metric = self._family.Metric(labels={**self._labels, "code": code})
+            self._metrics[code] = metric
+        metric.increment(1)
