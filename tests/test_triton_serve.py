@@ -408,3 +408,19 @@ def test_metrics_count_known_traffic_exactly(server):
         time.sleep(0.05)
     assert {n: delta[n] for n in want} == want
     assert delta["nv_inference_request_summary_us_count"] == 4  # summary_latencies is on
+
+
+def test_triton_exports_every_family_servekit_exports(server):
+    """One dashboard for every runtime: servekit's own exposition uses Triton's names."""
+    import re as _re
+
+    from conftest import scrape
+    from servekit.metrics import COUNTERS, GAUGES, SUMMARIES
+
+    with Client(server.config.http_url) as c:
+        c.classify(images(1, 70))
+    names = {
+        _re.sub(r"_(count|sum)$", "", n) if "summary" in n else n
+        for n, _ in scrape(server.config.metrics_url)
+    }
+    assert {*COUNTERS, *GAUGES, *SUMMARIES} <= names

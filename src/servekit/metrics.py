@@ -3,10 +3,11 @@
 Triton (and so PyTriton and the servekit backend) exports ``nv_inference_*`` itself on its
 metrics port. servekit's Batcher, its KServe v2 front and the Ray app export the same
 names, labels (``model``, ``version``) and meanings, so one dashboard and one autoscaling
-rule serve every runtime. Counters are read from each Batcher's ``stats`` at scrape time;
+rule serve every runtime. Counts are read from each Batcher's ``stats`` at scrape time;
 latency summaries (``*_summary_us`` with quantiles, as Triton's
 ``--metrics-config summary_latencies=true``) come from a sliding window of per-request
-observations fed by the Batcher's batch listener. GPU gauges come from NVML
+observations fed by the Batcher's batch listener, as are the duration counters: like
+Triton's, they add up per request (a batch of four adds its compute time four times). GPU gauges come from NVML
 (``nvidia-ml-py``) where a GPU exists and are left out cleanly where none does.
 """
 
@@ -84,6 +85,8 @@ class _Watched:
     labels: str
     summaries: dict[str, _Window]
     front_failures: int = 0
+    compute_us: float = 0.0
+    """Per request, as Triton counts it: each request adds its whole batch's compute time."""
 
 
 class Metrics:
@@ -136,10 +139,13 @@ class Metrics:
         with self._lock:
             w = watched.summaries
             w["nv_inference_queue_summary_us"].add(now, record.queue_us)
-            w["nv_inference_compute_infer_summary_us"].add(now, [record.compute_us])
+            w["nv_inference_compute_infer_summary_us"].add(
+                now, [record.compute_us] * record.requests
+            )
             w["nv_inference_request_summary_us"].add(
                 now, (q + record.compute_us for q in record.queue_us)
             )
+            watched.compute_us += record.compute_us * record.requests
 
     def render(self) -> str:
         """The current values in Prometheus text format 0.0.4."""
@@ -162,7 +168,7 @@ class Metrics:
                     ("nv_inference_exec_count", s.execution_count),
                     ("nv_inference_request_duration_us", request_us),
                     ("nv_inference_queue_duration_us", s.queue_us),
-                    ("nv_inference_compute_infer_duration_us", s.compute_us),
+                    ("nv_inference_compute_infer_duration_us", w.compute_us),
                     ("nv_inference_pending_request_count", w.batcher.pending),
                 ):
                     values[name].append((w.labels, float(value)))

@@ -19,7 +19,25 @@ from ..errors import ServekitError
 from ..http import KServeApp
 from ..spec import ModelSpec
 
-__all__ = ["build_app", "policy_to_dict"]
+__all__ = ["APP_ARGS", "build_app", "policy_to_dict"]
+
+APP_ARGS = frozenset(
+    {
+        "model",
+        "name",
+        "batching",
+        "threads",
+        "top_k",
+        "model_replicas",
+        "stage_replicas",
+        "model_cpus",
+        "stage_cpus",
+        "max_ongoing_requests",
+        "autoscaling",
+        "ingress_batches",
+    }
+)
+"""What ``build_app`` reads from its args (a config's ``args:``); anything else is a typo."""
 
 
 def policy_to_dict(policy: BatchingPolicy) -> dict[str, Any]:
@@ -113,6 +131,9 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
     from ray import serve
 
     args = dict(args or {})
+    unknown = sorted(set(args) - APP_ARGS)
+    if unknown:
+        raise ValueError(f"build_app: unknown args {unknown}; known: {sorted(APP_ARGS)}")
     model = str(args.get("model", "resnet50"))
     name = str(
         args.get(
