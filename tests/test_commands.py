@@ -111,3 +111,36 @@ def test_serve_command_refuses_a_bad_config(tmp_path):
     )
     assert result.returncode != 0
     assert "max_batch" in result.stdout + result.stderr
+
+
+def _tritonservers(port: int) -> list[int]:
+    """PIDs of tritonserver processes listening on ``port`` (by their command line)."""
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"tritonserver") and f"--http-port={port}".encode() in argv:
+                found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_while_triton_is_still_starting_stops_it_cleanly(tmp_path, model_cache):
+    repo = tmp_path / "repo"
+    build_repository(repo, reference_repository(), cache_dir=model_cache)
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
+         "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not _tritonservers(http):  # tritonserver exists but is still loading the models
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert stop(proc) == 0
+    assert _tritonservers(http) == []

@@ -523,6 +523,8 @@ def triton(
     """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
     installed and the environment fixed. Other tritonserver flags pass through, e.g.
     `servekit triton --model-repository model_repository -- --strict-readiness=false`."""
+    import signal
+
     from .triton.env import TritonSetupError
     from .triton.launcher import TritonOptions, TritonProcess
 
@@ -539,17 +541,32 @@ def triton(
             log_verbose=log_verbose,
             extra_args=tuple(ctx.args),
         )
-        process = TritonProcess(options).start()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    except TritonSetupError as exc:
-        console.print(f"[red]cannot start Triton:[/red] {exc}")
-        raise typer.Exit(3) from None
-    console.print(
-        f"tritonserver on {options.http_url} (gRPC {options.grpc_url}, metrics {options.metrics_url}); "
-        f"log: {process.log_path}"
-    )
-    raise typer.Exit(process.wait())
+    process = TritonProcess(options)
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (or Ctrl-C) at any moment stops Triton cleanly, also before wait() takes over.
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        try:
+            process.start()
+        except TritonSetupError as exc:
+            console.print(f"[red]cannot start Triton:[/red] {exc}")
+            raise typer.Exit(3) from None
+        console.print(
+            f"tritonserver on {options.http_url} (gRPC {options.grpc_url}, "
+            f"metrics {options.metrics_url}); log: {process.log_path}"
+        )
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.stop()
+        code = 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    raise typer.Exit(code)
 
 
 @app.command()

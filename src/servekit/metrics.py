@@ -3,12 +3,12 @@
 Triton (and so PyTriton and the servekit backend) exports ``nv_inference_*`` itself on its
 metrics port. servekit's Batcher, its KServe v2 front and the Ray app export the same
 names, labels (``model``, ``version``) and meanings, so one dashboard and one autoscaling
-rule serve every runtime. Counts are read from each Batcher's ``stats`` at scrape time;
-latency summaries (``*_summary_us`` with quantiles, as Triton's
+rule serve every runtime. Counts are read from each Batcher's ``stats`` at scrape time.
+Latency summaries (``*_summary_us`` with quantiles, as Triton's
 ``--metrics-config summary_latencies=true``) come from a sliding window of per-request
-observations fed by the Batcher's batch listener, as are the duration counters: like
-Triton's, they add up per request (a batch of four adds its compute time four times). GPU gauges come from NVML
-(``nvidia-ml-py``) where a GPU exists and are left out cleanly where none does.
+observations fed by the Batcher's batch listener; durations add up per request, as
+Triton's do (a batch of four adds its compute time four times). GPU gauges come from
+NVML (``nvidia-ml-py``) where a GPU exists and are left out cleanly where none does.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
     ``args``: ``model`` (zoo name or ONNX path, default ``resnet50``), ``name`` (served name),
     ``batching`` (a ``[batching]`` table), ``threads``, ``top_k``, ``model_replicas``,
     ``stage_replicas``, ``model_cpus``, ``stage_cpus``, ``max_ongoing_requests``, ``autoscaling``
-    (Ray's ``autoscaling_config`` for the model deployment).
+    (Ray's ``autoscaling_config`` for the model deployment), ``ingress_batches`` (batches
+    the ingress keeps in flight; default two per model replica, plus one).
     """
     from ray import serve
 
