@@ -177,10 +177,19 @@ def run_batch(
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = progress
     ctx.print_on_execution_start = progress
+    # Spread the files over the whole pool: several blocks per actor, and scoring starts
+    # once every actor has loaded its model (not on the first one ready).
+    ctx.wait_for_min_actors_s = 600
+    most = actors if isinstance(actors, int) else actors[1]
     out = Path(output)
     start = time.perf_counter()
     try:
-        ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=read_cpus)
+        ds = ray.data.read_binary_files(
+            files,
+            include_paths=True,
+            num_cpus=read_cpus,
+            override_num_blocks=min(len(files), 4 * most),
+        )
         ds = ds.map_batches(
             Scorer,
             fn_constructor_kwargs={
