@@ -7,6 +7,7 @@ step's inputs to earlier outputs by tensor name, like a Triton ensemble's
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from . import zoo
 from .runners.base import Arrays, BaseRunner, Runner
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
-from .stages import Postprocess, Preprocess
+from .stages import IMAGENET_MEAN, IMAGENET_STD, Postprocess, Preprocess
 
 __all__ = ["ImageClassifier", "Pipeline", "Prediction", "image_classifier", "is_image_classifier"]
 
@@ -147,10 +148,18 @@ def image_classifier(
             f"expected input [N,3,S,S] and output [N,classes], got "
             f"{x.name} {list(x.shape)} and {y.name} {list(y.shape)}"
         )
+    # Zoo models carry their input scaling and class names in the ONNX metadata.
+    meta = getattr(runner, "metadata", {}) or {}
+    mean = tuple(json.loads(meta["servekit.mean"])) if "servekit.mean" in meta else IMAGENET_MEAN
+    std = tuple(json.loads(meta["servekit.std"])) if "servekit.std" in meta else IMAGENET_STD
+    if labels is None and "servekit.labels" in meta:
+        labels = json.loads(meta["servekit.labels"])
     crop = x.shape[1]
     pre = Preprocess(
         crop=crop,
         resize=round(crop * 256 / 224),
+        mean=mean,
+        std=std,
         max_batch_size=spec.max_batch_size,
         output_name=x.name,
     )

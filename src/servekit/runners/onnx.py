@@ -107,6 +107,8 @@ class OnnxRuntimeRunner(BaseRunner):
             source, sess_options=options, providers=list(providers or ["CPUExecutionProvider"])
         )
         self._spec = spec_from_session(self._session, max_batch_size)
+        self.metadata: dict[str, str] = dict(self._session.get_modelmeta().custom_metadata_map)
+        """The model's ``metadata_props`` (zoo models carry labels and input scaling there)."""
         self._output_names = [t.name for t in self._spec.outputs]
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:

@@ -16,6 +16,7 @@ import onnx
 
 from ..errors import ModelNotFound
 from ._onnx import param_count
+from .efficientnet import build_efficientnet_lite0
 from .resnet import RESNET50_PARAMS_WITH_BN, build_resnet50
 from .tiny import build_add_sub, build_tiny_cnn
 
@@ -43,6 +44,11 @@ MODELS: dict[str, ZooModel] = {
             "resnet50",
             "ResNet-50 v1.5, NCHW float32 224x224 -> 1000 logits, BN folded, seed 0",
             build_resnet50,
+        ),
+        ZooModel(
+            "efficientnet_lite0",
+            "EfficientNet-Lite0, ImageNet-trained (servekit[trained]), 224x224 -> 1000 logits",
+            build_efficientnet_lite0,
         ),
         ZooModel("tiny_cnn", "conv+pool+dense, float32 [N,3,32,32] -> 10 logits", build_tiny_cnn),
         ZooModel("add_sub", "INPUT0+INPUT1, INPUT0-INPUT1 over float32 [N,16]", build_add_sub),
