@@ -81,15 +81,20 @@ def _jpeg() -> bytes:
     return synthetic_image(0)
 
 
-def test_triton_command_serves_the_repository(tmp_path, model_cache):
-    repo = tmp_path / "repo"
-    build_repository(repo, reference_repository(), cache_dir=model_cache)
-    http = free_port()
-    proc = subprocess.Popen(
+def triton_cli(repo, http: int) -> subprocess.Popen:
+    """``servekit triton`` on ``repo`` in its own process, HTTP on ``http``."""
+    return subprocess.Popen(
         [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+def test_triton_command_serves_the_repository(tmp_path, model_cache):
+    repo = tmp_path / "repo"
+    build_repository(repo, reference_repository(), cache_dir=model_cache)
+    http = free_port()
+    proc = triton_cli(repo, http)
     try:
         wait_ready(f"http://127.0.0.1:{http}", "resnet50_ensemble", proc)
         with Client(f"http://127.0.0.1:{http}") as c:
@@ -133,11 +138,7 @@ def test_sigterm_while_triton_is_still_starting_stops_it_cleanly(tmp_path, model
     repo = tmp_path / "repo"
     build_repository(repo, reference_repository(), cache_dir=model_cache)
     http = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
-         "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = triton_cli(repo, http)
     deadline = time.monotonic() + 60
     while not _tritonservers(http):  # tritonserver exists but is still loading the models
         assert proc.poll() is None and time.monotonic() < deadline

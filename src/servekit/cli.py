@@ -460,11 +460,7 @@ def accuracy(
         candidate = run_optimize(ref, model, output=out, images=cal)
     else:
         candidate = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
-    blobs = None
-    if images is not None:
-        from .optimize import calibration_images as read_images
-
-        blobs = read_images(images, samples=10_000)
+    blobs = calibration_images(images, samples=10_000) if images is not None else None
     report = compare_models(ref, candidate, blobs)
     if as_json:
         console.print_json(json.dumps(report.as_dict()))

@@ -145,7 +145,9 @@ class KServeApp:
         return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
         declared = int(headers.get("content-length", "0") or 0)
         if declared > self.max_body_bytes:
             raise _TooLarge(declared, self.max_body_bytes)
@@ -167,10 +169,12 @@ class KServeApp:
             body = await self._read_body(scope, receive)
         except _TooLarge as exc:
             return self._json(413, {"error": str(exc)})
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
         raw = headers.get(HEADER_LENGTH)
         try:
-            if raw and not raw.isdigit():
+            if raw and not (raw.isascii() and raw.isdigit()):
                 raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
             request = decode_request(body, int(raw) if raw else None)
         except InvalidInput:

@@ -11,6 +11,7 @@ Every malformed request raises ``InvalidInput`` naming what was wrong.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,9 +68,27 @@ def _bytes_to_binary(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def _json_data(data: Any, datatype: str, shape: list[int], name: str) -> np.ndarray:
-    count = int(np.prod(shape)) if shape else 1
-    flat = np.asarray(data, dtype=object).reshape(-1) if isinstance(data, list) else None
+def _element_count(shape: list[int], name: str, available: int) -> int:
+    """Elements a shape claims, checked before anything is allocated for them: every
+    element takes at least one byte of the request, so a claim beyond the body's size
+    (``[100000000, 3, 224, 224]`` with ``"data": [0.0]``) is refused, not allocated."""
+    count = math.prod(shape)  # Python ints: no overflow
+    if count > available:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} claims {count} elements, "
+            f"more than the {available}-byte request can hold"
+        )
+    return count
+
+
+def _json_data(data: Any, datatype: str, shape: list[int], name: str, available: int) -> np.ndarray:
+    count = _element_count(shape, name, available)
+    if isinstance(data, list) and _depth(data) > len(shape) + 1:
+        raise InvalidInput(f"input {name!r}: 'data' is nested deeper than shape {shape}")
+    try:
+        flat = np.asarray(data, dtype=object).reshape(-1) if isinstance(data, list) else None
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInput(f"input {name!r}: 'data' is not a regular array: {exc}") from None
     if flat is None:
         raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
     if flat.size != count:
@@ -89,6 +108,24 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str) -> np.ndar
         raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
 
 
+def _parameters(obj: Mapping[str, Any], what: str) -> Mapping[str, Any]:
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{what}: 'parameters' must be an object, got {type(params).__name__}")
+    return params
+
+
+def _depth(data: Any, limit: int = 64) -> int:
+    """Nesting depth of a JSON list, scanning only first elements (cheap); ``limit`` caps it."""
+    depth = 0
+    while isinstance(data, list) and depth <= limit:
+        depth += 1
+        data = data[0] if data else None
+    return depth
+
+
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
     """Decode an infer request body (JSON, or JSON header + binary tensors)."""
     header_bytes = body if header_length is None else body[:header_length]
@@ -100,6 +137,8 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request JSON is nested too deeply") from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InvalidInput("request must be a JSON object with an 'inputs' list")
     binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
@@ -111,7 +150,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"inputs[{i}] needs a 'name'")
-        if datatype not in _DATATYPES:
+        if not isinstance(datatype, str) or datatype not in _DATATYPES:
             raise InvalidInput(
                 f"input {name!r}: unknown datatype {datatype!r}; expected one of {sorted(_DATATYPES)}"
             )
@@ -121,8 +160,8 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             )
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
-        size = (item.get("parameters") or {}).get("binary_data_size")
-        count = int(np.prod(shape)) if shape else 1
+        size = _parameters(item, f"input {name!r}").get("binary_data_size")
+        count = _element_count(shape, name, len(body))
         if size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(binary):
                 raise InvalidInput(
@@ -140,7 +179,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
                     )
                 inputs[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
         elif "data" in item:
-            inputs[name] = _json_data(item["data"], datatype, shape, name)
+            inputs[name] = _json_data(item["data"], datatype, shape, name, len(body))
         else:
             raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
     if pos != len(binary):
@@ -148,15 +187,17 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     requested = header.get("outputs")
     names: tuple[str, ...] | None = None
     binary_out: set[str] = set()
-    all_binary = bool((header.get("parameters") or {}).get("binary_data_output", False))
+    all_binary = bool(_parameters(header, "request").get("binary_data_output", False))
     if requested is not None:
-        if not isinstance(requested, list):
-            raise InvalidInput("'outputs' must be a list")
-        names = tuple(str(o["name"]) for o in requested if isinstance(o, dict) and "name" in o)
+        if not isinstance(requested, list) or not all(
+            isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
+        ):
+            raise InvalidInput("'outputs' must be a list of objects with a 'name' string")
+        names = tuple(o["name"] for o in requested)
         binary_out = {
             o["name"]
             for o in requested
-            if isinstance(o, dict) and (o.get("parameters") or {}).get("binary_data")
+            if _parameters(o, f"output {o['name']!r}").get("binary_data")
         }
     return DecodedRequest(
         inputs,
