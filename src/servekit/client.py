@@ -168,7 +168,17 @@ class _Base:
         name, handle, _ = self._shm
         self._shm = None
         try:
-            client.unregister_system_shared_memory(name, headers=self._headers)
+            # Triton lets go of a region a moment after it answers the request that used
+            # it; until then it refuses to unregister it ("currently in use").
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    client.unregister_system_shared_memory(name, headers=self._headers)
+                    break
+                except Exception as exc:
+                    if "in use" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
         finally:
             shm.destroy_shared_memory_region(handle)
 
