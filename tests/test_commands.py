@@ -81,12 +81,12 @@ def _jpeg() -> bytes:
     return synthetic_image(0)
 
 
-def triton_cli(repo, http: int) -> subprocess.Popen:
+def triton_cli(repo, http: int, stdout=subprocess.PIPE) -> subprocess.Popen:
     """``servekit triton`` on ``repo`` in its own process, HTTP on ``http``."""
     return subprocess.Popen(
         [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=stdout, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 
@@ -145,3 +145,58 @@ def test_sigterm_while_triton_is_still_starting_stops_it_cleanly(tmp_path, model
         time.sleep(0.05)
     assert stop(proc) == 0
     assert _tritonservers(http) == []
+
+
+def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cnn_path):
+    """The JSON request that aborts tritonserver 2.51 (SIGABRT) straight on its own port:
+    `servekit triton` starts it again on the same ports and says why."""
+    import http.client
+    import json
+
+    from servekit import BatchingPolicy, OnnxRuntimeRunner
+    from servekit.triton.pbtxt import model_config, render
+
+    folder = tmp_path / "repo" / "tiny"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(tiny_cnn_path.read_bytes())
+    spec = OnnxRuntimeRunner(tiny_cnn_path).spec
+    config = model_config(
+        "tiny", spec, BatchingPolicy(max_batch_size=8), parameters={"kind": "runner"}
+    )
+    (folder / "config.pbtxt").write_text(render(config))
+    port = free_port()
+    log = tmp_path / "cli.log"
+    with log.open("wb") as out:
+        proc = triton_cli(tmp_path / "repo", port, stdout=out)
+    url = f"http://127.0.0.1:{port}"
+    x = {"input": np.zeros((1, 3, 32, 32), np.float32)}
+    try:
+        wait_ready(url, "tiny", proc)
+        (first,) = _tritonservers(port)
+        hostile = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": [100000000, 3, 32, 32],
+                    "data": [0.0],
+                }
+            ]
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            conn.request("POST", "/v2/models/tiny/infer", body=json.dumps(hostile))
+            conn.getresponse()
+        conn.close()
+        deadline = time.monotonic() + 60
+        while _tritonservers(port) in ([], [first]):  # the crashed one gone, a new one up
+            assert time.monotonic() < deadline, "tritonserver was not restarted"
+            time.sleep(0.1)
+        wait_ready(url, "tiny", proc)
+        with Client(url) as c:
+            assert c.infer("tiny", x)["logits"].shape == (1, 10)
+    finally:
+        code = stop(proc)
+    assert code == 0
+    assert "tritonserver killed by SIGABRT" in log.read_text()
+    assert "restarting it (1/5)" in log.read_text()

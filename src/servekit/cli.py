@@ -614,6 +614,10 @@ def triton(
     grpc_port: Annotated[int, typer.Option()] = 8001,
     metrics_port: Annotated[int, typer.Option()] = 8002,
     log_verbose: Annotated[int, typer.Option()] = 0,
+    restarts: Annotated[
+        int,
+        typer.Option(min=0, help="Restart a tritonserver that dies, up to N times (0 = never)."),
+    ] = 5,
 ) -> None:
     """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
     installed and the environment fixed. Other tritonserver flags pass through, e.g.
@@ -655,7 +659,11 @@ def triton(
             f"tritonserver on {options.http_url} (gRPC {options.grpc_url}, "
             f"metrics {options.metrics_url}); log: {process.log_path}"
         )
-        code = process.wait()
+
+        def restarted(count: int, why: str) -> None:
+            console.print(f"[red]tritonserver {why}[/red]\nrestarting it ({count}/{restarts})")
+
+        code = process.wait(max_restarts=restarts, on_restart=restarted)
     except KeyboardInterrupt:
         process.stop()
         code = 0

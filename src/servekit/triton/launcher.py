@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +91,8 @@ class TritonProcess:
         self.options = options
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
+        self.restarts = 0
+        """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
@@ -125,7 +127,7 @@ class TritonProcess:
         backends = backend_directory(self._workdir, env)
         self.log_path = self._workdir / "tritonserver.log"
         with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 self.command(backends, env),
                 env=env.env,
                 stdout=log,
@@ -134,9 +136,9 @@ class TritonProcess:
             )
         deadline = time.monotonic() + timeout_s
         while not self._http_ok("/v2/health/live"):
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:  # died, or stop() was called meanwhile
                 raise TritonSetupError(
-                    f"tritonserver exited with code {self._proc.returncode}:\n{self.log_tail()}"
+                    f"tritonserver exited with code {proc.returncode}:\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
@@ -201,16 +203,40 @@ class TritonProcess:
             self._workdir = None
         return code
 
-    def wait(self) -> int:
-        """Block until tritonserver exits (what ``servekit triton`` does); SIGINT/SIGTERM stop it."""
+    def wait(
+        self, max_restarts: int = 0, on_restart: Callable[[int, str], None] | None = None
+    ) -> int:
+        """Block until tritonserver exits (what ``servekit triton`` does); SIGINT/SIGTERM stop it.
+
+        A tritonserver that dies on its own (a crash, a kill) is started again on the same
+        ports, up to ``max_restarts`` times; ``on_restart(count, why)`` reports each one.
+        Returns the exit code of the last tritonserver (0 after a requested stop).
+        """
         assert self._proc is not None
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: self.stop())
         try:
-            while self._proc is not None and self._proc.poll() is None:
-                time.sleep(0.5)
-            return self._proc.returncode if self._proc is not None else 0
+            while self._proc is not None:
+                code = self._proc.poll()
+                if code is None:
+                    time.sleep(0.2)
+                    continue
+                if self.restarts >= max_restarts:
+                    return code
+                why = _exit_reason(code)
+                tail = self.log_tail(5)
+                self.stop()
+                self.restarts += 1
+                if on_restart is not None:
+                    on_restart(self.restarts, f"{why}; log ended:\n{tail}")
+                try:
+                    self.start()
+                except TritonSetupError:
+                    if self._proc is None:  # a SIGTERM/SIGINT stopped it while it started
+                        return 0
+                    raise
+            return 0
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -221,3 +247,12 @@ class TritonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
