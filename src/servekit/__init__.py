@@ -12,6 +12,7 @@ from .errors import (
     Overloaded,
     RunnerError,
     ServekitError,
+    Unauthenticated,
 )
 from .metrics import Metrics
 from .pipeline import ImageClassifier, Pipeline, Prediction, image_classifier
@@ -47,6 +48,7 @@ __all__ = [
     "ServekitError",
     "TensorSpec",
     "TimeoutAction",
+    "Unauthenticated",
     "as_dtype",
     "image_classifier",
 ]

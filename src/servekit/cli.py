@@ -618,6 +618,20 @@ def triton(
         int,
         typer.Option(min=0, help="Restart a tritonserver that dies, up to N times (0 = never)."),
     ] = 5,
+    inference_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SERVEKIT_INFERENCE_TOKEN",
+            help="Require this servekit-inference-token header on inference.",
+        ),
+    ] = None,
+    control_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SERVEKIT_CONTROL_TOKEN",
+            help="Require this servekit-control-token header on model control and shared memory.",
+        ),
+    ] = None,
 ) -> None:
     """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
     installed and the environment fixed. Other tritonserver flags pass through, e.g.
@@ -638,6 +652,8 @@ def triton(
             repository_poll_secs=repository_poll_secs,
             load_models=tuple(load_model or ()),
             log_verbose=log_verbose,
+            inference_token=inference_token,
+            control_token=control_token,
             extra_args=tuple(ctx.args),
         )
     except ValueError as exc:

@@ -18,7 +18,13 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .errors import ModelNotReady, ServekitError, from_grpc_code, from_http_status
+from .errors import (
+    INFERENCE_TOKEN_HEADER,
+    ModelNotReady,
+    ServekitError,
+    from_grpc_code,
+    from_http_status,
+)
 from .pipeline import Prediction
 from .spec import as_dtype
 
@@ -70,7 +76,8 @@ def _predictions(out: Mapping[str, np.ndarray]) -> list[list[Prediction]]:
     ]
 
 
-TOKEN_HEADERS = {"http": "triton-access-token", "grpc": "triton-grpc-protocol-triton-access-token"}
+GRPC_PREFIX = "triton-grpc-protocol-"
+TOKEN_HEADERS = {"http": "triton-access-token", "grpc": GRPC_PREFIX + "triton-access-token"}
 """Header carrying the token for Triton's restricted APIs, per protocol."""
 
 
@@ -82,10 +89,18 @@ class _Base:
         timeout_s: float = 60.0,
         shared_memory: bool = False,
         access_token: str | None = None,
+        inference_token: str | None = None,
     ) -> None:
         self.url = url
         self.protocol, self.address = _parse(url)
         self._headers = {TOKEN_HEADERS[self.protocol]: access_token} if access_token else None
+        # Triton reads a restricted gRPC protocol's header under this prefix.
+        key = (
+            INFERENCE_TOKEN_HEADER
+            if self.protocol == "http"
+            else GRPC_PREFIX + INFERENCE_TOKEN_HEADER
+        )
+        self._infer_headers = {key: inference_token} if inference_token else None
         self.timeout_s = timeout_s
         self.shared_memory = shared_memory
         self._mod: Any = None
@@ -187,7 +202,8 @@ class Client(_Base):
     """Blocking client; one per thread (tritonclient's clients are not shared safely).
 
     ``access_token`` is sent on Triton's restricted management APIs (shared-memory
-    registration on PyTriton servers: ``TritonServer.access_token``).
+    registration on PyTriton servers: ``TritonServer.access_token``); ``inference_token``
+    on every inference (``servekit triton --inference-token``, ``KServeApp``).
     """
 
     def __init__(
@@ -197,9 +213,14 @@ class Client(_Base):
         timeout_s: float = 60.0,
         shared_memory: bool = False,
         access_token: str | None = None,
+        inference_token: str | None = None,
     ) -> None:
         super().__init__(
-            url, timeout_s=timeout_s, shared_memory=shared_memory, access_token=access_token
+            url,
+            timeout_s=timeout_s,
+            shared_memory=shared_memory,
+            access_token=access_token,
+            inference_token=inference_token,
         )
         mod = self._module()
         if self.protocol == "http":
@@ -224,6 +245,7 @@ class Client(_Base):
                 model,
                 self._inputs(self._client, inputs, binary),
                 model_version=version,
+                headers=self._infer_headers,
                 **({"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}),
             )
         except Exception as exc:
@@ -289,8 +311,10 @@ class Client(_Base):
 class AsyncClient(_Base):
     """``await``-able client over tritonclient's aio clients (no shared memory)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 60.0) -> None:
-        super().__init__(url, timeout_s=timeout_s)
+    def __init__(
+        self, url: str, *, timeout_s: float = 60.0, inference_token: str | None = None
+    ) -> None:
+        super().__init__(url, timeout_s=timeout_s, inference_token=inference_token)
         if self.protocol == "http":
             import tritonclient.http.aio as aio
         else:
@@ -310,7 +334,7 @@ class AsyncClient(_Base):
     async def infer_prepared(self, model: str, prepared: list[Any]) -> dict[str, np.ndarray]:
         """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s)."""
         try:
-            result = await self._client.infer(model, prepared)
+            result = await self._client.infer(model, prepared, headers=self._infer_headers)
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
         return {n: result.as_numpy(n) for n in self._output_names(result)}

@@ -21,19 +21,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 __all__ = [
+    "CONTROL_TOKEN_HEADER",
     "DeadlineExceeded",
+    "INFERENCE_TOKEN_HEADER",
     "InvalidInput",
     "ModelNotFound",
     "ModelNotReady",
     "Overloaded",
     "RunnerError",
     "ServekitError",
+    "Unauthenticated",
     "from_grpc_code",
     "from_http_status",
     "grpc_code",
     "http_status",
     "triton_code",
 ]
+
+
+INFERENCE_TOKEN_HEADER = "servekit-inference-token"
+"""Header (HTTP) or metadata key (gRPC) carrying the inference access token."""
+CONTROL_TOKEN_HEADER = "servekit-control-token"
+"""Header carrying the model-control token (Triton's repository and shared-memory APIs)."""
 
 
 class ServekitError(Exception):
@@ -67,6 +76,10 @@ class DeadlineExceeded(ServekitError, TimeoutError):
     """The request's timeout passed before it could run; it was dropped unexecuted."""
 
 
+class Unauthenticated(ServekitError, PermissionError):
+    """The request lacks the access token this endpoint needs, or carries a wrong one."""
+
+
 class RunnerError(ServekitError, RuntimeError):
     """The model (runner or stage) raised or returned outputs that break its signature."""
 
@@ -77,6 +90,7 @@ _HTTP = {
     ModelNotReady: 503,
     Overloaded: 503,
     DeadlineExceeded: 504,
+    Unauthenticated: 401,
     RunnerError: 500,
 }
 
@@ -86,6 +100,7 @@ _GRPC = {
     ModelNotReady: "UNAVAILABLE",
     Overloaded: "UNAVAILABLE",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
+    Unauthenticated: "UNAUTHENTICATED",
     RunnerError: "INTERNAL",
 }
 
@@ -96,6 +111,7 @@ _TRITON = {
     ModelNotReady: "UNAVAILABLE",
     Overloaded: "UNAVAILABLE",
     DeadlineExceeded: "UNAVAILABLE",  # the Python backend has no deadline code
+    Unauthenticated: "INVALID_ARG",  # nor an authentication one; Triton checks tokens itself
     RunnerError: "INTERNAL",
 }
 
@@ -124,12 +140,16 @@ def triton_code(exc: BaseException) -> str:
 
 _FROM_HTTP: dict[int, type[ServekitError]] = {
     400: InvalidInput,
+    401: Unauthenticated,
+    403: Unauthenticated,  # Triton's answer on a restricted API without its header
     404: ModelNotFound,
     503: ModelNotReady,
     504: DeadlineExceeded,
 }
 _FROM_GRPC: dict[str, type[ServekitError]] = {
     "INVALID_ARGUMENT": InvalidInput,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": Unauthenticated,
     "NOT_FOUND": ModelNotFound,
     "UNAVAILABLE": ModelNotReady,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
@@ -146,6 +166,8 @@ def from_http_status(status: int, message: str) -> ServekitError:
 def from_grpc_code(code: str, message: str) -> ServekitError:
     """The servekit error a remote gRPC status code name stands for."""
     code = code.removeprefix("StatusCode.")
+    if code == "UNAVAILABLE" and "restricted, expecting header" in message:
+        return Unauthenticated(message)  # Triton's answer on a restricted gRPC protocol
     if code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED") and "queue" in message.lower():
         return Overloaded(message)
     return _FROM_GRPC.get(code, RunnerError)(message)

@@ -10,6 +10,7 @@ bad requests are 400 naming the tensor, unknown models 404, a full queue 503 wit
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -18,11 +19,13 @@ from typing import Any
 
 from ..batching import Batcher
 from ..errors import (
+    INFERENCE_TOKEN_HEADER,
     InvalidInput,
     ModelNotFound,
     Overloaded,
     RunnerError,
     ServekitError,
+    Unauthenticated,
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
@@ -48,6 +51,9 @@ class KServeApp:
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
+        inference_token: when set, ``/infer`` needs it in the ``servekit-inference-token``
+            header (a 401 otherwise); health, metadata and metrics stay open for probes
+            and scrapers. The front has no model-control endpoints at all.
     """
 
     def __init__(
@@ -57,8 +63,10 @@ class KServeApp:
         max_body_bytes: int = 64 * 1024 * 1024,
         ready: Callable[[], bool] | None = None,
         metrics: Metrics | None = None,
+        inference_token: str | None = None,
     ) -> None:
         self.models = dict(models)
+        self._token = inference_token.encode() if inference_token else None
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
@@ -141,8 +149,17 @@ class KServeApp:
         if m["rest"] == "/ready" and method == "GET":
             return (200 if self._ready() else 503), b"", {}
         if m["rest"] == "/infer" and method == "POST":
+            self._authenticate(scope)
             return await self._infer(m["name"], model, scope, receive)
         return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
+
+    def _authenticate(self, scope: dict[str, Any]) -> None:
+        if self._token is None:
+            return
+        key = INFERENCE_TOKEN_HEADER.encode()
+        given = next((v for k, v in scope.get("headers", []) if k.lower() == key), b"")
+        if not hmac.compare_digest(given, self._token):
+            raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
         headers = {

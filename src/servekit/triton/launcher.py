@@ -21,11 +21,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from .env import Endpoints, TritonEnvironment, TritonSetupError, gpu_present, triton_environment
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
 CONTROL_MODES = ("none", "poll", "explicit")
+
+
+CONTROL_APIS = "model-repository,shared-memory,model-config,trace,logging"
+"""Triton's restricted-API categories the control token guards."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,11 @@ class TritonOptions(Endpoints):
     """With ``explicit``: models to load at start (``--load-model``); empty = none."""
     log_verbose: int = 0
     exit_timeout_s: int = 5
+    inference_token: str | None = None
+    """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
+    control_token: str | None = None
+    """When set, model control, shared memory, config, trace and logging APIs need it in
+    ``servekit-control-token`` (model control itself is off unless a mode turns it on)."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -115,6 +125,13 @@ class TritonProcess:
             "--metrics-config=summary_latencies=true",
             f"--allow-gpu-metrics={'true' if gpu_present() else 'false'}",
         ]
+        for apis, header, token in (
+            ("inference", INFERENCE_TOKEN_HEADER, o.inference_token),
+            (CONTROL_APIS, CONTROL_TOKEN_HEADER, o.control_token),
+        ):
+            if token:
+                cmd.append(f"--http-restricted-api={apis}:{header}={token}")
+                cmd.append(f"--grpc-restricted-protocol={apis}:{header}={token}")
         if o.model_control_mode == "poll":
             cmd.append(f"--repository-poll-secs={o.repository_poll_secs}")
         cmd += [f"--load-model={m}" for m in o.load_models]
