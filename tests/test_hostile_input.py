@@ -247,3 +247,79 @@ def test_fuzzed_requests_never_get_an_undocumented_status(server, request, tail,
 
 def test_the_server_still_answers_after_the_fuzzing(server):
     valid(server)
+
+
+def test_a_request_deadline_drops_work_that_waited_too_long_and_priority_is_honoured():
+    """Triton's request parameters: ``timeout`` (microseconds) on a queue policy that allows
+    overriding it drops a request still queued at its deadline (504, never run), and a
+    bad value is a 400."""
+    from servekit import QueuePolicy, TimeoutAction
+    from servekit.client import Client
+
+    gate, ran = threading.Event(), []
+
+    def slow(d):
+        ran.append(float(d["x"][0, 0]))
+        gate.wait(10)
+        return {"y": d["x"] * 2}
+
+    policy = BatchingPolicy(
+        max_batch_size=1,
+        default_queue_policy=QueuePolicy(
+            timeout_action=TimeoutAction.REJECT, allow_timeout_override=True
+        ),
+    )
+    batcher = Batcher(FunctionRunner(slow, SPEC), policy, name="slow")
+    port = free_port()
+    srv = uvicorn.Server(
+        uvicorn.Config(
+            KServeApp({"slow": batcher}), host="127.0.0.1", port=port, log_level="critical"
+        )
+    )
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+
+    def body(value: float, **parameters) -> bytes:
+        return json.dumps(
+            {
+                "parameters": parameters,
+                "inputs": [
+                    {"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [value] * 3},
+                    {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["a"]},
+                ],
+            }
+        ).encode()
+
+    results: dict[str, tuple[int, bytes]] = {}
+
+    def send(key: str, payload: bytes) -> None:
+        results[key] = post(port, payload, path="/v2/models/slow/infer")
+
+    try:
+        first = threading.Thread(target=send, args=("busy", body(1.0)))
+        first.start()
+        while not ran:  # the only instance is now held by the first request
+            time.sleep(0.01)
+        late = threading.Thread(target=send, args=("late", body(2.0, timeout=20_000)))
+        late.start()
+        late.join(10)  # its 20 ms pass while it waits: dropped without running
+        gate.set()
+        first.join(10)
+        assert results["busy"][0] == 200
+        assert results["late"][0] == 504 and b"timeout" in results["late"][1].lower()
+        assert ran == [1.0]
+        status, payload = post(port, body(3.0, timeout=-5), path="/v2/models/slow/infer")
+        assert status == 400 and b"parameter 'timeout'" in payload
+        status, payload = post(port, body(3.0, priority="high"), path="/v2/models/slow/infer")
+        assert status == 400 and b"parameter 'priority'" in payload
+        with Client(f"http://127.0.0.1:{port}") as c:
+            assert c.infer(
+                "slow", {"x": np.ones((1, 3), np.float32), "s": np.array([[b"a"]], dtype=object)}
+            )["y"].shape == (1, 3)
+    finally:
+        gate.set()
+        srv.should_exit = True
+        thread.join(10)
+        batcher.close()

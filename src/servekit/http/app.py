@@ -197,7 +197,11 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
-        if asyncio.iscoroutinefunction(model.infer):
+        scheduling = _scheduling(request.parameters)
+        batched = isinstance(model, Batcher) or isinstance(getattr(model, "batcher", None), Batcher)
+        if scheduling and batched:
+            outputs = await model.infer(request.inputs, **scheduling)
+        elif asyncio.iscoroutinefunction(model.infer):
             outputs = await model.infer(request.inputs)
         else:
             outputs = await asyncio.get_running_loop().run_in_executor(
@@ -205,6 +209,20 @@ class KServeApp:
             )
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers
+
+
+def _scheduling(parameters: Mapping[str, Any]) -> dict[str, int]:
+    """Triton's request parameters ``priority`` and ``timeout`` (microseconds), checked."""
+    out = {}
+    for key, arg in (("priority", "priority"), ("timeout", "timeout_us")):
+        if key in parameters:
+            value = parameters[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(
+                    f"parameter {key!r}: expected a non-negative integer, got {value!r}"
+                )
+            out[arg] = value
+    return out
 
 
 class _TooLarge(Exception):

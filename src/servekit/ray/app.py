@@ -116,8 +116,8 @@ class _Remote:
             raise value
         return value  # type: ignore[no-any-return]
 
-    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        return await self.batcher.infer(inputs)
+    async def infer(self, inputs: dict[str, Any], **scheduling: Any) -> dict[str, Any]:
+        return await self.batcher.infer(inputs, **scheduling)
 
 
 def build_app(args: Mapping[str, Any] | None = None) -> Any:
