@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,27 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 def sample(samples: dict, name: str, **labels: str) -> float:
     """One sample's value (0 when absent, as a counter that never moved)."""
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """An ASGI app under a real uvicorn on a free loopback port; yields its base URL and
+    always stops the server, also when the test fails."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import free_port
+from conftest import serving
 from servekit import Batcher, BatchingPolicy, FunctionRunner, ModelSpec, TensorSpec
 from servekit.http import KServeApp
 
@@ -36,19 +36,10 @@ def double(d):
 def server():
     batcher = Batcher(FunctionRunner(double, SPEC), BatchingPolicy(max_batch_size=8), name="m")
     app = KServeApp({"m": batcher}, max_body_bytes=1_000_000)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
     try:
-        yield port
+        with serving(app) as url:
+            yield int(url.rsplit(":", 1)[1])
     finally:
-        srv.should_exit = True
-        thread.join(10)
         batcher.close()
 
 
@@ -270,56 +261,47 @@ def test_a_request_deadline_drops_work_that_waited_too_long_and_priority_is_hono
         ),
     )
     batcher = Batcher(FunctionRunner(slow, SPEC), policy, name="slow")
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(
-            KServeApp({"slow": batcher}), host="127.0.0.1", port=port, log_level="critical"
-        )
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
+    with serving(KServeApp({"slow": batcher})) as url:
+        port = int(url.rsplit(":", 1)[1])
 
-    def body(value: float, **parameters) -> bytes:
-        return json.dumps(
-            {
-                "parameters": parameters,
-                "inputs": [
-                    {"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [value] * 3},
-                    {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["a"]},
-                ],
-            }
-        ).encode()
+        def body(value: float, **parameters) -> bytes:
+            return json.dumps(
+                {
+                    "parameters": parameters,
+                    "inputs": [
+                        {"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [value] * 3},
+                        {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["a"]},
+                    ],
+                }
+            ).encode()
 
-    results: dict[str, tuple[int, bytes]] = {}
+        results: dict[str, tuple[int, bytes]] = {}
 
-    def send(key: str, payload: bytes) -> None:
-        results[key] = post(port, payload, path="/v2/models/slow/infer")
+        def send(key: str, payload: bytes) -> None:
+            results[key] = post(port, payload, path="/v2/models/slow/infer")
 
-    try:
-        first = threading.Thread(target=send, args=("busy", body(1.0)))
-        first.start()
-        while not ran:  # the only instance is now held by the first request
-            time.sleep(0.01)
-        late = threading.Thread(target=send, args=("late", body(2.0, timeout=20_000)))
-        late.start()
-        late.join(10)  # its 20 ms pass while it waits: dropped without running
-        gate.set()
-        first.join(10)
-        assert results["busy"][0] == 200
-        assert results["late"][0] == 504 and b"timeout" in results["late"][1].lower()
-        assert ran == [1.0]
-        status, payload = post(port, body(3.0, timeout=-5), path="/v2/models/slow/infer")
-        assert status == 400 and b"parameter 'timeout'" in payload
-        status, payload = post(port, body(3.0, priority="high"), path="/v2/models/slow/infer")
-        assert status == 400 and b"parameter 'priority'" in payload
-        with Client(f"http://127.0.0.1:{port}") as c:
-            assert c.infer(
-                "slow", {"x": np.ones((1, 3), np.float32), "s": np.array([[b"a"]], dtype=object)}
-            )["y"].shape == (1, 3)
-    finally:
-        gate.set()
-        srv.should_exit = True
-        thread.join(10)
-        batcher.close()
+        try:
+            first = threading.Thread(target=send, args=("busy", body(1.0)))
+            first.start()
+            while not ran:  # the only instance is now held by the first request
+                time.sleep(0.01)
+            late = threading.Thread(target=send, args=("late", body(2.0, timeout=20_000)))
+            late.start()
+            late.join(10)  # its 20 ms pass while it waits: dropped without running
+            gate.set()
+            first.join(10)
+            assert results["busy"][0] == 200
+            assert results["late"][0] == 504 and b"timeout" in results["late"][1].lower()
+            assert ran == [1.0]
+            status, payload = post(port, body(3.0, timeout=-5), path="/v2/models/slow/infer")
+            assert status == 400 and b"parameter 'timeout'" in payload
+            status, payload = post(port, body(3.0, priority="high"), path="/v2/models/slow/infer")
+            assert status == 400 and b"parameter 'priority'" in payload
+            with Client(f"http://127.0.0.1:{port}") as c:
+                assert c.infer(
+                    "slow",
+                    {"x": np.ones((1, 3), np.float32), "s": np.array([[b"a"]], dtype=object)},
+                )["y"].shape == (1, 3)
+        finally:
+            gate.set()
+    batcher.close()

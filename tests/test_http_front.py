@@ -16,7 +16,7 @@ import pytest
 th = pytest.importorskip("tritonclient.http", reason="needs tritonclient (triton extra)")
 uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import free_port
+from conftest import serving
 from servekit import (
     Batcher,
     BatchingPolicy,
@@ -162,17 +162,8 @@ def front(tiny_cnn_path):
         },
         max_body_bytes=1_000_000,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", clf, gate
-    server.should_exit = True
-    thread.join(10)
+    with serving(app) as url:
+        yield url, clf, gate
 
 
 def test_tritonclient_talks_to_the_front(front):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import free_port, parse_metrics, sample, scrape
+from conftest import parse_metrics, sample, scrape, serving
 from servekit import (
     Batcher,
     BatchingPolicy,
@@ -113,19 +112,10 @@ def front():
         FunctionRunner(slow_or_failing, SPEC), BatchingPolicy(max_batch_size=4), name="double"
     )
     app = KServeApp({"double": batcher, "plain": FunctionRunner(lambda d: {"y": d["x"]}, SPEC)})
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        with serving(app) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(10)
         batcher.close()
 
 

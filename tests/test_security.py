@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -13,7 +11,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
-from conftest import free_port
+from conftest import free_port, serving
 from servekit import BatchingPolicy, FunctionRunner, OnnxRuntimeRunner, Unauthenticated
 from servekit.client import AsyncClient, Client
 from servekit.errors import CONTROL_TOKEN_HEADER
@@ -78,8 +76,6 @@ def test_model_control_needs_the_other_token_and_health_stays_open(triton):
 
 
 def test_the_servekit_front_checks_the_inference_token():
-    import uvicorn
-
     from servekit import ModelSpec, TensorSpec
 
     spec = ModelSpec(
@@ -88,15 +84,8 @@ def test_the_servekit_front_checks_the_inference_token():
     app = KServeApp(
         {"m": FunctionRunner(lambda d: {"y": d["input"]}, spec)}, inference_token="s3cret"
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
     x = {"input": np.ones((2, 1), np.float32)}
-    try:
+    with serving(app) as url:
         with Client(url) as c, pytest.raises(Unauthenticated, match="servekit-inference-token"):
             c.infer("m", x)
         with Client(url, inference_token="s3cret") as c:
@@ -111,6 +100,3 @@ def test_the_servekit_front_checks_the_inference_token():
         np.testing.assert_array_equal(asyncio.run(async_call())["y"], x["input"])
         assert http_status(f"{url}/v2/health/ready") == 200
         assert http_status(f"{url}/v2/models/m") == 200  # metadata stays open
-    finally:
-        server.should_exit = True
-        thread.join(10)

@@ -132,11 +132,11 @@ def test_shared_memory_inputs_give_the_same_result(server, local, protocol):
 
 
 def test_shared_memory_needs_the_servers_token(server):
-    from servekit import RunnerError
+    from servekit import Unauthenticated
 
     with (
         Client(server.config.http_url, shared_memory=True) as c,
-        pytest.raises(RunnerError, match="access"),
+        pytest.raises(Unauthenticated, match="triton-access-token"),
     ):
         c.infer("resnet50", {"input": tensor(1)})
 
