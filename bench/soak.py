@@ -136,6 +136,7 @@ async def run(args: argparse.Namespace) -> dict:
 
         start = time.monotonic()
         end = start + args.seconds
+        failures: list[float] = []
         burst = asyncio.Event()
 
         async def one(i: int, phase: str) -> None:
@@ -160,6 +161,9 @@ async def run(args: argparse.Namespace) -> dict:
                 key = "other"
             counts[key] += 1
             by_phase[f"{phase}:{key}"] += 1
+            if key == "other":
+                failures.append(time.monotonic() - start)
+                await asyncio.sleep(0.1)  # back off as a client would while the server is down
 
         async def steady(w: int) -> None:
             i = w
@@ -238,11 +242,23 @@ async def run(args: argparse.Namespace) -> dict:
         "failed_other": counts["other"],
         "lost": counts["lost"],
         "by_phase": dict(sorted(by_phase.items())),
+        "failure_windows_s": _windows(failures),
         "events": events,
         "peak_rss_mb": round(peak / 2**20, 1),
         "server_exit_code": server.returncode,
         "log": str(workdir / "server.log"),
     }
+
+
+def _windows(times: list[float], gap: float = 2.0) -> list[list[float]]:
+    """[start, end] seconds of each run of failures (failures closer than ``gap`` s)."""
+    out: list[list[float]] = []
+    for t in sorted(times):
+        if out and t - out[-1][1] <= gap:
+            out[-1][1] = round(t, 1)
+        else:
+            out.append([round(t, 1), round(t, 1)])
+    return out
 
 
 def main() -> None:

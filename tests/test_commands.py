@@ -200,3 +200,22 @@ def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cn
     assert code == 0
     assert "tritonserver killed by SIGABRT" in log.read_text()
     assert "restarting it (1/5)" in log.read_text()
+
+
+def test_serve_on_ray_answers_and_stops_cleanly_on_sigterm(tiny_cnn_path):
+    pytest.importorskip("ray", reason="needs the ray extra")
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servekit", "serve", "--runtime", "ray", "--model", str(tiny_cnn_path),
+         "--name", "tiny", "--host", "127.0.0.1", "--http-port", str(http)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "tiny", proc, timeout_s=180)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            assert c.infer("tiny", {"input": np.zeros((1, 3, 32, 32), np.float32)})[
+                "logits"
+            ].shape == (1, 10)
+    finally:
+        code = stop(proc)
+    assert code == 0  # not Ray's abort on SIGTERM (-6)

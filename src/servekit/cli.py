@@ -556,7 +556,15 @@ def _serve_ray(
     if name:
         args["name"] = name
     host, port = server.get("host", "0.0.0.0"), int(server.get("http_port", 8000))
+    import signal
+
     ray.init(address="local", include_dashboard=False)
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # Ray's driver answers SIGTERM by aborting (exit -6); stop Serve and Ray cleanly instead.
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         ray_serve.start(http_options={"host": host, "port": port})
         console.print(f"starting Ray Serve on http://{host}:{port} (KServe v2 over HTTP)")
