@@ -380,3 +380,57 @@ def test_metrics_count_known_traffic_exactly(triton):
         time.sleep(0.05)
     assert {k: delta[k] for k in want} == want
     assert delta[("resnet50", "nv_inference_request_summary_us_count")] == 3
+
+
+def test_fifty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_repository(
+    tmp_path, tiny_cnn_path
+):
+    """Triton users report memory lost on every reload: here the server's whole process
+    tree (tritonserver and its Python backend stubs) ends 50 cycles of the servekit backend
+    where it was after the first 10. And a model name cannot reach outside the repository."""
+    import psutil
+    import tritonclient.http as th
+
+    from servekit import OnnxRuntimeRunner
+
+    folder = tmp_path / "repo" / "tiny"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(tiny_cnn_path.read_bytes())
+    spec = OnnxRuntimeRunner(tiny_cnn_path).spec
+    config = model_config(
+        "tiny", spec, BatchingPolicy(max_batch_size=8), parameters={"kind": "runner"}
+    )
+    (folder / "config.pbtxt").write_text(render(config))
+    (tmp_path / "outside").mkdir()  # a model-shaped folder next to the repository
+    (tmp_path / "outside" / "config.pbtxt").write_text(render(config))
+    x = {"input": np.zeros((1, 3, 32, 32), np.float32)}
+
+    def tree_rss(pid: int) -> int:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+    with TritonProcess(options(tmp_path / "repo", "explicit")) as process:
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.http_port}")
+        pid = process._proc.pid  # type: ignore[union-attr]
+        try:
+            rss = []
+            with Client(process.options.http_url) as c:
+                for _ in range(50):
+                    admin.load_model("tiny")
+                    assert c.infer("tiny", x)["logits"].shape == (1, 10)
+                    admin.unload_model("tiny")
+                    deadline = time.monotonic() + 10
+                    while admin.is_model_ready("tiny") and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    rss.append(tree_rss(pid))
+            growth = rss[-1] - rss[9]
+            print(
+                f"tree RSS MB after cycles 1, 10, 50: {[round(rss[i] / 2**20, 1) for i in (0, 9, 49)]}"
+            )
+            assert growth < 30 * 2**20, f"grew {growth / 2**20:.1f} MB over 40 cycles: {rss}"
+            for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
+                with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
+                    admin.load_model(name)
+            assert not admin.is_model_ready("outside")
+        finally:
+            admin.close()
