@@ -81,8 +81,9 @@ class Scorer:
         paths = [str(p) for p in batch["path"]]
         blobs = list(batch["bytes"])
         results: list[Any] = [None] * len(paths)
-        image_rows = [i for i, p in enumerate(paths) if not p.lower().endswith(TENSOR_SUFFIX)]
-        tensor_rows = [i for i in range(len(paths)) if i not in set(image_rows)]
+        is_tensor = [p.lower().endswith(TENSOR_SUFFIX) for p in paths]
+        image_rows = [i for i, t in enumerate(is_tensor) if not t]
+        tensor_rows = [i for i, t in enumerate(is_tensor) if t]
         requests = [{"image": np.array([[blobs[i]]], dtype=object)} for i in image_rows]
         for i, out in zip(image_rows, run_requests(self.images, requests), strict=True):
             results[i] = out
