@@ -355,6 +355,26 @@ def test_bad_input_found_by_a_coroutine_batch_function_fails_only_its_own_reques
     assert stats.request_failure == 1 and stats.request_success == 3
 
 
+def test_nan_outputs_fail_their_batch_when_the_batcher_requires_finite_values():
+    def blows_up(d):
+        y = row_fn(d["x"])
+        y[d["x"][:, 0] == 13] = np.nan
+        return {"y": y}
+
+    async def main(require_finite: bool):
+        async with Batcher(blows_up, spec=SPEC, require_finite=require_finite, name="m") as b:
+            good = await b.infer(request(1))
+            bad = await asyncio.gather(b.infer(request(13)), return_exceptions=True)
+            return good, bad[0], await b.infer(request(2))
+
+    good, bad, after = asyncio.run(main(True))
+    assert isinstance(bad, RunnerError) and "m: output 'y' holds NaN or Inf" in str(bad)
+    np.testing.assert_array_equal(good["y"], row_fn(request(1)["x"]))
+    np.testing.assert_array_equal(after["y"], row_fn(request(2)["x"]))  # still serving
+    _, passed, _ = asyncio.run(main(False))
+    assert np.isnan(passed["y"]).all()  # without the policy NaN is an answer like any other
+
+
 def test_garbage_outputs_are_runner_errors_naming_the_problem():
     def short(d):
         return {"y": d["x"][:1]}

@@ -83,6 +83,9 @@ class Batcher:
             itself, as Ray's ``@serve.batch`` does: no thread hop, for batch functions
             that take microseconds or are coroutines (awaited there, ``instance_count``
             at a time). Coroutine functions always run on the loop.
+        require_finite: a batch whose floating-point outputs hold NaN or Inf fails, whole,
+            with a ``RunnerError`` naming the model and the output (a 500 on the servers),
+            instead of handing those values to the callers.
     """
 
     def __init__(
@@ -96,7 +99,9 @@ class Batcher:
         name: str = "model",
         listeners: Iterable[Callable[[BatchRecord], None]] = (),
         executor: str | None = None,
+        require_finite: bool = False,
     ) -> None:
+        self.require_finite = require_finite
         if hasattr(runner, "infer") and hasattr(runner, "spec"):
             self._fn: BatchFn = runner.infer
             spec = spec or runner.spec
@@ -554,6 +559,10 @@ class Batcher:
     def _split(self, outputs: Mapping[str, np.ndarray], rows: list[int]) -> list[Arrays]:
         if self._check_outputs:
             self.spec.check_outputs(outputs, sum(rows))
+        if self.require_finite:
+            for key, value in outputs.items():
+                if value.dtype.kind in "fc" and not np.isfinite(value).all():
+                    raise RunnerError(f"{self.name}: output {key!r} holds NaN or Inf")
         return split(outputs, rows)
 
     def _as_error(self, exc: Exception) -> ServekitError:
