@@ -42,7 +42,7 @@ import psutil
 
 from servekit import BatchingPolicy, OnnxRuntimeRunner, QueuePolicy, zoo
 from servekit.triton.env import free_port
-from servekit.triton.pbtxt import model_config, render
+from servekit.triton.repo import build_repository, runner_model
 
 QUEUE = 16
 
@@ -51,15 +51,10 @@ def start_server(runtime: str, workdir: Path, port: int) -> subprocess.Popen:
     model = zoo.build("tiny_cnn")
     common = ["--host", "127.0.0.1", "--http-port", str(port)]
     if runtime == "triton":
-        folder = workdir / "repo" / "tiny"
-        (folder / "1").mkdir(parents=True)
-        (folder / "1" / "model.onnx").write_bytes(model.read_bytes())
         policy = BatchingPolicy(
             max_batch_size=8, default_queue_policy=QueuePolicy(max_queue_size=QUEUE)
         )
-        spec = OnnxRuntimeRunner(model).spec
-        config = model_config("tiny", spec, policy, parameters={"kind": "runner"})
-        (folder / "config.pbtxt").write_text(render(config))
+        build_repository(workdir / "repo", [runner_model("tiny", model, policy)])
         cmd = ["triton", "--model-repository", str(workdir / "repo"), "--model-control-mode", "poll",
                "--repository-poll-secs", "1", "--grpc-port", str(free_port()),
                "--metrics-port", str(free_port()), *common]  # fmt: skip

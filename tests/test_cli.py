@@ -66,3 +66,15 @@ def test_demo_classifies_a_generated_image(model_cache):
     result = cli.invoke(app, ["demo", "--model", "tiny_cnn", "--cache-dir", str(model_cache)])
     assert result.exit_code == 0, result.output
     assert "class_" in result.output
+
+
+def test_commands_name_a_model_that_is_neither_in_the_zoo_nor_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short relative path, so the error box does not wrap it
+    for argv in (
+        ["optimize", "missing.onnx"],
+        ["accuracy", "missing.onnx", "--reference", "x.onnx"],
+    ):
+        result = cli.invoke(app, argv)
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert "no zoo model or model file" in text and ".onnx'" in text

@@ -153,17 +153,9 @@ def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cn
     import http.client
     import json
 
-    from servekit import BatchingPolicy, OnnxRuntimeRunner
-    from servekit.triton.pbtxt import model_config, render
+    from servekit.triton.repo import runner_model
 
-    folder = tmp_path / "repo" / "tiny"
-    (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.onnx").write_bytes(tiny_cnn_path.read_bytes())
-    spec = OnnxRuntimeRunner(tiny_cnn_path).spec
-    config = model_config(
-        "tiny", spec, BatchingPolicy(max_batch_size=8), parameters={"kind": "runner"}
-    )
-    (folder / "config.pbtxt").write_text(render(config))
+    build_repository(tmp_path / "repo", [runner_model("tiny", tiny_cnn_path)])
     port = free_port()
     log = tmp_path / "cli.log"
     with log.open("wb") as out:

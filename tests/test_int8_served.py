@@ -15,7 +15,7 @@ from servekit.optimize import optimize
 from servekit.stages import synthetic_image
 from servekit.triton import ServerConfig, TritonServer, default_models
 from servekit.triton.launcher import TritonOptions, TritonProcess
-from servekit.triton.pbtxt import model_config, render
+from servekit.triton.repo import build_repository, runner_model
 
 POLICY = BatchingPolicy(max_batch_size=8)
 
@@ -50,11 +50,7 @@ def test_pytriton_serves_the_int8_model_like_in_process(int8_model):
 
 def test_the_triton_backend_serves_the_int8_model_like_in_process(int8_model, tmp_path):
     local = OnnxRuntimeRunner(int8_model)
-    folder = tmp_path / "repo" / "tiny_int8"
-    (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.onnx").write_bytes(int8_model.read_bytes())
-    config = model_config("tiny_int8", local.spec, POLICY, parameters={"kind": "runner"})
-    (folder / "config.pbtxt").write_text(render(config))
+    build_repository(tmp_path / "repo", [runner_model("tiny_int8", int8_model, POLICY)])
     options = TritonOptions(
         tmp_path / "repo", host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
         metrics_port=free_port(), exit_timeout_s=2,

@@ -12,12 +12,12 @@ import pytest
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
 from conftest import free_port, serving
-from servekit import BatchingPolicy, FunctionRunner, OnnxRuntimeRunner, Unauthenticated
+from servekit import FunctionRunner, Unauthenticated
 from servekit.client import AsyncClient, Client
 from servekit.errors import CONTROL_TOKEN_HEADER
 from servekit.http import KServeApp
 from servekit.triton.launcher import TritonOptions, TritonProcess
-from servekit.triton.pbtxt import model_config, render
+from servekit.triton.repo import build_repository, runner_model
 
 X = {"input": np.zeros((1, 3, 32, 32), np.float32)}
 
@@ -37,13 +37,7 @@ def http_status(url: str, method: str = "GET", headers: dict | None = None) -> i
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory, tiny_cnn_path):
     repo = tmp_path_factory.mktemp("repo")
-    (repo / "tiny" / "1").mkdir(parents=True)
-    (repo / "tiny" / "1" / "model.onnx").write_bytes(tiny_cnn_path.read_bytes())
-    spec = OnnxRuntimeRunner(tiny_cnn_path).spec
-    config = model_config(
-        "tiny", spec, BatchingPolicy(max_batch_size=8), parameters={"kind": "runner"}
-    )
-    (repo / "tiny" / "config.pbtxt").write_text(render(config))
+    build_repository(repo, [runner_model("tiny", tiny_cnn_path)])
     options = TritonOptions(
         repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         exit_timeout_s=2, model_control_mode="explicit", load_models=("tiny",),

@@ -391,18 +391,12 @@ def test_fifty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_
     import psutil
     import tritonclient.http as th
 
-    from servekit import OnnxRuntimeRunner
+    from servekit.triton.repo import runner_model
 
-    folder = tmp_path / "repo" / "tiny"
-    (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.onnx").write_bytes(tiny_cnn_path.read_bytes())
-    spec = OnnxRuntimeRunner(tiny_cnn_path).spec
-    config = model_config(
-        "tiny", spec, BatchingPolicy(max_batch_size=8), parameters={"kind": "runner"}
-    )
-    (folder / "config.pbtxt").write_text(render(config))
+    tiny = runner_model("tiny", tiny_cnn_path)
+    build_repository(tmp_path / "repo", [tiny])
     (tmp_path / "outside").mkdir()  # a model-shaped folder next to the repository
-    (tmp_path / "outside" / "config.pbtxt").write_text(render(config))
+    (tmp_path / "outside" / "config.pbtxt").write_text(render(tiny.config))
     x = {"input": np.zeros((1, 3, 32, 32), np.float32)}
 
     def tree_rss(pid: int) -> int:

@@ -86,3 +86,13 @@ def test_build_uses_the_cache_unless_forced(tmp_path):
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SERVEKIT_CACHE", str(tmp_path))
     assert zoo.cache_dir() == tmp_path
+
+
+def test_resolve_takes_a_zoo_name_or_an_existing_file_and_names_anything_else(
+    model_cache, tmp_path
+):
+    built = zoo.resolve("tiny_cnn", model_cache)
+    assert built == zoo.build("tiny_cnn", model_cache) and built.is_file()
+    assert zoo.resolve(built) == built
+    with pytest.raises(ModelNotFound, match=r"no zoo model or model file '.*missing.onnx'"):
+        zoo.resolve(tmp_path / "missing.onnx")

@@ -20,6 +20,17 @@ models_app = typer.Typer(help="Reference models built locally from a fixed seed.
 app.add_typer(models_app, name="models")
 console = Console()
 
+
+def _model(model: str | Path, cache_dir: Path | None) -> Path:
+    """A zoo model's file or an existing model file; anything else is a usage error."""
+    from .errors import ModelNotFound
+
+    try:
+        return zoo.resolve(model, cache_dir)
+    except ModelNotFound as exc:
+        raise typer.BadParameter(str(exc), param_hint="MODEL") from None
+
+
 CacheDir = Annotated[
     Path | None,
     typer.Option(
@@ -341,7 +352,7 @@ def compare(
     from .bench.compare import markdown_report
     from .bench.report import plot_latency_vs_throughput, table, write_csv, write_json
 
-    path = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
+    path = _model(model, cache_dir)
     try:
         levels = parse_levels(concurrency)
         cfg = MeasureConfig(window_s=window, warmup_s=warmup, max_windows=max_windows)
@@ -407,7 +418,7 @@ def optimize(
     from .optimize import calibration_images
     from .optimize import optimize as run_optimize
 
-    path = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
+    path = _model(model, cache_dir)
     try:
         images = (
             calibration_images(calibration, calibration_samples) if precision == "int8" else None
@@ -453,13 +464,13 @@ def accuracy(
     from .optimize import PRECISIONS, calibration_images
     from .optimize import optimize as run_optimize
 
-    ref = zoo.build(base, cache_dir) if reference == "fp32" else Path(reference)
+    ref = _model(base if reference == "fp32" else reference, cache_dir)
     if model in PRECISIONS:
         out = ref.with_name(f"{ref.stem}.{model}.onnx")
         cal = calibration_images(images) if images else None
         candidate = run_optimize(ref, model, output=out, images=cal)
     else:
-        candidate = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
+        candidate = _model(model, cache_dir)
     blobs = calibration_images(images, samples=10_000) if images is not None else None
     report = compare_models(ref, candidate, blobs)
     if as_json:
@@ -536,7 +547,7 @@ def batch(
 def _num_classes(model: str, cache_dir: Path | None) -> int:
     from .runners.onnx import OnnxRuntimeRunner
 
-    path = zoo.build(model, cache_dir) if model in zoo.MODELS else Path(model)
+    path = _model(model, cache_dir)
     with OnnxRuntimeRunner(path, intra_op_threads=1) as runner:
         return runner.spec.outputs[0].shape[0]
 

@@ -11,7 +11,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -135,7 +134,7 @@ def image_classifier(
     if isinstance(model, Runner):
         runner: Runner = model
     else:
-        path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else Path(model)
+        path = zoo.resolve(model, cache_dir)
         runner = OnnxRuntimeRunner(
             path, intra_op_threads=intra_op_threads, max_batch_size=max_batch_size
         )

@@ -154,7 +154,7 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
             from .. import zoo
             from ..runners.onnx import OnnxRuntimeRunner
 
-            path = zoo.build(model) if model in zoo.MODELS else model
+            path = zoo.resolve(model)
             runner = OnnxRuntimeRunner(
                 path,
                 intra_op_threads=int(threads) if threads else None,
@@ -247,7 +247,7 @@ def _specs(model: str, top_k: int) -> dict[str, ModelSpec]:
     from ..pipeline import image_classifier, is_image_classifier
     from ..runners.onnx import OnnxRuntimeRunner
 
-    path = zoo.build(model) if model in zoo.MODELS else model
+    path = zoo.resolve(model)
     runner = OnnxRuntimeRunner(path, intra_op_threads=1)
     try:
         if not is_image_classifier(runner.spec):

@@ -69,7 +69,7 @@ class Scorer:
         from ..pipeline import Pipeline, image_classifier
         from ..runners.onnx import OnnxRuntimeRunner
 
-        path = zoo.build(model) if model in zoo.MODELS else Path(model)
+        path = zoo.resolve(model)
         runner = OnnxRuntimeRunner(path, intra_op_threads=threads, max_batch_size=max_batch_size)
         self.images = image_classifier(runner, top_k=top_k, labels=labels)
         # .npy files hold the model's input already preprocessed: model -> Postprocess.

@@ -17,7 +17,7 @@ from ..batching.policy import BatchingPolicy
 from ..spec import ModelSpec
 from .pbtxt import EnsembleStep, ensemble_config, model_config, render
 
-__all__ = ["RepositoryModel", "build_repository", "reference_repository"]
+__all__ = ["RepositoryModel", "build_repository", "reference_repository", "runner_model"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class RepositoryModel:
     name: str
     config: Any
     """``ModelConfig`` protobuf message."""
-    weights: str | None = None
-    """Zoo model to build into ``1/model.onnx``."""
+    weights: str | os.PathLike[str] | None = None
+    """Zoo model to build into each version's ``model.onnx``, or an ONNX file to copy there."""
     versions: tuple[int, ...] = field(default=(1,))
 
 
@@ -106,6 +106,37 @@ def reference_repository(
     return [*stages, ensemble]
 
 
+def runner_model(
+    name: str,
+    model: str | os.PathLike[str],
+    policy: BatchingPolicy | None = None,
+    *,
+    instances: int = 1,
+    threads: int | None = None,
+    versions: tuple[int, ...] = (1,),
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> RepositoryModel:
+    """One ONNX model (zoo name or file) on the servekit backend, its signature read
+    from the model itself, batched by ``policy`` (default: up to 8, no delay)."""
+    from .. import zoo
+    from ..runners.onnx import OnnxRuntimeRunner
+
+    path = zoo.resolve(model, cache_dir)
+    with OnnxRuntimeRunner(path, intra_op_threads=1) as runner:
+        spec = runner.spec
+    parameters = {"kind": "runner", "runner": "onnxruntime", "model_file": "model.onnx"}
+    if threads:
+        parameters["threads"] = str(threads)
+    config = model_config(
+        name,
+        spec,
+        policy or BatchingPolicy(max_batch_size=8),
+        instance_count=instances,
+        parameters=parameters,
+    )
+    return RepositoryModel(name, config, weights=path, versions=versions)
+
+
 def build_repository(
     directory: str | os.PathLike[str],
     models: list[RepositoryModel] | None = None,
@@ -133,6 +164,11 @@ def build_repository(
             if m.weights:
                 target = vdir / "model.onnx"
                 if force or not target.exists():
-                    shutil.copyfile(zoo.build(m.weights, cache_dir), target)
+                    source = (
+                        zoo.build(str(m.weights), cache_dir)
+                        if str(m.weights) in zoo.MODELS
+                        else Path(m.weights)
+                    )
+                    shutil.copyfile(source, target)
                     written.append(target)
     return written

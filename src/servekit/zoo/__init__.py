@@ -27,6 +27,7 @@ __all__ = [
     "build",
     "cache_dir",
     "param_count",
+    "resolve",
 ]
 
 
@@ -84,4 +85,18 @@ def build(
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+    return path
+
+
+def resolve(model: str | os.PathLike[str], directory: str | os.PathLike[str] | None = None) -> Path:
+    """A zoo model's built file (building it on first use), or an existing model file.
+
+    Raises:
+        ModelNotFound: ``model`` is neither a zoo name nor an existing file.
+    """
+    if str(model) in MODELS:
+        return build(str(model), directory)
+    path = Path(model)
+    if not path.is_file():
+        raise ModelNotFound(f"no zoo model or model file {str(model)!r}; zoo: {sorted(MODELS)}")
     return path
