@@ -1,6 +1,60 @@
 """Engine runners: the Runner contract and its implementations (engines import lazily)."""
 
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
 from .base import BaseRunner, FunctionRunner, Runner
 from .onnx import OnnxRuntimeRunner
 
-__all__ = ["BaseRunner", "FunctionRunner", "OnnxRuntimeRunner", "Runner"]
+__all__ = ["ENGINES", "BaseRunner", "FunctionRunner", "OnnxRuntimeRunner", "Runner", "load_runner"]
+
+ENGINES = ("onnxruntime", "tensorrt", "torch")
+
+
+def load_runner(
+    model: str | os.PathLike[str],
+    *,
+    engine: str = "onnxruntime",
+    precision: str = "fp32",
+    max_batch_size: int | None = None,
+    preferred_batch_sizes: Sequence[int] = (),
+    threads: int | None = None,
+    device: str | None = None,
+) -> BaseRunner:
+    """One ONNX file on the named engine: the one switch every runtime (Triton backend,
+    PyTriton, Ray) goes through, so ``runner``/``precision`` mean the same everywhere.
+
+    ONNX Runtime runs the file at the precision it was written in (make INT8/FP16 files
+    with ``servekit optimize``); TensorRT and Torch convert at load. ``device`` is a CUDA
+    ordinal for TensorRT and a torch device (``cuda``, ``cuda:1``, ``cpu``) for Torch.
+    """
+    if engine == "onnxruntime":
+        if precision != "fp32":
+            raise ValueError(
+                f"onnxruntime runs the model file as written, so precision must be fp32, got "
+                f"{precision!r}: make an {precision} file with `servekit optimize`"
+            )
+        return OnnxRuntimeRunner(model, intra_op_threads=threads, max_batch_size=max_batch_size)
+    if engine == "tensorrt":
+        from .tensorrt import TensorRTRunner
+
+        return TensorRTRunner(
+            model,
+            precision=precision,
+            max_batch_size=max_batch_size,
+            preferred_batch_sizes=preferred_batch_sizes,
+            device=int(device or 0),
+        )
+    if engine == "torch":
+        from .torch import TorchRunner
+
+        return TorchRunner(
+            model,
+            precision=precision,
+            device=device or "cuda",
+            max_batch_size=max_batch_size,
+            preferred_batch_sizes=preferred_batch_sizes,
+        )
+    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

@@ -12,7 +12,7 @@ import numpy as np
 from ..spec import ModelSpec, TensorSpec
 from .base import Arrays, BaseRunner
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "OnnxRuntimeRunner"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "OnnxRuntimeRunner", "spec_from_onnx", "spec_from_session"]
 
 DEFAULT_MAX_BATCH_SIZE = 64
 """``max_batch_size`` given to ONNX models with a dynamic leading dim when the caller sets none."""
@@ -39,6 +39,24 @@ def _is_dynamic(dim: Any) -> bool:
     return not isinstance(dim, int) or dim < 0
 
 
+def _spec(
+    ins: list[tuple[str, Any, list[Any]]],
+    outs: list[tuple[str, Any, list[Any]]],
+    max_batch_size: int | None,
+) -> ModelSpec:
+    """A ModelSpec from ``(name, numpy dtype, dims)`` triples, dynamic dims as ``None``."""
+    batched = all(len(dims) > 0 and dims[0] is None for _, _, dims in (*ins, *outs))
+    if max_batch_size == 0:
+        batched = False
+
+    def tensor(name: str, dtype: Any, dims: list[Any]) -> TensorSpec:
+        kept = dims[1:] if batched else dims
+        return TensorSpec(name, dtype, [-1 if d is None else d for d in kept])
+
+    mbs = (max_batch_size or DEFAULT_MAX_BATCH_SIZE) if batched else 0
+    return ModelSpec(tuple(tensor(*t) for t in ins), tuple(tensor(*t) for t in outs), mbs)
+
+
 def spec_from_session(session: Any, max_batch_size: int | None = None) -> ModelSpec:
     """Derive a ModelSpec from an ORT session's graph inputs and outputs.
 
@@ -46,19 +64,48 @@ def spec_from_session(session: Any, max_batch_size: int | None = None) -> ModelS
     and output is dynamic; its ``max_batch_size`` is then ``max_batch_size`` or
     ``DEFAULT_MAX_BATCH_SIZE``. Other dynamic dims become ``-1``.
     """
-    ins, outs = session.get_inputs(), session.get_outputs()
-    batched = all(len(t.shape) > 0 and _is_dynamic(t.shape[0]) for t in (*ins, *outs))
-    if max_batch_size == 0:
-        batched = False
 
-    def tensor(t: Any) -> TensorSpec:
+    def triple(t: Any) -> tuple[str, Any, list[Any]]:
         if t.type not in _ORT_TYPES:
             raise ValueError(f"ONNX tensor {t.name!r} has unsupported type {t.type}")
-        dims = list(t.shape[1:] if batched else t.shape)
-        return TensorSpec(t.name, _ORT_TYPES[t.type], [-1 if _is_dynamic(d) else d for d in dims])
+        return t.name, _ORT_TYPES[t.type], [None if _is_dynamic(d) else d for d in t.shape]
 
-    mbs = (max_batch_size or DEFAULT_MAX_BATCH_SIZE) if batched else 0
-    return ModelSpec(tuple(map(tensor, ins)), tuple(map(tensor, outs)), mbs)
+    return _spec(
+        [triple(t) for t in session.get_inputs()],
+        [triple(t) for t in session.get_outputs()],
+        max_batch_size,
+    )
+
+
+def spec_from_onnx(model: str | os.PathLike[str], max_batch_size: int | None = None) -> ModelSpec:
+    """The same ModelSpec as ``spec_from_session``, read from the ONNX file without a session
+    (for engines other than ONNX Runtime)."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer}
+
+    def triple(v: Any) -> tuple[str, Any, list[Any]]:
+        t = v.type.tensor_type
+        dtype = np.dtype(object) if t.elem_type == onnx.TensorProto.STRING else None
+        try:
+            dtype = dtype or tensor_dtype_to_np_dtype(t.elem_type)
+        except KeyError:
+            raise ValueError(
+                f"ONNX tensor {v.name!r} has unsupported element type {t.elem_type}"
+            ) from None
+        dims = [
+            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+            for d in t.shape.dim
+        ]
+        return v.name, np.dtype(dtype).type, dims
+
+    return _spec(
+        [triple(v) for v in graph.input if v.name not in weights],
+        [triple(v) for v in graph.output],
+        max_batch_size,
+    )
 
 
 class OnnxRuntimeRunner(BaseRunner):

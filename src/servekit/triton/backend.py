@@ -4,8 +4,10 @@ Triton loads ``backends/servekit/model.py`` (a one-line import of this module) f
 model whose config says ``backend: "servekit"``. ``parameters`` in config.pbtxt choose
 what runs:
 
-- ``kind: "runner"`` (default): ``runner`` (``onnxruntime``) on ``model_file``
-  (default ``model.onnx``) from the version folder, ``threads`` intra-op threads;
+- ``kind: "runner"`` (default): ``runner`` (``onnxruntime``, ``tensorrt`` or ``torch``,
+  see ``servekit.runners.load_runner``) on ``model_file`` (default ``model.onnx``) from the
+  version folder, with ``precision``, ``threads`` (ONNX Runtime), ``device`` and
+  ``preferred_batch_sizes`` (the TensorRT profile's ``opt``, CUDA graph sizes);
 - ``kind: "preprocess"``: image bytes -> FP32 CHW (``resize``, ``crop``);
 - ``kind: "postprocess"``: logits -> top-k (``top_k``, ``labels_file`` in the version folder).
 
@@ -80,24 +82,30 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
             labels=version_dir / labels if labels else None,
             max_batch_size=mbs,
         )
-    engine = parameters.get("runner", "onnxruntime")
-    if engine != "onnxruntime":
-        raise ValueError(f"runner {engine!r} is not available; this servekit has 'onnxruntime'")
-    precision = parameters.get("precision", "fp32")
-    if precision != "fp32":
-        raise ValueError(f"precision {precision!r} is not available for onnxruntime here; use fp32")
     path = version_dir / parameters.get("model_file", "model.onnx")
     if not path.is_file():
         raise ValueError(f"model file {path} does not exist (run `servekit repo build`)")
-    from ..runners.onnx import OnnxRuntimeRunner
+    from ..runners import ENGINES, load_runner
 
+    engine = parameters.get("runner", "onnxruntime")
+    if engine not in ENGINES:
+        raise ValueError(f"parameter runner must be one of {list(ENGINES)}, got {engine!r}")
     threads = parameters.get("threads")
     try:
-        return OnnxRuntimeRunner(
+        return load_runner(
             path,
-            intra_op_threads=int(threads) if threads else None,
+            engine=engine,
+            precision=parameters.get("precision", "fp32"),
             max_batch_size=max_batch_size if max_batch_size else 0,
+            preferred_batch_sizes=[
+                int(b)
+                for b in parameters.get("preferred_batch_sizes", "").replace(",", " ").split()
+            ],
+            threads=int(threads) if threads else None,
+            device=parameters.get("device"),
         )
+    except ValueError:
+        raise
     except Exception as exc:
         raise ValueError(f"cannot load {path.name}: {type(exc).__name__}: {exc}") from None
 
