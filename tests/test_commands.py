@@ -3,10 +3,12 @@ processes, reached over loopback, stopped with SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -70,6 +72,9 @@ max_queue_delay_us = 1000
             assert len(preds[0]) == 3
             meta = c.metadata("tiny_cnn")
             assert meta["inputs"][0]["shape"] == [-1, 3, 32, 32]
+        # By default the public HTTP port is servekit's front, not Triton's own endpoint.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2", timeout=10) as r:
+            assert json.loads(r.read())["name"] == "servekit"
     finally:
         code = stop(proc)
     assert code == 0

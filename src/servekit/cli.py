@@ -159,6 +159,14 @@ def serve(
     runtime: Annotated[
         str, typer.Option(help="triton (PyTriton, HTTP+gRPC) or ray (Ray Serve, HTTP).")
     ] = "triton",
+    front: Annotated[
+        bool | None,
+        typer.Option(
+            "--front/--no-front",
+            help="HTTP port served by servekit's hardened KServe front, Triton's HTTP on "
+            "loopback (default on; --no-front exposes Triton's HTTP API itself).",
+        ),
+    ] = None,
     cache_dir: CacheDir = None,
 ) -> None:
     """Serve a model over KServe v2 HTTP/gRPC with Triton (PyTriton), or over HTTP on Ray
@@ -181,6 +189,8 @@ def serve(
         if value is not None:
             server[key] = value
     server.setdefault("log_verbose", log_verbose)
+    if front is not None:
+        server["front"] = front
     batching = dict(settings.get("batching", {}))
     queue = dict(batching.pop("queue", {}))
     batching.setdefault("max_batch_size", 32)
@@ -216,7 +226,7 @@ def serve(
             labels=labels or settings.get("labels"),
             cache_dir=cache_dir or settings.get("cache_dir"),
         )
-        cfg = ServerConfig(**server)
+        cfg = ServerConfig(**{"front": True, **server})
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         console.print(
             f"starting Triton with {[m.name for m in models]} (ready once all are loaded)"

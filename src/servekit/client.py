@@ -327,14 +327,29 @@ class AsyncClient(_Base):
         return self._socket_inputs(inputs, binary)
 
     async def infer(
-        self, model: str, inputs: Mapping[str, np.ndarray], *, binary: bool = True
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        binary: bool = True,
+        priority: int = 0,
+        timeout_us: int | None = None,
     ) -> dict[str, np.ndarray]:
-        return await self.infer_prepared(model, self.prepare(inputs, binary=binary))
+        """Run ``model``; ``priority`` and ``timeout_us`` are Triton's request parameters."""
+        prepared = self.prepare(inputs, binary=binary)
+        return await self.infer_prepared(model, prepared, priority=priority, timeout_us=timeout_us)
 
-    async def infer_prepared(self, model: str, prepared: list[Any]) -> dict[str, np.ndarray]:
+    async def infer_prepared(
+        self, model: str, prepared: list[Any], *, priority: int = 0, timeout_us: int | None = None
+    ) -> dict[str, np.ndarray]:
         """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s)."""
+        scheduling: dict[str, int] = {"priority": priority} if priority else {}
+        if timeout_us is not None:
+            scheduling["timeout"] = timeout_us
         try:
-            result = await self._client.infer(model, prepared, headers=self._infer_headers)
+            result = await self._client.infer(
+                model, prepared, headers=self._infer_headers, **scheduling
+            )
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
         return {n: result.as_numpy(n) for n in self._output_names(result)}

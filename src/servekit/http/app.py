@@ -198,8 +198,12 @@ class KServeApp:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
         scheduling = _scheduling(request.parameters)
-        batched = isinstance(model, Batcher) or isinstance(getattr(model, "batcher", None), Batcher)
-        if scheduling and batched:
+        scheduled = (
+            isinstance(model, Batcher)
+            or isinstance(getattr(model, "batcher", None), Batcher)
+            or getattr(model, "accepts_scheduling", False)
+        )
+        if scheduling and scheduled:
             outputs = await model.infer(request.inputs, **scheduling)
         elif asyncio.iscoroutinefunction(model.infer):
             outputs = await model.infer(request.inputs)

@@ -23,7 +23,7 @@ from ..pipeline import image_classifier, is_image_classifier
 from ..runners.base import Runner
 from ..runners.onnx import OnnxRuntimeRunner
 from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
-from .env import Endpoints, apply_triton_environment, gpu_present
+from .env import Endpoints, apply_triton_environment, free_port, gpu_present
 
 __all__ = [
     "ServedModel",
@@ -69,6 +69,11 @@ class ServerConfig(Endpoints):
     logging), which PyTriton restricts by default; None = a random one per start."""
     restricted_endpoints: tuple[str, ...] | None = None
     """APIs that need the token; None = PyTriton's defaults, () = none."""
+    front: bool = False
+    """Serve ``http_port`` with servekit's hardened KServe v2 front (``triton.front``),
+    Triton's own HTTP endpoint moving to a private loopback port."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """With ``front``: larger request bodies get a 413 before they are read whole."""
 
 
 def kill_leftovers(prefix: str) -> int:
@@ -150,6 +155,7 @@ class TritonServer:
         self.config = config or ServerConfig()
         self._triton: Any = None
         self._workdir: Path | None = None
+        self._front: Any = None
         self.access_token: str | None = None
         """The token the running server expects on restricted APIs (``Client(access_token=)``)."""
 
@@ -185,8 +191,8 @@ class TritonServer:
             workspace=self._workdir / "workspace",
             security_config=security,
             config=TritonConfig(
-                http_address=c.host,
-                http_port=c.http_port,
+                http_address="127.0.0.1" if c.front else c.host,
+                http_port=free_port() if c.front else c.http_port,
                 grpc_address=c.host,
                 grpc_port=c.grpc_port,
                 metrics_address=c.host,
@@ -211,7 +217,21 @@ class TritonServer:
                     strict=False,
                 )
             triton.run()
+            if c.front:
+                from .front import Front
+
+                self._front = Front(
+                    {m.name: m.runner.spec for m in self.models},
+                    f"grpc://127.0.0.1:{c.grpc_port}",
+                    host=c.host,
+                    port=c.http_port,
+                    ready=triton.is_alive,
+                    max_body_bytes=c.max_body_bytes,
+                ).start()
         except BaseException:
+            if self._front is not None:
+                self._front.stop()
+                self._front = None
             triton.stop()
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
@@ -224,6 +244,9 @@ class TritonServer:
 
     def stop(self) -> None:
         """Stop Triton (waiting up to ``exit_timeout_s`` for in-flight requests) and close runners."""
+        if self._front is not None:
+            self._front.stop()
+            self._front = None
         if self._triton is not None:
             self._triton.stop()
             self._triton = None

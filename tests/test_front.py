@@ -1,0 +1,143 @@
+"""`servekit serve --front`: servekit's KServe v2 front on PyTriton's public HTTP port.
+
+The requests that abort or 500 tritonserver 2.51 straight on its own HTTP port get a 400
+naming the problem from the front, the server stays up, and valid requests, image
+requests, gRPC, and Triton's request parameters still work through it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
+
+from conftest import free_port
+from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
+from servekit.client import AsyncClient, Client
+from servekit.stages import synthetic_image
+from servekit.triton import ServerConfig, TritonServer, default_models
+
+
+@pytest.fixture(scope="module")
+def server(tiny_cnn_path):
+    config = ServerConfig(
+        host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        exit_timeout_s=2,
+        front=True,
+        max_body_bytes=2_000_000,
+    )
+    policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000)
+    srv = TritonServer(default_models(tiny_cnn_path, name="tiny", policy=policy), config)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def post(port: int, body: dict | str, path: str = "/v2/models/tiny/infer") -> tuple[int, dict]:
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=raw)
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else {}
+    finally:
+        conn.close()
+
+
+def one(shape, data) -> dict:
+    return {"inputs": [{"name": "input", "datatype": "FP32", "shape": shape, "data": data}]}
+
+
+def test_the_public_http_port_is_servekits_front(server):
+    with urllib.request.urlopen(f"{server.config.http_url}/v2", timeout=10) as r:
+        assert json.loads(r.read())["name"] == "servekit"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # Straight on tritonserver 2.51's HTTP port: SIGABRT, every in-flight request lost.
+        (one([100000000, 3, 32, 32], [0.0]), "claims 307200000000 elements"),
+        # Straight on it: HTTP 500 each.
+        (one([1, 3, 32, 32], [0.0] * 10), "claims 3072 elements"),
+        (one([1, -3, 32, 32], [0.0]), "non-negative"),
+        (one([1, 3], ["a", "b", "c"]), "is not FP32"),
+        # Checked against the model's spec before anything reaches Triton.
+        (one([1, 3, 16, 16], [0.0] * 768), "input"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_requests_that_break_tritonserver_get_a_400_from_the_front(server, body, message):
+    status, payload = post(server.config.http_port, body)
+    assert status == 400, payload
+    assert message in payload["error"]
+    assert server.is_alive()
+
+
+def test_an_oversized_body_gets_413(server):
+    status, payload = post(server.config.http_port, "x" * 2_000_001)
+    assert status == 413 and "exceeds the limit" in payload["error"]
+
+
+def test_valid_requests_answer_as_in_process_over_http_and_grpc(server, tiny_cnn_path):
+    x = np.random.default_rng(3).standard_normal((5, 3, 32, 32)).astype(np.float32)
+    want = OnnxRuntimeRunner(tiny_cnn_path).infer({"input": x})["logits"]
+    for url in (server.config.http_url, server.config.grpc_url):
+        with Client(url) as c:
+            np.testing.assert_allclose(
+                c.infer("tiny", {"input": x})["logits"], want, rtol=1e-5, atol=1e-5
+            )
+            assert len(c.classify([synthetic_image(1)], "tiny_image")[0]) == 5
+    status, payload = post(server.config.http_port, one([1, 3, 32, 32], x[0].ravel().tolist()))
+    assert status == 200
+    np.testing.assert_allclose(payload["outputs"][0]["data"], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_dtype_names_the_tensor_through_the_client(server):
+    with Client(server.config.http_url) as c, pytest.raises(InvalidInput, match="input"):
+        c.infer("tiny", {"input": np.zeros((1, 3, 32, 32), np.float64)})
+
+
+def test_request_parameters_reach_triton_through_the_front(server):
+    body = one([1, 3, 32, 32], [0.5] * 3072) | {
+        "parameters": {"priority": 0, "timeout": 10_000_000}
+    }
+    status, payload = post(server.config.http_port, body)
+    assert status == 200, payload
+    status, payload = post(
+        server.config.http_port, one([1, 3, 32, 32], [0.5] * 3072) | {"parameters": {"timeout": -1}}
+    )
+    assert status == 400 and "'timeout'" in payload["error"]
+
+
+async def _concurrent(url: str, n: int) -> list[np.ndarray]:
+    import asyncio
+
+    client = AsyncClient(url)
+    try:
+        xs = [np.full((1, 3, 32, 32), i / n, np.float32) for i in range(n)]
+        return await asyncio.gather(*(client.infer("tiny", {"input": x}) for x in xs))
+    finally:
+        await client.close()
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, tiny_cnn_path):
+    import asyncio
+
+    n = 24
+    got = asyncio.run(_concurrent(server.config.http_url, n))
+    runner = OnnxRuntimeRunner(tiny_cnn_path)
+    for i, out in enumerate(got):
+        want = runner.infer({"input": np.full((1, 3, 32, 32), i / n, np.float32)})["logits"]
+        np.testing.assert_allclose(out["logits"], want, rtol=1e-5, atol=1e-5)
