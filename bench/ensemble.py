@@ -28,7 +28,6 @@ from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.stages import synthetic_image
 from servekit.triton import ServerConfig, TritonServer, default_models
-from servekit.triton.env import free_port
 from servekit.triton.launcher import TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, reference_repository
 
@@ -95,12 +94,8 @@ def main() -> None:
             repo,
             reference_repository(policy=policy, instances=args.instances, threads=args.threads),
         )
-        opts = TritonOptions(
-            repo,
-            host="127.0.0.1",
-            http_port=free_port(),
-            grpc_port=free_port(),
-            metrics_port=free_port(),
+        opts = TritonOptions.on_loopback(
+            model_repository=repo,
             exit_timeout_s=2,
         )
         with TritonProcess(opts) as triton:
@@ -108,11 +103,7 @@ def main() -> None:
             series["Triton ensemble (servekit backend)"] = asyncio.run(
                 measure(opts.grpc_url, "resnet50_ensemble")
             )
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
     )
     models = default_models(

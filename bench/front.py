@@ -23,16 +23,11 @@ import numpy as np
 from servekit import BatchingPolicy, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.triton import ServerConfig, TritonServer, default_models
-from servekit.triton.env import free_port
 
 
 def measure(model: str, front: bool, levels: list[float], cfg: MeasureConfig) -> list[dict]:
     path = zoo.build(model)
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
         front=front,
     )

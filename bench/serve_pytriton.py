@@ -25,7 +25,6 @@ from servekit import BatchingPolicy, OnnxRuntimeRunner, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.triton import ServerConfig, TritonServer, default_models
-from servekit.triton.env import free_port
 
 
 def raw_images_per_s(runner: OnnxRuntimeRunner, batch: int, seconds: float) -> float:
@@ -61,11 +60,7 @@ def main() -> None:
     console.print(f"raw in-process images/s by batch: { {b: round(v, 1) for b, v in raw.items()} }")
 
     policy = BatchingPolicy(max_batch_size=args.max_batch_size)
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
     )
     cfg = MeasureConfig(window_s=args.window, warmup_s=args.warmup, max_windows=8)

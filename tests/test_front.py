@@ -16,7 +16,6 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
-from conftest import free_port
 from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
 from servekit.client import AsyncClient, Client
 from servekit.stages import synthetic_image
@@ -25,11 +24,7 @@ from servekit.triton import ServerConfig, TritonServer, default_models
 
 @pytest.fixture(scope="module")
 def server(tiny_cnn_path):
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
         front=True,
         max_body_bytes=2_000_000,

@@ -8,7 +8,6 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
-from conftest import free_port
 from servekit import BatchingPolicy, OnnxRuntimeRunner, image_classifier
 from servekit.client import Client
 from servekit.optimize import optimize
@@ -32,10 +31,7 @@ def inputs() -> np.ndarray:
 
 
 def test_pytriton_serves_the_int8_model_like_in_process(int8_model):
-    config = ServerConfig(
-        host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        exit_timeout_s=2,
-    )  # fmt: skip
+    config = ServerConfig.on_loopback(exit_timeout_s=2)
     local = OnnxRuntimeRunner(int8_model)
     images = [synthetic_image(i) for i in range(3)]
     models = default_models(int8_model, name="tiny", policy=POLICY)
@@ -51,10 +47,7 @@ def test_pytriton_serves_the_int8_model_like_in_process(int8_model):
 def test_the_triton_backend_serves_the_int8_model_like_in_process(int8_model, tmp_path):
     local = OnnxRuntimeRunner(int8_model)
     build_repository(tmp_path / "repo", [runner_model("tiny_int8", int8_model, POLICY)])
-    options = TritonOptions(
-        tmp_path / "repo", host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-        metrics_port=free_port(), exit_timeout_s=2,
-    )  # fmt: skip
+    options = TritonOptions.on_loopback(model_repository=tmp_path / "repo", exit_timeout_s=2)
     with TritonProcess(options) as triton:
         triton.wait_ready(["tiny_int8"])
         with Client(options.http_url) as c:

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
-from conftest import free_port, serving
+from conftest import serving
 from servekit import FunctionRunner, Unauthenticated
 from servekit.client import AsyncClient, Client
 from servekit.errors import CONTROL_TOKEN_HEADER
@@ -38,8 +38,8 @@ def http_status(url: str, method: str = "GET", headers: dict | None = None) -> i
 def triton(tmp_path_factory, tiny_cnn_path):
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo, [runner_model("tiny", tiny_cnn_path)])
-    options = TritonOptions(
-        repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    options = TritonOptions.on_loopback(
+        model_repository=repo,
         exit_timeout_s=2, model_control_mode="explicit", load_models=("tiny",),
         inference_token="infer-secret", control_token="control-secret",
     )  # fmt: skip

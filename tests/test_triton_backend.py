@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra (its bundled tritonserver)")
 
-from conftest import free_port
 from servekit import (
     BatchingPolicy,
     InvalidInput,
@@ -75,8 +74,8 @@ def add_version(repo: Path, name: str, version: int) -> None:
 
 
 def options(repo: Path, mode: str = "none", **kw) -> TritonOptions:
-    return TritonOptions(
-        repo, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    return TritonOptions.on_loopback(
+        model_repository=repo,
         model_control_mode=mode, exit_timeout_s=2, **kw,
     )  # fmt: skip
 

@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
-from conftest import free_port
 from servekit import (
     BatchingPolicy,
     InvalidInput,
@@ -30,11 +29,7 @@ POLICY = BatchingPolicy(max_batch_size=8, max_queue_delay_us=5000)
 
 @pytest.fixture(scope="module")
 def server(resnet50_path):
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
     )
     srv = TritonServer(
@@ -269,11 +264,7 @@ def _argv0(proc_dir) -> str:
 
 
 def test_a_server_stops_cleanly_and_frees_its_ports(add_sub_path):
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
     )
     models = default_models(add_sub_path, policy=BatchingPolicy(max_batch_size=4))

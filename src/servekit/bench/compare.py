@@ -67,11 +67,7 @@ def _batcher(setup: Setup) -> Iterator[Any]:
 def _pytriton(setup: Setup) -> Iterator[Any]:
     from ..triton import ServerConfig, TritonServer, default_models
 
-    config = ServerConfig(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+    config = ServerConfig.on_loopback(
         exit_timeout_s=2,
     )
     models = default_models(
@@ -97,12 +93,8 @@ def _ensemble(setup: Setup) -> Iterator[Any]:
         )
         build_repository(repo, models)
         (repo / "resnet50" / "1" / "model.onnx").write_bytes(setup.model_path.read_bytes())
-        options = TritonOptions(
-            repo,
-            host="127.0.0.1",
-            http_port=free_port(),
-            grpc_port=free_port(),
-            metrics_port=free_port(),
+        options = TritonOptions.on_loopback(
+            model_repository=repo,
             exit_timeout_s=2,
         )
         with TritonProcess(options) as process:

@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "TritonEnvironment",
@@ -48,6 +49,12 @@ class Endpoints:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    @classmethod
+    def on_loopback(cls, **fields: Any) -> Any:
+        """This config on 127.0.0.1 with three free ports (tests, benchmarks, ``compare``)."""
+        ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+        return cls(**{"host": "127.0.0.1", **ports, **fields})
 
 
 def free_port() -> int:
