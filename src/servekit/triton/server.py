@@ -222,7 +222,7 @@ class TritonServer:
 
                 self._front = Front(
                     {m.name: m.runner.spec for m in self.models},
-                    f"grpc://127.0.0.1:{c.grpc_port}",
+                    c.grpc_url,
                     host=c.host,
                     port=c.http_port,
                     ready=triton.is_alive,
