@@ -25,6 +25,7 @@ from rich.table import Table
 
 from servekit import BatchingPolicy, OnnxRuntimeRunner, image_classifier, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
+from servekit.bench.compare import pipeline_ceiling
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.stages import synthetic_image
 from servekit.triton import ServerConfig, TritonServer, default_models
@@ -32,17 +33,8 @@ from servekit.triton.launcher import TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, reference_repository
 
 
-def pipeline_numbers(clf, jpeg: bytes, seconds: float) -> tuple[dict[int, float], float, float]:
-    """Images/s by batch, and p50/p99 ms of one image at a time."""
-    by_batch = {}
-    for batch in (1, 8, 16):
-        images = [jpeg] * batch
-        clf.classify(images)
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            clf.classify(images)
-            n += batch
-        by_batch[batch] = n / (time.perf_counter() - start)
+def one_at_a_time_ms(clf, jpeg: bytes, seconds: float) -> tuple[float, float]:
+    """p50 and p99 ms of classifying one image at a time."""
     lat = []
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -50,7 +42,7 @@ def pipeline_numbers(clf, jpeg: bytes, seconds: float) -> tuple[dict[int, float]
         clf.classify([jpeg])
         lat.append((time.perf_counter() - t) * 1e3)
     lat.sort()
-    return by_batch, statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
 
 def main() -> None:
@@ -72,10 +64,10 @@ def main() -> None:
     policy = BatchingPolicy(max_batch_size=args.max_batch_size)
 
     path = zoo.build("resnet50")
+    ceiling, by_batch = pipeline_ceiling(path, args.seconds)
     clf = image_classifier(OnnxRuntimeRunner(path))
-    by_batch, p50_1, p99_1 = pipeline_numbers(clf, jpeg, args.seconds)
+    p50_1, p99_1 = one_at_a_time_ms(clf, jpeg, args.seconds)
     clf.close()
-    ceiling = max(by_batch.values())
     console.print(
         f"in-process Pipeline images/s by batch {by_batch}; one at a time p50 {p50_1:.1f} ms, p99 {p99_1:.1f} ms"
     )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from servekit import Batcher, BatchingPolicy, zoo
+from servekit.bench import rows_per_s
 from servekit.runners.torch import TorchRunner
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -43,12 +44,7 @@ def engine_images_per_s(runner: TorchRunner, batch: int, seconds: float) -> floa
 
 def runner_images_per_s(runner: TorchRunner, batch: int, seconds: float) -> float:
     x = runner.spec.sample_inputs(batch)
-    runner.infer(x)
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        runner.infer(x)
-        n += batch
-    return n / (time.perf_counter() - start)
+    return rows_per_s(lambda: runner.infer(x), batch, seconds)
 
 
 async def served_images_per_s(

@@ -13,26 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime
 
 from servekit import OnnxRuntimeRunner, zoo
+from servekit.bench import rows_per_s
 from servekit.optimize import optimize
 
 
 def images_per_s(path: Path, batch: int, seconds: float) -> float:
     runner = OnnxRuntimeRunner(path, intra_op_threads=2)
     x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
-    runner.infer({"input": x})
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        runner.infer({"input": x})
-        n += batch
-    runner.close()
-    return n / (time.perf_counter() - start)
+    try:
+        return rows_per_s(lambda: runner.infer({"input": x}), batch, seconds)
+    finally:
+        runner.close()
 
 
 def main() -> None:

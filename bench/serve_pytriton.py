@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from servekit import BatchingPolicy, OnnxRuntimeRunner, zoo
-from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
+from servekit.bench import MeasureConfig, open_target, parse_levels, rows_per_s, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.triton import ServerConfig, TritonServer, default_models
 
 
 def raw_images_per_s(runner: OnnxRuntimeRunner, batch: int, seconds: float) -> float:
     x = {"input": np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)}
-    for _ in range(2):
-        runner.infer(x)
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        runner.infer(x)
-        n += batch
-    return n / (time.perf_counter() - start)
+    return rows_per_s(lambda: runner.infer(x), batch, seconds, warmup=2)
 
 
 def main() -> None:

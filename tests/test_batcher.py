@@ -299,6 +299,24 @@ def test_a_runner_exception_fails_only_its_batch_and_the_batcher_keeps_serving()
     asyncio.run(main())
 
 
+async def _first_then_three(fn, release) -> tuple[list, object]:
+    """Request 0 alone, then 1, 13 and 2 while it runs; ``release()`` lets the model go."""
+    async with Batcher(fn, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
+        first = asyncio.ensure_future(b.infer(request(0)))
+        await asyncio.sleep(0)
+        rest = [asyncio.ensure_future(b.infer(request(i))) for i in (1, 13, 2)]
+        await asyncio.sleep(0)
+        release()
+        return await asyncio.gather(first, *rest, return_exceptions=True), b.stats
+
+
+def _only_row_13_failed(results: list, stats) -> None:
+    assert isinstance(results[2], InvalidInput)
+    for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
+        np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
+    assert stats.request_failure == 1 and stats.request_success == 3
+
+
 def test_bad_input_found_while_running_fails_only_its_own_request():
     def picky(d):
         if (d["x"] == 13).any():
@@ -311,24 +329,12 @@ def test_bad_input_found_while_running_fails_only_its_own_request():
         gate.wait(10)
         return picky(d)
 
-    async def main():
-        async with Batcher(gated, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
-            first = asyncio.ensure_future(b.infer(request(0)))
-            await asyncio.sleep(0)
-            rest = [asyncio.ensure_future(b.infer(request(i))) for i in (1, 13, 2)]
-            await asyncio.sleep(0)
-            gate.set()
-            return await asyncio.gather(first, *rest, return_exceptions=True), b.stats
-
-    results, stats = asyncio.run(main())
-    assert isinstance(results[2], InvalidInput)
-    for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
-        np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
-    assert stats.request_failure == 1 and stats.request_success == 3
+    _only_row_13_failed(*asyncio.run(_first_then_three(gated, gate.set)))
 
 
 def test_bad_input_found_by_a_coroutine_batch_function_fails_only_its_own_request():
     calls: list[int] = []
+    gate = asyncio.Event()
 
     async def picky(d):
         calls.append(len(d["x"]))
@@ -337,22 +343,9 @@ def test_bad_input_found_by_a_coroutine_batch_function_fails_only_its_own_reques
             raise InvalidInput("cannot decode row")
         return {"y": row_fn(d["x"])}
 
-    async def main():
-        async with Batcher(picky, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
-            first = asyncio.ensure_future(b.infer(request(0)))
-            await asyncio.sleep(0)
-            rest = [asyncio.ensure_future(b.infer(request(i))) for i in (1, 13, 2)]
-            await asyncio.sleep(0)
-            gate.set()
-            return await asyncio.gather(first, *rest, return_exceptions=True), b.stats
-
-    gate = asyncio.Event()
-    results, stats = asyncio.run(main())
+    results, stats = asyncio.run(_first_then_three(picky, gate.set))
     assert calls[:2] == [1, 3], "the three later requests should have formed one batch"
-    assert isinstance(results[2], InvalidInput)
-    for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
-        np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
-    assert stats.request_failure == 1 and stats.request_success == 3
+    _only_row_13_failed(results, stats)
 
 
 def test_nan_outputs_fail_their_batch_when_the_batcher_requires_finite_values():

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from servekit.bench import WindowStats, is_stable, parse_levels, percentile, summarize
+from servekit.bench import (
+    WindowStats,
+    is_stable,
+    parse_levels,
+    percentile,
+    rows_per_s,
+    summarize,
+)
 
 
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=500), st.floats(0, 100))
@@ -62,3 +70,19 @@ def test_level_ranges():
     for bad in ("1:16:0", "a:b", "1:16:x1", "0,1", "1:2:3:4"):
         with pytest.raises(ValueError, match="bad range"):
             parse_levels(bad)
+
+
+def test_rows_per_s_counts_rows_of_back_to_back_calls_after_the_warmup():
+    calls = []
+
+    def call():
+        calls.append(1)
+        time.sleep(0.01)
+
+    start = time.perf_counter()
+    rate = rows_per_s(call, rows=4, seconds=0.2, warmup=3)
+    total = time.perf_counter() - start
+    timed = len(calls) - 3
+    assert timed >= 10
+    # The rate is the timed calls' rows over the timed loop (the total less the warm-up).
+    assert rate == pytest.approx(4 * timed / (total - 0.03), rel=0.3)

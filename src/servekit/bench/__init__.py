@@ -1,7 +1,7 @@
 """Load generation and measurement: the same client, warm-up and statistics for every runtime."""
 
 from .loadgen import MeasureConfig, Point, closed_loop, open_loop, parse_levels, sweep
-from .stats import WindowStats, is_stable, percentile, summarize
+from .stats import WindowStats, is_stable, percentile, rows_per_s, summarize
 from .targets import BatcherTarget, RemoteTarget, RunnerTarget, open_target
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "open_target",
     "parse_levels",
     "percentile",
+    "rows_per_s",
     "summarize",
     "sweep",
 ]

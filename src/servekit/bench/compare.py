@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from ..batching import Batcher, BatchingPolicy
 from ..stages import synthetic_image
 from ..triton.env import free_port
 from .loadgen import MeasureConfig, Point, sweep
+from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
 __all__ = ["RUNTIMES", "ComparisonResult", "compare", "markdown_report"]
@@ -88,11 +89,13 @@ def _ensemble(setup: Setup) -> Iterator[Any]:
 
     with tempfile.TemporaryDirectory(prefix="servekit-compare-") as tmp:
         repo = Path(tmp) / "repo"
-        models = reference_repository(
-            policy=setup.policy, instances=setup.instances, threads=setup.threads
-        )
+        models = [
+            replace(m, weights=setup.model_path) if m.weights else m
+            for m in reference_repository(
+                policy=setup.policy, instances=setup.instances, threads=setup.threads
+            )
+        ]
         build_repository(repo, models)
-        (repo / "resnet50" / "1" / "model.onnx").write_bytes(setup.model_path.read_bytes())
         options = TritonOptions.on_loopback(
             model_repository=repo,
             exit_timeout_s=2,
@@ -132,8 +135,6 @@ def _ray(setup: Setup) -> Iterator[Any]:
 
 def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
     """The in-process Pipeline's best images/s over batch sizes 1, 8 and 16 (no server at all)."""
-    import time
-
     from ..pipeline import image_classifier
     from ..runners.onnx import OnnxRuntimeRunner
 
@@ -142,13 +143,7 @@ def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dic
     clf = image_classifier(OnnxRuntimeRunner(model_path))
     try:
         for batch in (1, 8, 16):
-            images = [jpeg] * batch
-            clf.classify(images)
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                clf.classify(images)
-                n += batch
-            by_batch[batch] = n / (time.perf_counter() - start)
+            by_batch[batch] = rows_per_s(lambda b=batch: clf.classify([jpeg] * b), batch, seconds)
     finally:
         clf.close()
     return max(by_batch.values()), by_batch

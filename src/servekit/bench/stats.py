@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["WindowStats", "is_stable", "percentile", "summarize"]
+__all__ = ["WindowStats", "is_stable", "percentile", "rows_per_s", "summarize"]
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float:
@@ -87,3 +88,15 @@ def is_stable(windows: Sequence[WindowStats], tolerance: float = 0.1, count: int
         if mean == 0 or any(abs(v - mean) > tolerance * mean for v in values):
             return False
     return True
+
+
+def rows_per_s(call: Callable[[], object], rows: int, seconds: float, warmup: int = 1) -> float:
+    """Rows/s of calling ``call`` (``rows`` rows a call) back to back for ``seconds``, after
+    ``warmup`` untimed calls: the raw, no-server figure every comparison is against."""
+    for _ in range(warmup):
+        call()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        call()
+        n += rows
+    return n / (time.perf_counter() - start)

@@ -164,11 +164,6 @@ def build_repository(
             if m.weights:
                 target = vdir / "model.onnx"
                 if force or not target.exists():
-                    source = (
-                        zoo.build(str(m.weights), cache_dir)
-                        if str(m.weights) in zoo.MODELS
-                        else Path(m.weights)
-                    )
-                    shutil.copyfile(source, target)
+                    shutil.copyfile(zoo.resolve(m.weights, cache_dir), target)
                     written.append(target)
     return written
