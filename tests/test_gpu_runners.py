@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +205,31 @@ def _version_dir(tmp_path: Path, model: Path) -> Path:
 def test_the_backend_names_a_runner_it_does_not_know(tmp_path, tiny_cnn_path):
     with pytest.raises(ValueError, match="parameter runner must be one of"):
         build_runner({"runner": "openvino"}, _version_dir(tmp_path, tiny_cnn_path), 8)
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"threads": "two"}, "parameter threads: expected an integer, got 'two'"),
+        (
+            {"preferred_batch_sizes": "4,eight"},
+            "parameter preferred_batch_sizes: expected an integer, got 'eight'",
+        ),
+        (
+            {"kind": "preprocess", "crop": "224px"},
+            "parameter crop: expected an integer, got '224px'",
+        ),
+        (
+            {"kind": "postprocess", "top_k": "5.0"},
+            "parameter top_k: expected an integer, got '5.0'",
+        ),
+    ],
+)
+def test_the_backend_names_a_parameter_that_is_not_an_integer(
+    tmp_path, tiny_cnn_path, params, named
+):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        build_runner(params, _version_dir(tmp_path, tiny_cnn_path), 8)
 
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here")

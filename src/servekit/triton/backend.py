@@ -67,18 +67,18 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
         from ..stages import Preprocess
 
         return Preprocess(
-            resize=int(parameters.get("resize", 256)),
-            crop=int(parameters.get("crop", 224)),
+            resize=_int(parameters, "resize", 256),
+            crop=_int(parameters, "crop", 224),
             max_batch_size=mbs,
-            workers=int(parameters.get("workers", 1)),
+            workers=_int(parameters, "workers", 1),
         )
     if kind == "postprocess":
         from ..stages import Postprocess
 
         labels = parameters.get("labels_file")
         return Postprocess(
-            num_classes=int(parameters.get("num_classes", 1000)),
-            top_k=int(parameters.get("top_k", 5)),
+            num_classes=_int(parameters, "num_classes", 1000),
+            top_k=_int(parameters, "top_k", 5),
             labels=version_dir / labels if labels else None,
             max_batch_size=mbs,
         )
@@ -90,24 +90,36 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
     engine = parameters.get("runner", "onnxruntime")
     if engine not in ENGINES:
         raise ValueError(f"parameter runner must be one of {list(ENGINES)}, got {engine!r}")
-    threads = parameters.get("threads")
+    preferred = parameters.get("preferred_batch_sizes", "").replace(",", " ").split()
+    preferred_sizes = [
+        _int({"preferred_batch_sizes": b}, "preferred_batch_sizes", 0) for b in preferred
+    ]
+    threads = _int(parameters, "threads", 0) or None
     try:
         return load_runner(
             path,
             engine=engine,
             precision=parameters.get("precision", "fp32"),
             max_batch_size=max_batch_size if max_batch_size else 0,
-            preferred_batch_sizes=[
-                int(b)
-                for b in parameters.get("preferred_batch_sizes", "").replace(",", " ").split()
-            ],
-            threads=int(threads) if threads else None,
+            preferred_batch_sizes=preferred_sizes,
+            threads=threads,
             device=parameters.get("device"),
         )
     except ValueError:
         raise
     except Exception as exc:
         raise ValueError(f"cannot load {path.name}: {type(exc).__name__}: {exc}") from None
+
+
+def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
+    """An integer parameter, or a ``ValueError`` naming it and the value it got."""
+    value = parameters.get(key)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"parameter {key}: expected an integer, got {value!r}") from None
 
 
 def check_config(name: str, built: ModelSpec, declared: ModelSpec) -> None:
