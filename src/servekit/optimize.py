@@ -32,8 +32,7 @@ def calibration_images(
 ) -> list[bytes]:
     """Encoded images for calibration: up to ``samples`` files from ``directory`` (sorted),
     or ``samples`` generated ones when no directory is given."""
-    from .ray.batch import IMAGE_SUFFIXES
-    from .stages import synthetic_image
+    from .stages import IMAGE_SUFFIXES, synthetic_image
 
     if directory is None:
         return [synthetic_image(1000 + i) for i in range(samples)]

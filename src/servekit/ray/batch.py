@@ -20,10 +20,10 @@ import numpy as np
 
 from ..batching.execute import run_requests
 from ..errors import InvalidInput
+from ..stages.image import IMAGE_SUFFIXES
 
-__all__ = ["IMAGE_SUFFIXES", "BatchReport", "input_files", "run_batch"]
+__all__ = ["BatchReport", "input_files", "run_batch"]
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TENSOR_SUFFIX = ".npy"
 
 

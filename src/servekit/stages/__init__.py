@@ -2,9 +2,17 @@
 
 from .base import Stage
 from .classify import Postprocess, load_labels, softmax, top_k
-from .image import IMAGENET_MEAN, IMAGENET_STD, Preprocess, decode_image, synthetic_image
+from .image import (
+    IMAGE_SUFFIXES,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Preprocess,
+    decode_image,
+    synthetic_image,
+)
 
 __all__ = [
+    "IMAGE_SUFFIXES",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "Postprocess",

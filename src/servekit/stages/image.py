@@ -19,8 +19,17 @@ from ..errors import InvalidInput
 from ..runners.base import Arrays, BaseRunner
 from ..spec import ModelSpec, TensorSpec
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "Preprocess", "decode_image", "synthetic_image"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_SUFFIXES",
+    "Preprocess",
+    "decode_image",
+    "synthetic_image",
+]
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+"""File suffixes servekit treats as images when it walks a folder (batch jobs, calibration)."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
