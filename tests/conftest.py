@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,41 @@ def serving(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class Load:
+    """Threads calling the model until stopped, each with what ``session(k)`` opens for it
+    (a client, since tritonclient's are per thread); keeps every result or exception."""
+
+    def __init__(
+        self, session: Callable[[int], contextlib.AbstractContextManager], threads: int = 4
+    ) -> None:
+        self.results: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._workers = [
+            threading.Thread(target=self._loop, args=(session, k)) for k in range(threads)
+        ]
+
+    def _loop(self, session: Callable[[int], contextlib.AbstractContextManager], k: int) -> None:
+        with session(k) as call:
+            while not self._stop.is_set():
+                try:
+                    out = call()
+                except Exception as exc:
+                    out = exc
+                with self._lock:
+                    self.results.append(out)
+
+    def __enter__(self) -> Load:
+        for w in self._workers:
+            w.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for w in self._workers:
+            w.join(60)
+
+    def failures(self) -> list[Exception]:
+        return [r for r in self.results if isinstance(r, Exception)]

@@ -4,11 +4,14 @@ processes, reached over loopback, stopped with SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +19,10 @@ import pytest
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
 from conftest import free_port
+from servekit import OnnxRuntimeRunner
 from servekit.client import Client
 from servekit.triton.repo import build_repository, reference_repository
+from servekit.zoo.tiny import build_tiny_cnn
 
 
 def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -40,17 +45,19 @@ def stop(proc: subprocess.Popen) -> int:
             proc.kill()
             proc.wait()
         if proc.stdout is not None:
+            proc.stdout_text = proc.stdout.read().decode(errors="replace")
             proc.stdout.close()
 
 
-def test_serve_command_with_a_config_file(tmp_path, model_cache):
+def test_serve_command_with_a_config_file_reloads_its_model_on_sighup(tmp_path, tiny_cnn_path):
     http = free_port()
+    model = tmp_path / "tiny_cnn.onnx"
+    shutil.copyfile(tiny_cnn_path, model)
     config = tmp_path / "serve.toml"
     config.write_text(
         f"""
-model = "tiny_cnn"
+model = "{model}"
 top_k = 3
-cache_dir = "{model_cache}"
 [server]
 host = "127.0.0.1"
 http_port = {http}
@@ -75,9 +82,38 @@ max_queue_delay_us = 1000
         # By default the public HTTP port is servekit's front, not Triton's own endpoint.
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2", timeout=10) as r:
             assert json.loads(r.read())["name"] == "servekit"
+        # A live update: put the new file in place whole, then SIGHUP.
+        x = {"input": np.ones((1, 3, 32, 32), np.float32)}
+        with OnnxRuntimeRunner(tiny_cnn_path) as one:
+            before = one.infer(x)["logits"]
+        replace(model, build_tiny_cnn(seed=1).SerializeToString())
+        with OnnxRuntimeRunner(model) as two:
+            after = two.infer(x)["logits"]
+        proc.send_signal(signal.SIGHUP)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            deadline = time.monotonic() + 60
+            while np.allclose(out := c.infer("tiny_cnn", x)["logits"], before, rtol=1e-5):
+                assert time.monotonic() < deadline, "SIGHUP did not swap the model in"
+                time.sleep(0.2)
+            np.testing.assert_allclose(out, after, rtol=1e-5)
+            # A file that does not load leaves the serving version in place.
+            replace(model, b"not a model")
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(2)
+            np.testing.assert_allclose(c.infer("tiny_cnn", x)["logits"], after, rtol=1e-5)
     finally:
         code = stop(proc)
     assert code == 0
+    log = proc.stdout_text
+    assert "tiny_cnn: now serving version 2" in log
+    assert "reload failed, the serving version stays" in log and "tiny_cnn.onnx" in log
+
+
+def replace(path: Path, data: bytes) -> None:
+    """Write ``data`` next to ``path`` and rename it over, so a reader never sees half."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _jpeg() -> bytes:
@@ -86,25 +122,68 @@ def _jpeg() -> bytes:
     return synthetic_image(0)
 
 
-def triton_cli(repo, http: int, stdout=subprocess.PIPE) -> subprocess.Popen:
+def triton_cli(repo, http: int, *flags: str, stdout=subprocess.PIPE) -> subprocess.Popen:
     """``servekit triton`` on ``repo`` in its own process, HTTP on ``http``."""
     return subprocess.Popen(
         [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
-         "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+         "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), *flags],
         stdout=stdout, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 
-def test_triton_command_serves_the_repository(tmp_path, model_cache):
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body))
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+HOSTILE = {  # aborts tritonserver 2.51 (SIGABRT) when it reaches its own HTTP port
+    "inputs": [
+        {"name": "input", "datatype": "FP32", "shape": [100000000, 3, 32, 32], "data": [0.0]}
+    ]
+}
+
+
+def test_triton_command_serves_the_repository_behind_the_front(
+    tmp_path, model_cache, tiny_cnn_path
+):
+    from servekit.triton.repo import runner_model
+
     repo = tmp_path / "repo"
-    build_repository(repo, reference_repository(), cache_dir=model_cache)
+    build_repository(
+        repo, [*reference_repository(), runner_model("tiny", tiny_cnn_path)], cache_dir=model_cache
+    )
     http = free_port()
     proc = triton_cli(repo, http)
     try:
         wait_ready(f"http://127.0.0.1:{http}", "resnet50_ensemble", proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2", timeout=10) as r:
+            assert json.loads(r.read())["name"] == "servekit"
         with Client(f"http://127.0.0.1:{http}") as c:
             out = c.infer("resnet50_ensemble", {"image": np.array([[_jpeg()]], dtype=object)})
             assert out["scores"].shape == (1, 5)
+        # The request that aborts tritonserver is a 400 from the front, checked against the
+        # spec the front read from Triton's model config; Triton never sees it.
+        status, payload = post_json(http, "/v2/models/tiny/infer", HOSTILE)
+        assert status == 400 and "claims 307200000000 elements" in payload["error"], payload
+        ok = {
+            "inputs": [
+                {"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32], "data": [0.5] * 3072}
+            ]
+        }
+        status, payload = post_json(http, "/v2/models/tiny/versions/1/infer", ok)
+        assert status == 200 and payload["model_version"] == "1", payload
+        status, payload = post_json(http, "/v2/models/tiny/versions/7/infer", ok)
+        assert status == 404 and "7" in payload["error"], payload
+        status, payload = post_json(http, "/v2/models/nothing/infer", ok)
+        assert status == 404 and "nothing" in payload["error"], payload
+        assert proc.poll() is None and len(_tritonservers(repo)) == 1
     finally:
         code = stop(proc)
     assert code == 0
@@ -123,8 +202,8 @@ def test_serve_command_refuses_a_bad_config(tmp_path):
     assert "max_batch" in result.stdout + result.stderr
 
 
-def _tritonservers(port: int) -> list[int]:
-    """PIDs of tritonserver processes listening on ``port`` (by their command line)."""
+def _tritonservers(repo: Path) -> list[int]:
+    """PIDs of tritonserver processes serving ``repo`` (by their command line)."""
     from pathlib import Path
 
     found = []
@@ -134,7 +213,8 @@ def _tritonservers(port: int) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv[0].endswith(b"tritonserver") and f"--http-port={port}".encode() in argv:
+            flag = f"--model-repository={Path(repo).resolve()}".encode()
+            if argv[0].endswith(b"tritonserver") and flag in argv:
                 found.append(int(entry.name))
     return found
 
@@ -145,16 +225,16 @@ def test_sigterm_while_triton_is_still_starting_stops_it_cleanly(tmp_path, model
     http = free_port()
     proc = triton_cli(repo, http)
     deadline = time.monotonic() + 60
-    while not _tritonservers(http):  # tritonserver exists but is still loading the models
+    while not _tritonservers(repo):  # tritonserver exists but is still loading the models
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     assert stop(proc) == 0
-    assert _tritonservers(http) == []
+    assert _tritonservers(repo) == []
 
 
 def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cnn_path):
-    """The JSON request that aborts tritonserver 2.51 (SIGABRT) straight on its own port:
-    `servekit triton` starts it again on the same ports and says why."""
+    """The JSON request that aborts tritonserver 2.51 (SIGABRT) straight on its own port
+    (``--no-front``): `servekit triton` starts it again on the same ports and says why."""
     import http.client
     import json
 
@@ -164,29 +244,22 @@ def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cn
     port = free_port()
     log = tmp_path / "cli.log"
     with log.open("wb") as out:
-        proc = triton_cli(tmp_path / "repo", port, stdout=out)
+        proc = triton_cli(tmp_path / "repo", port, "--no-front", stdout=out)
     url = f"http://127.0.0.1:{port}"
     x = {"input": np.zeros((1, 3, 32, 32), np.float32)}
     try:
         wait_ready(url, "tiny", proc)
-        (first,) = _tritonservers(port)
-        hostile = {
-            "inputs": [
-                {
-                    "name": "input",
-                    "datatype": "FP32",
-                    "shape": [100000000, 3, 32, 32],
-                    "data": [0.0],
-                }
-            ]
-        }
+        (first,) = _tritonservers(tmp_path / "repo")
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         with pytest.raises((ConnectionError, http.client.HTTPException)):
-            conn.request("POST", "/v2/models/tiny/infer", body=json.dumps(hostile))
+            conn.request("POST", "/v2/models/tiny/infer", body=json.dumps(HOSTILE))
             conn.getresponse()
         conn.close()
         deadline = time.monotonic() + 60
-        while _tritonservers(port) in ([], [first]):  # the crashed one gone, a new one up
+        while _tritonservers(tmp_path / "repo") in (
+            [],
+            [first],
+        ):  # the crashed one gone, a new one up
             assert time.monotonic() < deadline, "tritonserver was not restarted"
             time.sleep(0.1)
         wait_ready(url, "tiny", proc)

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -174,6 +174,7 @@ def serve(
     from .config import load_config, policy_from_dict
     from .triton import ServerConfig, TritonSetupError, default_models
     from .triton import serve as run_server
+    from .triton.server import load_onnx
 
     try:
         settings = load_config(config) if config else {}
@@ -216,22 +217,30 @@ def serve(
         return
     try:
         policy = policy_from_dict({**batching, "queue": queue})
+        source = model or settings.get("model", "resnet50")
+        threads_ = threads or settings.get("threads")
+        cache = cache_dir or settings.get("cache_dir")
         models = default_models(
-            model or settings.get("model", "resnet50"),
+            source,
             name=name or settings.get("name"),
             policy=policy,
             instance_count=instances or settings.get("instances", 1),
-            intra_op_threads=threads or settings.get("threads"),
+            intra_op_threads=threads_,
             top_k=top_k or settings.get("top_k", 5),
             labels=labels or settings.get("labels"),
-            cache_dir=cache_dir or settings.get("cache_dir"),
+            cache_dir=cache,
         )
         cfg = ServerConfig(**{"front": True, **server})
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         console.print(
             f"starting Triton with {[m.name for m in models]} (ready once all are loaded)"
         )
-        run_server(models, cfg)
+
+        def reload(server: Any) -> None:  # SIGHUP: read the model file again, swap it in live
+            fresh = load_onnx(source, policy, intra_op_threads=threads_, cache_dir=cache)
+            server.update(models[0].name, fresh)
+
+        run_server(models, cfg, reload=reload)
     except TritonSetupError as exc:
         console.print(f"[red]cannot start Triton:[/red] {exc}")
         raise typer.Exit(3) from None
@@ -661,6 +670,14 @@ def triton(
             help="Require this servekit-control-token header on model control and shared memory.",
         ),
     ] = None,
+    front: Annotated[
+        bool,
+        typer.Option(
+            "--front/--no-front",
+            help="HTTP port served by servekit's hardened KServe front, tritonserver's HTTP on "
+            "loopback (default on; --no-front exposes tritonserver's HTTP API itself).",
+        ),
+    ] = True,
 ) -> None:
     """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
     installed and the environment fixed. Other tritonserver flags pass through, e.g.
@@ -683,6 +700,7 @@ def triton(
             log_verbose=log_verbose,
             inference_token=inference_token,
             control_token=control_token,
+            front=front,
             extra_args=tuple(ctx.args),
         )
     except ValueError as exc:
@@ -700,8 +718,9 @@ def triton(
         except TritonSetupError as exc:
             console.print(f"[red]cannot start Triton:[/red] {exc}")
             raise typer.Exit(3) from None
+        via = f"servekit's front on {options.http_url}" if front else options.http_url
         console.print(
-            f"tritonserver on {options.http_url} (gRPC {options.grpc_url}, "
+            f"tritonserver on {via} (gRPC {options.grpc_url}, "
             f"metrics {options.metrics_url}); log: {process.log_path}"
         )
 

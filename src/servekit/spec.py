@@ -108,6 +108,10 @@ class TensorSpec:
         object.__setattr__(self, "dtype", as_dtype(dtype))
         object.__setattr__(self, "shape", dims)
 
+    def describe(self) -> str:
+        """``name DTYPE [dims]``, as error messages name a tensor."""
+        return f"{self.name} {self.dtype.datatype} {_fmt_shape(self.shape)}"
+
     def dtype_matches(self, array: np.ndarray) -> bool:
         """Whether ``array``'s dtype is this tensor's (BYTES takes object and ``S`` arrays)."""
         if self.dtype.datatype == "BYTES":

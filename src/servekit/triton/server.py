@@ -7,21 +7,24 @@ signatures and batching policies, and per-request error handling.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..batching.policy import BatchingPolicy
+from ..errors import ModelNotFound
 from ..pipeline import image_classifier, is_image_classifier
 from ..runners.base import Runner
 from ..runners.onnx import OnnxRuntimeRunner
+from ..runners.versioned import VersionedRunner
 from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
 from .env import Endpoints, apply_triton_environment, free_port, gpu_present
 
@@ -31,6 +34,8 @@ __all__ = [
     "TritonServer",
     "default_models",
     "kill_leftovers",
+    "load_onnx",
+    "model_name",
     "serve",
 ]
 
@@ -105,6 +110,30 @@ def kill_leftovers(prefix: str) -> int:
     return killed
 
 
+def model_name(model: str | os.PathLike[str]) -> str:
+    """The served name of a zoo model or an ONNX file (its stem)."""
+    return os.path.splitext(os.path.basename(os.fspath(model)))[0]
+
+
+def load_onnx(
+    model: str | os.PathLike[str],
+    policy: BatchingPolicy = DEFAULT_POLICY,
+    *,
+    intra_op_threads: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> OnnxRuntimeRunner:
+    """An ONNX Runtime runner for a zoo name or an ONNX file (read from disk now: what a
+    reload runs again)."""
+    from .. import zoo
+
+    path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else os.fspath(model)
+    return OnnxRuntimeRunner(
+        path,
+        intra_op_threads=intra_op_threads,
+        max_batch_size=max(policy.max_batch_size, 1) if policy.max_batch_size else None,
+    )
+
+
 def default_models(
     model: str | os.PathLike[str] = "resnet50",
     *,
@@ -119,21 +148,12 @@ def default_models(
     """The tensor model and, for image classifiers, ``<name>_image`` (JPEG/PNG in, top-k out).
 
     ``model`` is a zoo name or a path to an ONNX file whose spec is read from the graph;
-    both models share one runner.
+    both models share one ``VersionedRunner``, so ``TritonServer.update(name, ...)``
+    updates both.
     """
-    from .. import zoo
-
-    path: str | Path
-    if str(model) in zoo.MODELS:
-        path = zoo.build(str(model), cache_dir)
-        name = name or str(model)
-    else:
-        path = os.fspath(model)
-        name = name or os.path.splitext(os.path.basename(path))[0]
-    runner = OnnxRuntimeRunner(
-        path,
-        intra_op_threads=intra_op_threads,
-        max_batch_size=max(policy.max_batch_size, 1) if policy.max_batch_size else None,
+    name = name or model_name(model)
+    runner = VersionedRunner(
+        load_onnx(model, policy, intra_op_threads=intra_op_threads, cache_dir=cache_dir), name=name
     )
     served = [ServedModel(name, runner, policy, instance_count)]
     if runner.spec.batched and is_image_classifier(runner.spec):
@@ -151,7 +171,13 @@ class TritonServer:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
-        self.models = list(models)
+        # Every model is updatable in place: see ``update``.
+        self.models = [
+            m
+            if isinstance(m.runner, VersionedRunner)
+            else dataclasses.replace(m, runner=VersionedRunner(m.runner, name=m.name))
+            for m in models
+        ]
         self.config = config or ServerConfig()
         self._triton: Any = None
         self._workdir: Path | None = None
@@ -239,6 +265,31 @@ class TritonServer:
         self.access_token = security.access_token
         return self
 
+    def _versioned(self, name: str) -> VersionedRunner:
+        for m in self.models:
+            if m.name == name:
+                return m.runner  # type: ignore[return-value]
+        raise ModelNotFound(f"no model named {name!r}; serving {[m.name for m in self.models]}")
+
+    def update(self, name: str, runner: Runner, version: int | None = None) -> int:
+        """Serve ``runner`` as model ``name`` from the next batch on, without a reload in
+        Triton: no request fails and none mixes versions (``VersionedRunner``). Returns
+        the new version number; a runner that fails to warm up or has another signature
+        raises and the old version keeps serving."""
+        number = self._versioned(name).update(runner, version)
+        log.info("%s: now serving version %d", name, number)
+        return number
+
+    def rollback(self, name: str) -> int:
+        """Serve model ``name``'s previous version again; returns its number."""
+        number = self._versioned(name).rollback()
+        log.info("%s: rolled back to version %d", name, number)
+        return number
+
+    def version(self, name: str) -> int:
+        """The version of model ``name`` new batches run on."""
+        return self._versioned(name).version
+
     def is_alive(self) -> bool:
         return self._triton is not None and self._triton.is_alive()
 
@@ -264,15 +315,31 @@ class TritonServer:
         self.stop()
 
 
-def serve(models: Sequence[ServedModel], config: ServerConfig | None = None) -> None:
+def serve(
+    models: Sequence[ServedModel],
+    config: ServerConfig | None = None,
+    reload: Callable[[TritonServer], None] | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM (what ``servekit serve`` runs); a signal during start-up
-    stops the server as soon as it is up."""
+    stops the server as soon as it is up. SIGHUP calls ``reload(server)`` (a live update:
+    ``servekit serve`` re-reads its model file); a reload that fails is logged and the
+    serving version stays."""
     server = TritonServer(models, config)
-    stop = threading.Event()
+    stop, hup, wake = threading.Event(), threading.Event(), threading.Event()
+
+    def on_signal(event: threading.Event) -> Callable[..., None]:
+        def handler(*_: object) -> None:
+            event.set()
+            wake.set()
+
+        return handler
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, on_signal(stop))
+        if reload is not None:
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_signal(hup))
     try:
         server.start()
         c = server.config
@@ -283,7 +350,17 @@ def serve(models: Sequence[ServedModel], config: ServerConfig | None = None) -> 
             c.grpc_url,
             c.metrics_url,
         )
-        while not stop.wait(1.0):
+        while True:
+            wake.wait(1.0)
+            wake.clear()
+            if hup.is_set() and reload is not None:
+                hup.clear()
+                try:
+                    reload(server)
+                except Exception as exc:  # a failed update must not stop the serving version
+                    log.error("reload failed, the serving version stays: %s", exc)
+            if stop.is_set():
+                break
             if not server.is_alive():
                 log.error("Triton stopped unexpectedly")
                 break
