@@ -34,14 +34,15 @@ def http_status(url: str, method: str = "GET", headers: dict | None = None) -> i
         return exc.code
 
 
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory, tiny_cnn_path):
+@pytest.fixture(scope="module", params=[False, True], ids=["tritonserver", "front"])
+def triton(request, tmp_path_factory, tiny_cnn_path):
+    """`servekit triton` with both tokens: HTTP straight on tritonserver, or behind the front."""
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo, [runner_model("tiny", tiny_cnn_path)])
     options = TritonOptions.on_loopback(
         model_repository=repo,
         exit_timeout_s=2, model_control_mode="explicit", load_models=("tiny",),
-        inference_token="infer-secret", control_token="control-secret",
+        inference_token="infer-secret", control_token="control-secret", front=request.param,
     )  # fmt: skip
     with TritonProcess(options) as process:
         process.wait_ready(["tiny"])
@@ -62,9 +63,15 @@ def test_inference_needs_the_inference_token(triton, protocol):
 def test_model_control_needs_the_other_token_and_health_stays_open(triton):
     index = f"{triton.http_url}/v2/repository/index"
     unload = f"{triton.http_url}/v2/repository/models/tiny/unload"
-    assert http_status(index, "POST") == 403
-    assert http_status(unload, "POST", {CONTROL_TOKEN_HEADER: "infer-secret"}) == 403
-    assert http_status(index, "POST", {CONTROL_TOKEN_HEADER: "control-secret"}) == 200
+    if triton.front:  # the front carries no model control at all (gRPC does, with the token)
+        assert http_status(index, "POST", {CONTROL_TOKEN_HEADER: "control-secret"}) == 404
+        assert http_status(unload, "POST", {CONTROL_TOKEN_HEADER: "control-secret"}) == 404
+        # Metadata: the front reads the model's config from Triton with the control token.
+        assert http_status(f"{triton.http_url}/v2/models/tiny") == 200
+    else:
+        assert http_status(index, "POST") == 403
+        assert http_status(unload, "POST", {CONTROL_TOKEN_HEADER: "infer-secret"}) == 403
+        assert http_status(index, "POST", {CONTROL_TOKEN_HEADER: "control-secret"}) == 200
     assert http_status(f"{triton.http_url}/v2/health/ready") == 200
     assert http_status(f"{triton.http_url}/v2/models/tiny/ready") == 200  # still loaded
 

@@ -334,13 +334,23 @@ class AsyncClient(_Base):
         binary: bool = True,
         priority: int = 0,
         timeout_us: int | None = None,
+        version: str = "",
     ) -> dict[str, np.ndarray]:
-        """Run ``model``; ``priority`` and ``timeout_us`` are Triton's request parameters."""
+        """Run ``model`` (``version``: a version number, "" = as the version policy picks);
+        ``priority`` and ``timeout_us`` are Triton's request parameters."""
         prepared = self.prepare(inputs, binary=binary)
-        return await self.infer_prepared(model, prepared, priority=priority, timeout_us=timeout_us)
+        return await self.infer_prepared(
+            model, prepared, priority=priority, timeout_us=timeout_us, version=version
+        )
 
     async def infer_prepared(
-        self, model: str, prepared: list[Any], *, priority: int = 0, timeout_us: int | None = None
+        self,
+        model: str,
+        prepared: list[Any],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
     ) -> dict[str, np.ndarray]:
         """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s)."""
         scheduling: dict[str, int] = {"priority": priority} if priority else {}
@@ -348,7 +358,7 @@ class AsyncClient(_Base):
             scheduling["timeout"] = timeout_us
         try:
             result = await self._client.infer(
-                model, prepared, headers=self._infer_headers, **scheduling
+                model, prepared, model_version=version, headers=self._infer_headers, **scheduling
             )
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None

@@ -47,7 +47,9 @@ class KServeApp:
     every model that is a Batcher or holds one in ``.batcher``.
 
     Args:
-        models: name -> Runner (run on a worker thread) or Batcher (awaited).
+        models: name -> Runner (run on a worker thread) or Batcher (awaited); or a registry
+            whose ``async lookup(name)`` finds models as they come and go, and whose
+            ``async is_ready(name, version)`` answers readiness (``triton.front.TritonModels``).
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
@@ -65,7 +67,7 @@ class KServeApp:
         metrics: Metrics | None = None,
         inference_token: str | None = None,
     ) -> None:
-        self.models = dict(models)
+        self.models = models if hasattr(models, "lookup") else dict(models)
         self._token = inference_token.encode() if inference_token else None
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
@@ -119,7 +121,10 @@ class KServeApp:
             headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
         return status, body, headers
 
-    def _model(self, name: str) -> Any:
+    async def _model(self, name: str) -> Any:
+        lookup = getattr(self.models, "lookup", None)
+        if lookup is not None:
+            return await lookup(name)
         if name not in self.models:
             raise ModelNotFound(f"unknown model {name!r}; serving {sorted(self.models)}")
         return self.models[name]
@@ -139,18 +144,23 @@ class KServeApp:
         m = _MODEL.match(path)
         if m is None:
             return self._json(404, {"error": f"no route {method} {scope['path']}"})
-        model = self._model(m["name"])
-        if m["version"] not in (None, "1"):
+        model = await self._model(m["name"])
+        versioned = getattr(model, "versioned", False)  # versions are the runtime's to check
+        if m["version"] not in (None, "1") and not versioned:
             raise ModelNotFound(
                 f"model {m['name']!r} has no version {m['version']!r}; it has ['1']"
             )
         if m["rest"] is None and method == "GET":
             return self._json(200, metadata(m["name"], model.spec))
         if m["rest"] == "/ready" and method == "GET":
-            return (200 if self._ready() else 503), b"", {}
+            ready = self._ready()
+            if ready and hasattr(self.models, "is_ready"):
+                ready = await self.models.is_ready(m["name"], m["version"])
+            return (200 if ready else 503), b"", {}
         if m["rest"] == "/infer" and method == "POST":
             self._authenticate(scope)
-            return await self._infer(m["name"], model, scope, receive)
+            version = {"version": m["version"]} if versioned and m["version"] else {}
+            return await self._infer(m["name"], model, scope, receive, version)
         return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
 
     def _authenticate(self, scope: dict[str, Any]) -> None:
@@ -180,7 +190,12 @@ class KServeApp:
                 return b"".join(chunks)
 
     async def _infer(
-        self, name: str, model: Any, scope: dict[str, Any], receive: Callable[..., Any]
+        self,
+        name: str,
+        model: Any,
+        scope: dict[str, Any],
+        receive: Callable[..., Any],
+        version: Mapping[str, str],
     ) -> tuple[int, bytes, dict[str, str]]:
         try:
             body = await self._read_body(scope, receive)
@@ -197,7 +212,7 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
-        scheduling = _scheduling(request.parameters)
+        scheduling: dict[str, Any] = {**_scheduling(request.parameters), **version}
         scheduled = (
             isinstance(model, Batcher)
             or isinstance(getattr(model, "batcher", None), Batcher)

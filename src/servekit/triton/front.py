@@ -9,21 +9,32 @@ allocated (the same code as the Ray front), then forwards the tensors to Triton 
 gRPC on loopback, which refuses the same hostile requests cleanly, so gRPC stays
 public. What the front does not carry (shared-memory registration, repository and
 statistics APIs) remains on Triton's gRPC port.
+
+PyTriton's models are known up front (``Front(models=...)``); a model repository's come
+and go (explicit loads, polling), so ``servekit triton`` gives the front a
+``TritonModels`` registry that reads each model's config from Triton when asked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from ..errors import ModelNotFound, ModelNotReady
 from ..spec import ModelSpec
 
-__all__ = ["ForwardedModel", "Front"]
+__all__ = ["ForwardedModel", "Front", "TritonModels"]
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +44,28 @@ class ForwardedModel:
 
     accepts_scheduling = True
     """The front passes Triton's ``priority`` / ``timeout`` request parameters through."""
+    versioned = True
+    """The front passes ``/versions/<v>/`` through; Triton answers for the versions it has."""
 
     def __init__(self, name: str, spec: ModelSpec, grpc_url: str, token: str | None = None) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
         self._client: Any = None
 
     async def infer(
-        self, inputs: Mapping[str, np.ndarray], priority: int = 0, timeout_us: int | None = None
+        self,
+        inputs: Mapping[str, np.ndarray],
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
     ) -> dict[str, np.ndarray]:
         self.spec.validate_inputs(inputs)
         if self._client is None:  # a gRPC aio channel belongs to the loop that made it
             from ..client import AsyncClient
 
             self._client = AsyncClient(self.url, inference_token=self._token)
-        return await self._client.infer(self.name, inputs, priority=priority, timeout_us=timeout_us)
+        return await self._client.infer(
+            self.name, inputs, priority=priority, timeout_us=timeout_us, version=version
+        )
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -54,12 +73,96 @@ class ForwardedModel:
             self._client = None
 
 
-class Front:
-    """``KServeApp`` over ``ForwardedModel``s, served by uvicorn on its own thread."""
+class TritonModels(Mapping[str, ForwardedModel]):
+    """The models a tritonserver has loaded now, for the front: each one's spec is read
+    from Triton's model config (private HTTP port) when first asked for and again after
+    ``ttl_s``, so models loaded, unloaded or re-configured later are seen."""
 
     def __init__(
         self,
-        models: Mapping[str, ModelSpec],
+        http_url: str,
+        grpc_url: str,
+        *,
+        inference_token: str | None = None,
+        control_headers: Mapping[str, str] | None = None,
+        ttl_s: float = 2.0,
+    ) -> None:
+        self.http_url, self.grpc_url, self.ttl_s = http_url, grpc_url, ttl_s
+        self._token, self._headers = inference_token, dict(control_headers or {})
+        self._cache: dict[str, tuple[float, ForwardedModel]] = {}
+
+    def _get(self, path: str) -> Any:
+        request = urllib.request.Request(f"{self.http_url}{path}", headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                detail = json.loads(detail)["error"]
+            raise ModelNotFound(f"Triton: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
+
+    def _fetch(self, name: str) -> ForwardedModel:
+        from .backend import spec_from_config
+
+        quoted = urllib.parse.quote(name, safe="")
+        spec = spec_from_config(self._get(f"/v2/models/{quoted}/config"))
+        now = time.monotonic()
+        cached = self._cache.get(name)
+        model = (
+            cached[1]
+            if cached is not None and cached[1].spec == spec
+            else ForwardedModel(name, spec, self.grpc_url, self._token)
+        )
+        self._cache[name] = (now, model)
+        return model
+
+    async def lookup(self, name: str) -> ForwardedModel:
+        """The model ``name`` as Triton has it now (``ModelNotFound`` naming it if it has not)."""
+        cached = self._cache.get(name)
+        if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
+            return cached[1]
+        return await asyncio.to_thread(self._fetch, name)
+
+    async def is_ready(self, name: str, version: str | None) -> bool:
+        path = f"/v2/models/{urllib.parse.quote(name, safe='')}"
+        if version:
+            path += f"/versions/{urllib.parse.quote(version, safe='')}"
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.http_url}{path}/ready", timeout=5) as r:
+                    return r.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        return await asyncio.to_thread(ready)
+
+    def __getitem__(self, name: str) -> ForwardedModel:
+        return self._cache[name][1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cache)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    async def aclose(self) -> None:
+        for _, model in list(self._cache.values()):
+            await model.aclose()
+
+
+class Front:
+    """``KServeApp`` over ``ForwardedModel``s, served by uvicorn on its own thread.
+
+    ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelSpec] | TritonModels,
         grpc_url: str,
         *,
         host: str,
@@ -70,11 +173,16 @@ class Front:
     ) -> None:
         from ..http import KServeApp
 
-        self.forwarded = [
-            ForwardedModel(name, spec, grpc_url, inference_token) for name, spec in models.items()
-        ]
+        self.registry = (
+            models
+            if isinstance(models, TritonModels)
+            else {
+                name: ForwardedModel(name, spec, grpc_url, inference_token)
+                for name, spec in models.items()
+            }
+        )
         self.app = KServeApp(
-            {m.name: m for m in self.forwarded},
+            self.registry,
             max_body_bytes=max_body_bytes,
             ready=ready,
             inference_token=inference_token,
@@ -108,8 +216,11 @@ class Front:
             try:
                 await self._server.serve()
             finally:
-                for m in self.forwarded:
-                    await m.aclose()
+                if isinstance(self.registry, TritonModels):
+                    await self.registry.aclose()
+                else:
+                    for m in self.registry.values():
+                        await m.aclose()
 
         asyncio.run(main())
 

@@ -20,9 +20,17 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
-from .env import Endpoints, TritonEnvironment, TritonSetupError, gpu_present, triton_environment
+from .env import (
+    Endpoints,
+    TritonEnvironment,
+    TritonSetupError,
+    free_port,
+    gpu_present,
+    triton_environment,
+)
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -53,6 +61,11 @@ class TritonOptions(Endpoints):
     control_token: str | None = None
     """When set, model control, shared memory, config, trace and logging APIs need it in
     ``servekit-control-token`` (model control itself is off unless a mode turns it on)."""
+    front: bool = False
+    """Serve ``http_port`` with servekit's hardened KServe v2 front (``triton.front``);
+    tritonserver's own HTTP endpoint moves to a private loopback port."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """With ``front``: larger request bodies get a 413 before they are read whole."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -104,6 +117,11 @@ class TritonProcess:
         self.restarts = 0
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
+        self._front: Any = None
+        # With the front, tritonserver's HTTP endpoint keeps one private port across restarts.
+        self.triton_http_url = (
+            f"http://127.0.0.1:{free_port()}" if options.front else options.http_url
+        )
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
         o = self.options
@@ -111,8 +129,8 @@ class TritonProcess:
             str(env.tritonserver / "bin" / "tritonserver"),
             f"--model-repository={Path(o.model_repository).resolve()}",
             f"--backend-directory={backends}",
-            f"--http-address={o.host}",
-            f"--http-port={o.http_port}",
+            f"--http-address={'127.0.0.1' if o.front else o.host}",
+            f"--http-port={self.triton_http_url.rsplit(':', 1)[1]}",
             f"--grpc-address={o.host}",
             f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}",
@@ -138,7 +156,8 @@ class TritonProcess:
         return cmd + list(o.extra_args)
 
     def start(self, timeout_s: float = 120.0) -> TritonProcess:
-        """Start tritonserver and wait until it is live and has finished its initial loads."""
+        """Start tritonserver (and the front, once) and wait until it is live and has finished
+        its initial loads."""
         env = triton_environment()
         self._workdir = Path(tempfile.mkdtemp(prefix="servekit-tritonserver-"))
         backends = backend_directory(self._workdir, env)
@@ -163,11 +182,33 @@ class TritonProcess:
                     f"tritonserver not live after {timeout_s} s:\n{self.log_tail()}"
                 )
             time.sleep(0.1)
+        if self.options.front and self._front is None:
+            self._start_front()
         return self
+
+    def _start_front(self) -> None:
+        from .front import Front, TritonModels
+
+        o = self.options
+        registry = TritonModels(
+            self.triton_http_url,
+            o.grpc_url,
+            inference_token=o.inference_token,
+            control_headers={CONTROL_TOKEN_HEADER: o.control_token} if o.control_token else None,
+        )
+        self._front = Front(
+            registry,
+            o.grpc_url,
+            host=o.host,
+            port=o.http_port,
+            ready=self.is_alive,
+            max_body_bytes=o.max_body_bytes,
+            inference_token=o.inference_token,
+        ).start()
 
     def _http_ok(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.options.http_url}{path}", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.triton_http_url}{path}", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -200,7 +241,14 @@ class TritonProcess:
         )
 
     def stop(self) -> int | None:
-        """SIGTERM (Triton drains for ``exit_timeout_s``), then SIGKILL if it lingers."""
+        """Stop the front, then tritonserver: SIGTERM (Triton drains for ``exit_timeout_s``),
+        then SIGKILL if it lingers."""
+        if self._front is not None:
+            self._front.stop()
+            self._front = None
+        return self._stop_server()
+
+    def _stop_server(self) -> int | None:
         code = None
         if self._proc is not None:
             if self._proc.poll() is None:
@@ -243,7 +291,7 @@ class TritonProcess:
                     return code
                 why = _exit_reason(code)
                 tail = self.log_tail(5)
-                self.stop()
+                self._stop_server()  # the front stays up, answering 503 until Triton is back
                 self.restarts += 1
                 if on_restart is not None:
                     on_restart(self.restarts, f"{why}; log ended:\n{tail}")
