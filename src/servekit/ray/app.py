@@ -248,7 +248,10 @@ def _specs(model: str, top_k: int) -> dict[str, ModelSpec]:
     from ..runners.onnx import OnnxRuntimeRunner
 
     path = zoo.resolve(model)
-    runner = OnnxRuntimeRunner(path, intra_op_threads=1)
+    try:  # a redeploy whose model does not load fails here, before the cluster is touched
+        runner = OnnxRuntimeRunner(path, intra_op_threads=1)
+    except Exception as exc:
+        raise ValueError(f"{model}: cannot load: {type(exc).__name__}: {exc}") from None
     try:
         if not is_image_classifier(runner.spec):
             raise ValueError(
