@@ -587,6 +587,7 @@ def _serve_ray(
         args["name"] = name
     host, port = server.get("host", "0.0.0.0"), int(server.get("http_port", 8000))
     import signal
+    import threading
 
     ray.init(address="local", include_dashboard=False)
 
@@ -595,10 +596,21 @@ def _serve_ray(
 
     # Ray's driver answers SIGTERM by aborting (exit -6); stop Serve and Ray cleanly instead.
     signal.signal(signal.SIGTERM, interrupted)
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
     try:
         ray_serve.start(http_options={"host": host, "port": port})
         console.print(f"starting Ray Serve on http://{host}:{port} (KServe v2 over HTTP)")
-        ray_serve.run(build_app(args), name="servekit", route_prefix="/", blocking=True)
+        ray_serve.run(build_app(args), name="servekit", route_prefix="/")
+        console.print("serving; SIGHUP redeploys from the model file")
+        while True:  # SIGHUP: a rolling redeploy that re-reads the model file
+            if hup.wait(0.5):
+                hup.clear()
+                try:
+                    ray_serve.run(build_app(args), name="servekit", route_prefix="/")
+                    console.print("redeployed")
+                except Exception as exc:  # a failed update keeps the serving version
+                    console.print(f"[red]redeploy failed, the serving version stays:[/red] {exc}")
     except KeyboardInterrupt:
         pass
     finally:
