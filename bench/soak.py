@@ -5,16 +5,22 @@
     python bench/soak.py --runtime ray      --seconds 90 --out bench/results/soak_ray.json
 
 The server runs in its own process tree (``servekit triton`` on a poll-mode repository,
-``servekit serve``, ``servekit serve --runtime ray``), serving the zoo's tiny_cnn with a
-bounded queue (max_queue_size 16). Against it, over HTTP:
+``servekit serve``, ``servekit serve --runtime ray``; the first two behind servekit's
+KServe front, their default), serving the zoo's tiny_cnn with a bounded queue
+(max_queue_size 16). Against it, over HTTP:
 
 - steady: 4 workers send one of 16 fixed inputs each and check the logits against
-  ONNX Runtime in this process (a mismatch is a *wrong* answer);
+  ONNX Runtime in this process, for version 1 (seed 0) and version 2 (seed 1): an answer
+  that is neither is *wrong*;
 - bursts: every 15 s, 64 more workers for 3 s, over capacity (503s are expected then);
-- bad requests: 2 per second with the wrong dtype (400s are expected);
-- faults (triton only): a new model version added at 30 % of the run (same weights, so
-  answers must not change) and tritonserver killed with SIGKILL at 60 % (servekit's
-  supervisor restarts it; requests during the restart fail as connection errors).
+- bad requests: 2 per second, alternately the wrong dtype and the huge-shape JSON that
+  aborts tritonserver 2.51 on its own port (400s are expected);
+- a live update to version 2 at 30 % of the run and a rollback to version 1 at 45 %
+  (triton: a version folder added, then removed, poll mode; pytriton and ray: the model
+  file replaced, then SIGHUP);
+- a killed worker at 60 %: SIGKILL to tritonserver (servekit's supervisor restarts it;
+  the front answers 503 meanwhile), to the model's Python backend stub (pytriton), or to
+  the model's Ray replica (Serve replaces it).
 
 Every request ends in one class: ok, wrong, 4xx, 503, other failure, or lost (no
 answer within 30 s). Peak resident memory of the server's process tree is sampled
@@ -28,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,15 +47,17 @@ import aiohttp
 import numpy as np
 import psutil
 
-from servekit import BatchingPolicy, OnnxRuntimeRunner, QueuePolicy, zoo
+from servekit import BatchingPolicy, OnnxRuntimeRunner, QueuePolicy
 from servekit.triton.env import free_port
 from servekit.triton.repo import build_repository, runner_model
+from servekit.zoo.tiny import build_tiny_cnn
 
 QUEUE = 16
 
 
 def start_server(runtime: str, workdir: Path, port: int) -> subprocess.Popen:
-    model = zoo.build("tiny_cnn")
+    model = workdir / "tiny.onnx"
+    model.write_bytes(build_tiny_cnn(seed=0).SerializeToString())
     common = ["--host", "127.0.0.1", "--http-port", str(port)]
     if runtime == "triton":
         policy = BatchingPolicy(
@@ -99,13 +108,28 @@ def body(x: np.ndarray, dtype: str = "FP32") -> bytes:
     ).encode()
 
 
+HOSTILE = json.dumps(
+    {"inputs": [{"name": "input", "datatype": "FP32", "shape": [10**8, 3, 32, 32], "data": [0.0]}]}
+).encode()
+
+
+def replace(path: Path, data: bytes) -> None:
+    """Write next to ``path`` and rename over it, so the server never reads half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 async def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(16)]
-    local = OnnxRuntimeRunner(zoo.build("tiny_cnn"))
-    expected = [local.infer({"input": x})["logits"] for x in inputs]
+    versions = [build_tiny_cnn(seed=s).SerializeToString() for s in (0, 1)]
+    expected = []
+    for data in versions:
+        with OnnxRuntimeRunner(data) as local:
+            expected.append([local.infer({"input": x})["logits"] for x in inputs])
     bodies = [body(x) for x in inputs]
-    bad = body(inputs[0].astype(np.float64), "FP64")
+    bad = [body(inputs[0].astype(np.float64), "FP64"), HOSTILE]
 
     workdir = Path(tempfile.mkdtemp(prefix="servekit-soak-"))
     port = free_port()
@@ -132,6 +156,8 @@ async def run(args: argparse.Namespace) -> dict:
         start = time.monotonic()
         end = start + args.seconds
         failures: list[float] = []
+        unavailable: list[float] = []  # 503s outside the bursts
+        answered_by: Counter[str] = Counter()
         burst = asyncio.Event()
 
         async def one(i: int, phase: str) -> None:
@@ -140,12 +166,17 @@ async def run(args: argparse.Namespace) -> dict:
                     payload = await r.read()
                     if r.status == 200:
                         got = np.array(json.loads(payload)["outputs"][0]["data"], np.float32)
-                        ok = np.allclose(
-                            got.reshape(expected[i].shape), expected[i], rtol=1e-4, atol=1e-4
-                        )
-                        key = "ok" if ok else "wrong"
+                        match = [
+                            np.allclose(got.reshape(e[i].shape), e[i], rtol=1e-4, atol=1e-4)
+                            for e in expected
+                        ]
+                        key = "ok" if any(match) else "wrong"
+                        if any(match):
+                            answered_by[f"v{match.index(True) + 1}"] += 1
                     elif r.status == 503:
                         key = "503"
+                        if phase == "steady":
+                            unavailable.append(time.monotonic() - start)
                     elif 400 <= r.status < 500:
                         key = "4xx"
                     else:
@@ -185,9 +216,11 @@ async def run(args: argparse.Namespace) -> dict:
                 burst.clear()
 
         async def bad_requests() -> None:
+            n = 0
             while time.monotonic() < end:
+                n += 1
                 try:
-                    async with session.post(f"{url}/v2/models/tiny/infer", data=bad) as r:
+                    async with session.post(f"{url}/v2/models/tiny/infer", data=bad[n % 2]) as r:
                         await r.read()
                         key = "bad:4xx" if 400 <= r.status < 500 else f"bad:{r.status}"
                 except aiohttp.ClientError:
@@ -195,21 +228,57 @@ async def run(args: argparse.Namespace) -> dict:
                 by_phase[key] += 1
                 await asyncio.sleep(0.5)
 
-        async def faults() -> None:
-            if args.runtime != "triton":
+        def note(event: str) -> None:
+            events.append(f"{time.monotonic() - start:.0f}s {event}")
+
+        async def update(to: int) -> None:
+            """Version ``to`` (1 or 2) goes live the runtime's way."""
+            if args.runtime == "triton":
+                folder = workdir / "repo" / "tiny" / "2"
+                if to == 2:
+                    tmp = workdir / "repo" / ".tiny-2"
+                    tmp.mkdir()
+                    (tmp / "model.onnx").write_bytes(versions[1])
+                    tmp.rename(folder)
+                    note("version 2 folder added")
+                else:
+                    shutil.rmtree(folder)
+                    note("version 2 folder removed (rollback to 1)")
+            else:
+                replace(workdir / "tiny.onnx", versions[to - 1])
+                server.send_signal(signal.SIGHUP)
+                note(f"model file is version {to}, SIGHUP")
+
+        def kill_worker() -> None:
+            """SIGKILL the process that runs the model."""
+
+            def cmdline(p: psutil.Process) -> str:
+                with contextlib.suppress(psutil.Error):
+                    return " ".join(p.cmdline())
+                return ""
+
+            procs = sorted(
+                psutil.Process(server.pid).children(recursive=True), key=lambda p: p.create_time()
+            )
+            marker = {  # PyTriton loads tiny first, so its stub is the oldest
+                "triton": "bin/tritonserver",
+                "pytriton": "triton_python_backend_stub",
+                "ray": "ServeReplica:servekit:Model",
+            }[args.runtime]
+            victim = next((p for p in procs if marker in cmdline(p)), None)
+            if victim is None:
+                note("no worker process found to kill")
                 return
+            os.kill(victim.pid, signal.SIGKILL)
+            note(f"SIGKILL {marker} (pid {victim.pid})")
+
+        async def faults() -> None:
             await asyncio.sleep(args.seconds * 0.3)
-            version = workdir / "repo" / "tiny" / "2"
-            tmp = workdir / "repo" / ".tiny-2"
-            tmp.mkdir()
-            (tmp / "model.onnx").write_bytes(zoo.build("tiny_cnn").read_bytes())
-            tmp.rename(version)
-            events.append(f"{time.monotonic() - start:.0f}s version 2 added")
-            await asyncio.sleep(args.seconds * 0.3)
-            for p in psutil.Process(server.pid).children(recursive=True):
-                if p.name() == "tritonserver":
-                    os.kill(p.pid, signal.SIGKILL)
-                    events.append(f"{time.monotonic() - start:.0f}s tritonserver SIGKILLed")
+            await update(2)
+            await asyncio.sleep(args.seconds * 0.15)
+            await update(1)
+            await asyncio.sleep(args.seconds * 0.15)
+            kill_worker()
 
         async def memory() -> None:
             nonlocal peak
@@ -238,6 +307,8 @@ async def run(args: argparse.Namespace) -> dict:
         "lost": counts["lost"],
         "by_phase": dict(sorted(by_phase.items())),
         "failure_windows_s": _windows(failures),
+        "steady_503_windows_s": _windows(unavailable),
+        "answered_by_version": dict(sorted(answered_by.items())),
         "events": events,
         "peak_rss_mb": round(peak / 2**20, 1),
         "server_exit_code": server.returncode,

@@ -22,6 +22,7 @@ from conftest import free_port
 from servekit import OnnxRuntimeRunner
 from servekit.client import Client
 from servekit.triton.repo import build_repository, reference_repository
+from servekit.triton.server import processes
 from servekit.zoo.tiny import build_tiny_cnn
 
 
@@ -83,12 +84,37 @@ max_queue_delay_us = 1000
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2", timeout=10) as r:
             assert json.loads(r.read())["name"] == "servekit"
         reload_on_sighup(proc, f"http://127.0.0.1:{http}", "tiny_cnn", model)
+        # A model's worker process (its Python backend stub) dies: tritonserver 2.51 keeps
+        # calling the model ready and fails its requests, so servekit restarts Triton.
+        (stub,) = [
+            pid for pid, argv in processes("/").items() if argv[0].endswith("triton_python_backend_stub")
+            and "tiny_cnn_0_0" in argv and _descends_from(pid, proc.pid)
+        ]  # fmt: skip
+        os.kill(stub, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with Client(f"http://127.0.0.1:{http}") as c:
+                    assert c.infer("tiny_cnn", {"input": np.zeros((1, 3, 32, 32), np.float32)})
+                break
+            except Exception:
+                assert time.monotonic() < deadline and proc.poll() is None, "did not recover"
+                time.sleep(0.5)
     finally:
         code = stop(proc)
     assert code == 0
     log = proc.stdout_text
     assert "tiny_cnn: now serving version 2" in log
     assert "reload failed, the serving version stays" in log and "tiny_cnn.onnx" in log
+    assert "model instance(s) ['tiny_cnn_0_0']: worker process died; restarting Triton" in log
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return False
 
 
 def reload_on_sighup(proc: subprocess.Popen, url: str, name: str, model: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -81,30 +82,42 @@ class ServerConfig(Endpoints):
     """With ``front``: larger request bodies get a 413 before they are read whole."""
 
 
+def processes(prefix: str) -> dict[int, list[str]]:
+    """Live (not zombie) processes whose executable lies under ``prefix``: pid -> argv
+    (Linux ``/proc``; empty elsewhere)."""
+    found: dict[int, list[str]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (
+                (entry / "cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+            )
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
+            continue
+        if argv[0].startswith(prefix) and not zombie:
+            found[int(entry.name)] = argv
+    return found
+
+
 def kill_leftovers(prefix: str) -> int:
     """SIGKILL processes started from ``prefix`` that outlived their server; returns how many.
 
     When tritonserver dies at shutdown, its Python backend stubs can outlive it (their
     parent becomes init). Each holds memory; this finds them by the executable path under
-    the server's private workspace (Linux ``/proc``).
+    the server's private workspace.
     """
     killed = 0
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in processes(prefix):
         try:
-            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
         except OSError:
-            continue
-        if argv0.startswith(prefix):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
+            pass
     if killed:
         log.warning("killed %d process(es) left behind under %s", killed, prefix)
     return killed
@@ -182,6 +195,9 @@ class TritonServer:
         self._triton: Any = None
         self._workdir: Path | None = None
         self._front: Any = None
+        self._stubs: dict[int, str] = {}
+        self.restarts = 0
+        """How many times ``serve`` restarted Triton after a model's worker process died."""
         self.access_token: str | None = None
         """The token the running server expects on restricted APIs (``Client(access_token=)``)."""
 
@@ -251,7 +267,7 @@ class TritonServer:
                     c.grpc_url,
                     host=c.host,
                     port=c.http_port,
-                    ready=triton.is_alive,
+                    ready=self.is_healthy,
                     max_body_bytes=c.max_body_bytes,
                 ).start()
         except BaseException:
@@ -263,7 +279,35 @@ class TritonServer:
             raise
         self._triton = triton
         self.access_token = security.access_token
+        # Each model instance runs in a Python backend stub, named <model>_<n>_<device> in
+        # its argv.
+        names = "|".join(re.escape(m.name) for m in self.models)
+        instance = re.compile(rf"^(?:{names})_\d+_\d+$")
+        self._stubs = {
+            pid: next((a for a in argv if instance.match(a)), argv[0])
+            for pid, argv in processes(str(self._workdir)).items()
+            if argv[0].endswith("triton_python_backend_stub")
+        }
         return self
+
+    def dead_instances(self) -> list[str]:
+        """Model instances whose Python backend stub died. Triton 2.51 still reports such
+        a model ready and fails each of its requests ("Stub process ... is not healthy"),
+        and PyTriton cannot start a stub again, so ``serve`` restarts Triton."""
+        if not self._stubs or self._workdir is None:
+            return []
+        alive = processes(str(self._workdir))
+        return sorted(name for pid, name in self._stubs.items() if pid not in alive)
+
+    def is_healthy(self) -> bool:
+        """Triton alive and every model instance's worker process alive."""
+        return self.is_alive() and not self.dead_instances()
+
+    def restart(self) -> None:
+        """Stop Triton and start it again with the same (warm) runners and ports."""
+        self._shutdown()
+        self.restarts += 1
+        self.start()
 
     def _versioned(self, name: str) -> VersionedRunner:
         for m in self.models:
@@ -295,6 +339,11 @@ class TritonServer:
 
     def stop(self) -> None:
         """Stop Triton (waiting up to ``exit_timeout_s`` for in-flight requests) and close runners."""
+        self._shutdown()
+        for m in self.models:
+            m.runner.close()
+
+    def _shutdown(self) -> None:
         if self._front is not None:
             self._front.stop()
             self._front = None
@@ -305,8 +354,7 @@ class TritonServer:
             kill_leftovers(str(self._workdir))
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        for m in self.models:
-            m.runner.close()
+        self._stubs = {}
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -364,6 +412,11 @@ def serve(
             if not server.is_alive():
                 log.error("Triton stopped unexpectedly")
                 break
+            dead = server.dead_instances()
+            if dead:
+                log.error("model instance(s) %s: worker process died; restarting Triton", dead)
+                server.restart()
+                log.info("Triton restarted (%d so far)", server.restarts)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
