@@ -127,3 +127,26 @@ class Load:
 
     def failures(self) -> list[Exception]:
         return [r for r in self.results if isinstance(r, Exception)]
+
+
+@contextlib.contextmanager
+def ray_serve() -> Iterator[str]:
+    """A one-machine Ray (``address="local"``, 2 CPUs, no dashboard) with Serve's HTTP
+    proxy on a free loopback port; yields its URL and always shuts both down."""
+    import ray
+    from ray import serve
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra")
 serve = pytest.importorskip("ray.serve")
 pytest.importorskip("tritonclient.http")
 
-from conftest import free_port
+from conftest import ray_serve
 from servekit import InvalidInput, ModelNotFound, OnnxRuntimeRunner, image_classifier
 from servekit.client import Client
 from servekit.ray import build_app
@@ -21,16 +21,7 @@ from servekit.stages import synthetic_image
 
 @pytest.fixture(scope="module")
 def ray_url(resnet50_path):
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with ray_serve() as url:
         app = build_app(
             {
                 "model": str(resnet50_path),
@@ -41,13 +32,9 @@ def ray_url(resnet50_path):
             }
         )
         serve.run(app, name="servekit", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
         with Client(url) as c:
             c.wait_ready("resnet50_image", timeout_s=120)
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

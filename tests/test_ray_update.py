@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the ray extra")
 serve = pytest.importorskip("ray.serve")
 
-from conftest import Load, free_port
+from conftest import Load, ray_serve
 from servekit import OnnxRuntimeRunner
 from servekit.client import Client
 from servekit.ray import build_app
@@ -49,24 +49,11 @@ def ray_url(tmp_path_factory) -> Iterator[tuple[str, Path, Path]]:
     tmp = tmp_path_factory.mktemp("ray_versions")
     one = version(tmp, "1", build_tiny_cnn(seed=0).SerializeToString())
     two = version(tmp, "2", build_tiny_cnn(seed=1).SerializeToString())
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with ray_serve() as url:
         deploy(one)
-        url = f"http://127.0.0.1:{port}"
         with Client(url) as c:
             c.wait_ready("tiny", timeout_s=120)
         yield url, one, two
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def expected(path: Path) -> np.ndarray:
