@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 import time
 import urllib.request
@@ -227,7 +228,7 @@ def repository_index(url: str) -> dict[str, dict]:
         return {(m["name"], m.get("version", "")): m for m in json.loads(r.read())}
 
 
-def test_a_new_version_added_under_load_is_served_without_a_failed_request(triton, repo):
+def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(triton, repo):
     a = np.ones((1, 4), np.float32)
     seen: list[float] = []
     failures: list[BaseException] = []
@@ -254,15 +255,42 @@ def test_a_new_version_added_under_load_is_served_without_a_failed_request(trito
         switched = len(seen)
         while len(seen) < switched + 20:
             time.sleep(0.01)
+        assert set(seen[switched:]) == {202.0}  # latest-1 policy: only v2 once it took over
+        # Version 3 does not load: version 2 keeps serving.
+        broken = repo / ".adder-3.tmp"
+        broken.mkdir()
+        (broken / "model.onnx").write_bytes(b"not an onnx file")
+        broken.rename(repo / "adder" / "3")
+        deadline = time.monotonic() + 30
+        while (
+            repository_index(triton.options.http_url).get(("adder", "3"), {}).get("state")
+            != "UNAVAILABLE"
+        ):
+            assert time.monotonic() < deadline, "version 3 was not tried"
+            time.sleep(0.2)
+        time.sleep(2)  # a few more poll rounds
+        after_broken = len(seen)
+        while len(seen) < after_broken + 20:
+            time.sleep(0.01)
+        assert set(seen[after_broken:]) == {202.0}
+        # Rollback: remove versions 3 and 2, and version 1 serves again.
+        for v in (3, 2):
+            shutil.rmtree(repo / "adder" / str(v))
+        deadline = time.monotonic() + 30
+        while seen[-1] != 102.0:
+            assert time.monotonic() < deadline, "did not roll back to version 1"
+            time.sleep(0.05)
+        rolled = len(seen)
+        while len(seen) < rolled + 20:
+            time.sleep(0.01)
     finally:
         stop.set()
         for w in workers:
             w.join()
     assert not failures, failures[:3]
     assert set(seen) <= {102.0, 202.0}  # version 1 or 2, never anything else
-    first_v2 = seen.index(202.0)
-    assert set(seen[switched:]) == {202.0}  # latest-1 policy: only v2 once it took over
-    assert first_v2 > 0
+    assert seen.index(202.0) > 0
+    assert set(seen[rolled:]) == {102.0}
 
 
 def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(triton, repo):
