@@ -91,8 +91,9 @@ def test_a_version_replaced_mid_batch_is_closed_only_after_that_batch():
     slow = constant(1.0, SPEC, delay_s=0.3)
     runner = VersionedRunner(slow, name="m")
     runner.update(constant(2.0, SPEC))
+    runner.rollback()
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(runner.rollback() and runner.infer(X)))
+    t = threading.Thread(target=lambda: result.update(runner.infer(X)))
     t.start()
     time.sleep(0.1)  # the slow version (now current again) is mid-batch
     runner.update(constant(3.0, SPEC))  # slow becomes previous: kept

@@ -37,6 +37,14 @@ CacheDir = Annotated[
         "--cache-dir", help="Model cache (default $SERVEKIT_CACHE or ~/.cache/servekit/models)."
     ),
 ]
+Front = Annotated[
+    bool | None,
+    typer.Option(
+        "--front/--no-front",
+        help="HTTP port served by servekit's hardened KServe front, Triton's own HTTP on "
+        "loopback (default on; --no-front exposes Triton's HTTP API itself).",
+    ),
+]
 
 
 @models_app.command("build")
@@ -159,14 +167,7 @@ def serve(
     runtime: Annotated[
         str, typer.Option(help="triton (PyTriton, HTTP+gRPC) or ray (Ray Serve, HTTP).")
     ] = "triton",
-    front: Annotated[
-        bool | None,
-        typer.Option(
-            "--front/--no-front",
-            help="HTTP port served by servekit's hardened KServe front, Triton's HTTP on "
-            "loopback (default on; --no-front exposes Triton's HTTP API itself).",
-        ),
-    ] = None,
+    front: Front = None,
     cache_dir: CacheDir = None,
 ) -> None:
     """Serve a model over KServe v2 HTTP/gRPC with Triton (PyTriton), or over HTTP on Ray
@@ -682,14 +683,7 @@ def triton(
             help="Require this servekit-control-token header on model control and shared memory.",
         ),
     ] = None,
-    front: Annotated[
-        bool,
-        typer.Option(
-            "--front/--no-front",
-            help="HTTP port served by servekit's hardened KServe front, tritonserver's HTTP on "
-            "loopback (default on; --no-front exposes tritonserver's HTTP API itself).",
-        ),
-    ] = True,
+    front: Front = None,
 ) -> None:
     """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
     installed and the environment fixed. Other tritonserver flags pass through, e.g.
@@ -712,7 +706,7 @@ def triton(
             log_verbose=log_verbose,
             inference_token=inference_token,
             control_token=control_token,
-            front=front,
+            front=front is not False,
             extra_args=tuple(ctx.args),
         )
     except ValueError as exc:
@@ -730,7 +724,7 @@ def triton(
         except TritonSetupError as exc:
             console.print(f"[red]cannot start Triton:[/red] {exc}")
             raise typer.Exit(3) from None
-        via = f"servekit's front on {options.http_url}" if front else options.http_url
+        via = f"servekit's front on {options.http_url}" if options.front else options.http_url
         console.print(
             f"tritonserver on {via} (gRPC {options.grpc_url}, "
             f"metrics {options.metrics_url}); log: {process.log_path}"

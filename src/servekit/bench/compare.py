@@ -143,7 +143,8 @@ def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dic
     clf = image_classifier(OnnxRuntimeRunner(model_path))
     try:
         for batch in (1, 8, 16):
-            by_batch[batch] = rows_per_s(lambda b=batch: clf.classify([jpeg] * b), batch, seconds)
+            images = [jpeg] * batch
+            by_batch[batch] = rows_per_s(lambda: clf.classify(images), batch, seconds)  # noqa: B023 - called before the loop moves on
     finally:
         clf.close()
     return max(by_batch.values()), by_batch

@@ -269,7 +269,7 @@ class TensorRTRunner(BaseRunner):
             device = self._cuda("cudaMalloc", nbytes)
             host_ptr = self._cuda("cudaMallocHost", nbytes)
             raw = (ctypes.c_byte * nbytes).from_address(int(host_ptr))
-            host = np.frombuffer(raw, dtype=dtype).reshape(shape)
+            host = np.frombuffer(memoryview(raw), dtype=dtype).reshape(shape)
             self._buffers[name] = (int(device), host, int(host_ptr))
             self._context.set_tensor_address(name, int(device))
 

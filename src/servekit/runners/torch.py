@@ -71,7 +71,7 @@ def onnx_module(model: str | os.PathLike[str]) -> Any:
     inputs = [i.name for i in graph.input if i.name not in weights]
     outputs = [o.name for o in graph.output]
 
-    class OnnxModule(torch.nn.Module):
+    class OnnxModule(torch.nn.Module):  # type: ignore[name-defined]  # torch imports lazily
         def __init__(self) -> None:
             super().__init__()
             self._names = {name: f"w{i}" for i, name in enumerate(weights)}
@@ -150,8 +150,8 @@ def _avgpool(F: Any, torch: Any, x: list[Any], a: dict[str, Any]) -> Any:
 
 
 def _clip(F: Any, torch: Any, x: list[Any], a: dict[str, Any]) -> Any:
-    lo = x[1] if len(x) > 1 and x[1] is not None else a.get("min")
-    hi = x[2] if len(x) > 2 and x[2] is not None else a.get("max")
+    lo: Any = x[1] if len(x) > 1 and x[1] is not None else a.get("min")
+    hi: Any = x[2] if len(x) > 2 and x[2] is not None else a.get("max")
     lo = lo.item() if hasattr(lo, "item") else lo
     hi = hi.item() if hasattr(hi, "item") else hi
     return torch.clamp(x[0], lo, hi)

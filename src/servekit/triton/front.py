@@ -100,7 +100,9 @@ class TritonModels(Mapping[str, ForwardedModel]):
             detail = exc.read().decode(errors="replace")
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 detail = json.loads(detail)["error"]
-            raise ModelNotFound(f"Triton: {detail}") from None
+            # Triton answers 400 for a model it does not have; anything else is its trouble.
+            error = ModelNotFound if exc.code in (400, 404) else ModelNotReady
+            raise error(f"Triton: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
 

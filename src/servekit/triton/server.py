@@ -23,8 +23,8 @@ from typing import Any
 from ..batching.policy import BatchingPolicy
 from ..errors import ModelNotFound
 from ..pipeline import image_classifier, is_image_classifier
+from ..runners import load_runner
 from ..runners.base import Runner
-from ..runners.onnx import OnnxRuntimeRunner
 from ..runners.versioned import VersionedRunner
 from .binding import infer_callable, install_error_shim, pytriton_model_config, pytriton_tensors
 from .env import Endpoints, apply_triton_environment, free_port, gpu_present
@@ -134,15 +134,14 @@ def load_onnx(
     *,
     intra_op_threads: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-) -> OnnxRuntimeRunner:
+) -> Runner:
     """An ONNX Runtime runner for a zoo name or an ONNX file (read from disk now: what a
-    reload runs again)."""
+    reload runs again); a missing file is a ``ModelNotFound`` naming it."""
     from .. import zoo
 
-    path = zoo.build(str(model), cache_dir) if str(model) in zoo.MODELS else os.fspath(model)
-    return OnnxRuntimeRunner(
-        path,
-        intra_op_threads=intra_op_threads,
+    return load_runner(
+        zoo.resolve(model, cache_dir),
+        threads=intra_op_threads,
         max_batch_size=max(policy.max_batch_size, 1) if policy.max_batch_size else None,
     )
 
