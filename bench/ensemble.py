@@ -27,8 +27,10 @@ from servekit import BatchingPolicy, OnnxRuntimeRunner, image_classifier, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
 from servekit.bench.compare import pipeline_ceiling
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
+from servekit.config import ModelConfig, ServerConfig
+from servekit.pytriton import TritonServer
+from servekit.runtime import load_models
 from servekit.stages import synthetic_image
-from servekit.triton import ServerConfig, TritonServer, default_models
 from servekit.triton.launcher import TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, reference_repository
 
@@ -95,15 +97,11 @@ def main() -> None:
             series["Triton ensemble (servekit backend)"] = asyncio.run(
                 measure(opts.grpc_url, "resnet50_ensemble")
             )
-    config = ServerConfig.on_loopback(
-        exit_timeout_s=2,
-    )
-    models = default_models(
-        path,
-        name="resnet50",
-        policy=policy,
-        instance_count=args.instances,
-        intra_op_threads=args.threads,
+    config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
+    models = load_models(
+        ModelConfig(
+            str(path), "resnet50", batching=policy, instances=args.instances, threads=args.threads
+        )
     )
     with TritonServer(models, config):
         series["PyTriton resnet50_image"] = asyncio.run(measure(config.grpc_url, "resnet50_image"))

@@ -22,7 +22,9 @@ import numpy as np
 
 from servekit import BatchingPolicy, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
-from servekit.triton import ServerConfig, TritonServer, default_models
+from servekit.config import ModelConfig, ServerConfig
+from servekit.pytriton import TritonServer
+from servekit.runtime import load_models
 
 
 def measure(model: str, front: bool, levels: list[float], cfg: MeasureConfig) -> list[dict]:
@@ -31,7 +33,7 @@ def measure(model: str, front: bool, levels: list[float], cfg: MeasureConfig) ->
         exit_timeout_s=2,
         front=front,
     )
-    models = default_models(path, name=model, policy=BatchingPolicy(max_batch_size=8))
+    models = load_models(ModelConfig(str(path), model, batching=BatchingPolicy(max_batch_size=8)))
     shape = models[0].runner.spec.inputs[0].shape
     x = {"input": np.random.default_rng(1).standard_normal((1, *shape)).astype(np.float32)}
     with TritonServer(models, config):

@@ -23,7 +23,9 @@ from rich.table import Table
 from servekit import BatchingPolicy, OnnxRuntimeRunner, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, rows_per_s, sweep
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
-from servekit.triton import ServerConfig, TritonServer, default_models
+from servekit.config import ModelConfig, ServerConfig
+from servekit.pytriton import TritonServer
+from servekit.runtime import load_models
 
 
 def raw_images_per_s(runner: OnnxRuntimeRunner, batch: int, seconds: float) -> float:
@@ -53,16 +55,12 @@ def main() -> None:
     console.print(f"raw in-process images/s by batch: { {b: round(v, 1) for b, v in raw.items()} }")
 
     policy = BatchingPolicy(max_batch_size=args.max_batch_size)
-    config = ServerConfig.on_loopback(
-        exit_timeout_s=2,
-    )
+    config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
     cfg = MeasureConfig(window_s=args.window, warmup_s=args.warmup, max_windows=8)
-    models = default_models(
-        path,
-        name="resnet50",
-        policy=policy,
-        instance_count=args.instances,
-        intra_op_threads=args.threads,
+    models = load_models(
+        ModelConfig(
+            str(path), "resnet50", batching=policy, instances=args.instances, threads=args.threads
+        )
     )
     with TritonServer(models, config) as server:
         url = config.grpc_url if args.protocol == "grpc" else config.http_url

@@ -150,3 +150,21 @@ def ray_serve() -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def served_models(
+    source,
+    *,
+    name: str = "",
+    policy=None,
+    instances: int = 1,
+    threads: int | None = None,
+):
+    """``load_models`` for one model file: the tensor model and, for classifiers, its image model."""
+    from servekit import BatchingPolicy, ModelConfig
+    from servekit.runtime import load_models
+
+    model = ModelConfig(
+        str(source), name, batching=policy or BatchingPolicy(), instances=instances, threads=threads
+    )
+    return load_models(model)

@@ -113,3 +113,17 @@ def test_policies_are_hashable_and_frozen():
     )
     with pytest.raises(AttributeError):
         p.max_batch_size = 3  # type: ignore[misc]
+
+
+def test_preserve_ordering_allows_one_priority_level_as_in_triton():
+    BatchingPolicy(preserve_ordering=True, priority_levels=1, default_priority_level=1)
+    with pytest.raises(ValueError, match="preserve_ordering allows one priority level"):
+        BatchingPolicy(preserve_ordering=True, priority_levels=2, default_priority_level=1)
+
+
+def test_preserve_ordering_refuses_delayed_timeouts_as_in_triton():
+    with pytest.raises(ValueError, match=r"timeout_action DELAY .* level\(s\) \[0\]"):
+        BatchingPolicy(
+            preserve_ordering=True,
+            default_queue_policy=QueuePolicy(timeout_action=TimeoutAction.DELAY),
+        )

@@ -21,8 +21,8 @@ pytest.importorskip("pytriton", reason="needs the triton extra")
 from conftest import free_port
 from servekit import OnnxRuntimeRunner
 from servekit.client import Client
+from servekit.runtime.processes import processes
 from servekit.triton.repo import build_repository, reference_repository
-from servekit.triton.server import processes
 from servekit.zoo.tiny import build_tiny_cnn
 
 
@@ -106,7 +106,7 @@ max_queue_delay_us = 1000
     log = proc.stdout_text
     assert "tiny_cnn: now serving version 2" in log
     assert "reload failed, the serving version stays" in log and "tiny_cnn.onnx" in log
-    assert "model instance(s) ['tiny_cnn_0_0']: worker process died; restarting Triton" in log
+    assert "model instance(s) ['tiny_cnn_0_0']: worker process died; restarting (1/5)" in log
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:
@@ -299,7 +299,7 @@ def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cn
         code = stop(proc)
     assert code == 0
     assert "tritonserver killed by SIGABRT" in log.read_text()
-    assert "restarting it (1/5)" in log.read_text()
+    assert "restarting (1/5)" in log.read_text()
 
 
 def test_serve_on_ray_redeploys_on_sighup_and_stops_cleanly_on_sigterm(tmp_path, tiny_cnn_path):
@@ -318,4 +318,4 @@ def test_serve_on_ray_redeploys_on_sighup_and_stops_cleanly_on_sigterm(tmp_path,
     finally:
         code = stop(proc)
     assert code == 0  # not Ray's abort on SIGTERM (-6)
-    assert "redeploy failed, the serving version stays" in proc.stdout_text
+    assert "reload failed, the serving version stays" in proc.stdout_text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from servekit import ModelConfig
 from servekit.bench import MeasureConfig
 from servekit.bench.compare import compare, markdown_report
 
@@ -13,16 +14,22 @@ FAST = MeasureConfig(window_s=0.3, warmup_s=0.1, max_windows=3, stability=1.0)
 def test_compare_runs_each_runtime_and_reports_shares_of_raw(tiny_cnn_path):
     events: list[str] = []
     result = compare(
-        tiny_cnn_path, ["raw", "batcher"], [1, 2], FAST, on_event=events.append, ceiling_seconds=0.2
+        ModelConfig(str(tiny_cnn_path)),
+        ["raw", "batcher", "native"],
+        [1, 2],
+        FAST,
+        on_event=events.append,
+        ceiling_seconds=0.2,
     )
-    assert list(result.series) == ["raw", "batcher"]
+    assert list(result.series) == ["raw", "batcher", "native"]
     assert result.ceiling and set(result.ceiling_by_batch) == {1, 8, 16}
     for points in result.series.values():
         assert [p.level for p in points] == [1, 2]
         assert all(p.stats.errors == 0 and p.stats.requests > 0 for p in points)
     shares = result.share_of_raw()
     best_raw = max(p.stats.inferences_per_s for p in result.series["raw"])
-    assert shares["raw"] == pytest.approx(best_raw / result.ceiling) and shares["batcher"] > 0
+    assert shares["raw"] == pytest.approx(best_raw / result.ceiling)
+    assert shares["batcher"] > 0 and shares["native"] > 0
     result.skipped["ray"] = "ray is not installed"
     report = markdown_report(
         result, "servekit compare --runtimes raw,batcher,ray", "compare.png", "test box"
@@ -44,10 +51,10 @@ def test_unavailable_runtimes_are_skipped_with_the_reason(tiny_cnn_path, monkeyp
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
-    result = compare(tiny_cnn_path, ["ray"], [1], FAST)
+    result = compare(ModelConfig(str(tiny_cnn_path)), ["ray"], [1], FAST)
     assert result.series == {} and "pip install 'servekit[ray]'" in result.skipped["ray"]
 
 
 def test_unknown_runtimes_are_named(tiny_cnn_path):
     with pytest.raises(ValueError, match=r"unknown runtime\(s\) \['tfserving'\]"):
-        compare(tiny_cnn_path, ["raw", "tfserving"], [1], FAST)
+        compare(ModelConfig(str(tiny_cnn_path)), ["raw", "tfserving"], [1], FAST)

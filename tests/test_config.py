@@ -1,48 +1,125 @@
-"""Config files: the CLI's knobs, with unknown keys named."""
+"""ServeConfig: one description of what to serve, from files and flags, checked per runtime."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from servekit import BatchingPolicy, QueuePolicy, TimeoutAction
-from servekit.config import load_config, policy_from_dict
+from servekit import (
+    BatchingPolicy,
+    ModelConfig,
+    QueuePolicy,
+    ServeConfig,
+    ServerConfig,
+    TimeoutAction,
+)
+from servekit.config import RUNTIMES, RayOptions
 
+FULL = """
+runtime = "native"
+cache_dir = "/tmp/models"
 
-def test_toml_config_round_trips_to_a_policy(tmp_path):
-    path = tmp_path / "serve.toml"
-    path.write_text(
-        """
-model = "resnet50"
-instances = 2
 [server]
+host = "127.0.0.1"
 http_port = 9000
-[batching]
+inference_token = "secret"
+
+[[models]]
+source = "resnet50"
+name = "net"
+instances = 2
+threads = 1
+top_k = 3
+
+[models.batching]
 max_batch_size = 16
 preferred_batch_sizes = [4, 8]
 max_queue_delay_us = 500
-[batching.queue]
+priority_levels = 2
+default_priority_level = 1
+
+[models.batching.queue]
 max_queue_size = 64
 timeout_action = "DELAY"
 default_timeout_us = 1000
+
+[models.batching.priority_queues.2]
+max_queue_size = 8
+
+[[models]]
+source = "add_sub"
+image = false
 """
-    )
-    data = load_config(path)
-    assert data["server"]["http_port"] == 9000 and data["instances"] == 2
-    assert policy_from_dict(data["batching"]) == BatchingPolicy(
+
+
+def test_a_toml_file_describes_every_section(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text(FULL)
+    config = ServeConfig.load(path)
+    assert config.runtime == "native" and config.cache_dir == "/tmp/models"
+    assert config.server == ServerConfig(host="127.0.0.1", http_port=9000, inference_token="secret")
+    net, add_sub = config.models
+    assert (net.name, net.instances, net.threads, net.top_k) == ("net", 2, 1, 3)
+    assert net.batching == BatchingPolicy(
         max_batch_size=16,
         preferred_batch_sizes=(4, 8),
         max_queue_delay_us=500,
+        priority_levels=2,
+        default_priority_level=1,
         default_queue_policy=QueuePolicy(
             max_queue_size=64, default_timeout_us=1000, timeout_action=TimeoutAction.DELAY
         ),
+        priority_queue_policies={2: QueuePolicy(max_queue_size=8)},
     )
+    assert add_sub == ModelConfig("add_sub", image=False)
 
 
-def test_yaml_config(tmp_path):
+def test_the_one_model_shorthand_of_earlier_files_still_reads(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "tiny_cnn"\ninstances = 2\n[batching]\nmax_batch_size = 4\n')
+    (model,) = ServeConfig.load(path).models
+    assert model == ModelConfig("tiny_cnn", instances=2, batching=BatchingPolicy(max_batch_size=4))
+
+
+def test_yaml_reads_like_toml(tmp_path):
     pytest.importorskip("yaml")
     path = tmp_path / "serve.yaml"
-    path.write_text("model: tiny_cnn\nbatching:\n  max_batch_size: 4\n")
-    assert policy_from_dict(load_config(path)["batching"]).max_batch_size == 4
+    path.write_text("models:\n  - source: tiny_cnn\n    batching:\n      max_batch_size: 4\n")
+    assert ServeConfig.load(path).models[0].batching.max_batch_size == 4
+
+
+def test_to_toml_reads_back_equal(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text(FULL)
+    config = ServeConfig.load(path)
+    again = tmp_path / "again.toml"
+    again.write_text(config.to_toml())
+    assert ServeConfig.load(again) == config
+
+
+@given(
+    max_batch=st.integers(0, 64),
+    delay=st.integers(0, 10_000),
+    queue=st.integers(0, 100),
+    instances=st.integers(1, 4),
+    runtime=st.sampled_from(RUNTIMES),
+    front=st.booleans(),
+)
+def test_any_config_round_trips_through_its_dict(
+    max_batch, delay, queue, instances, runtime, front
+):
+    model = ModelConfig(
+        "m.onnx",
+        batching=BatchingPolicy(
+            max_batch_size=max_batch,
+            max_queue_delay_us=delay,
+            default_queue_policy=QueuePolicy(max_queue_size=queue),
+        ),
+        instances=instances,
+    )
+    config = ServeConfig((model,), ServerConfig(front=front), runtime=runtime)
+    assert ServeConfig.from_dict(config.to_dict()) == config
 
 
 @pytest.mark.parametrize(
@@ -50,20 +127,105 @@ def test_yaml_config(tmp_path):
     [
         ("modle = 'x'", r"unknown key\(s\) \['modle'\] in \[top level\]"),
         ("[server]\nhttp = 1", r"unknown key\(s\) \['http'\] in \[server\]"),
-        ("[batching]\nmax_batch = 1", r"unknown key\(s\) \['max_batch'\] in \[batching\]"),
-        ("[batching.queue]\nsize = 1", r"unknown key\(s\) \['size'\] in \[batching.queue\]"),
+        (
+            "[batching]\nmax_batch = 1",
+            r"unknown key\(s\) \['max_batch'\] in \[top level.batching\]",
+        ),
+        (
+            "[[models]]\n[models.batching.queue]\nsize = 1",
+            r"unknown key\(s\) \['size'\] in \[models.0.batching.queue\]",
+        ),
         ("[batching]\nmax_queue_delay_us = -1", "max_queue_delay_us must be >= 0, got -1"),
+        ("runtime = 'kserve'", r"runtime must be one of \['pytriton', 'triton', 'native', 'ray'\]"),
+        ("[server]\nhttp_port = 70000", r"http_port must be in \[1, 65535\], got 70000"),
+        ("[[models]]\nengine = 'tvm'", "engine must be one of"),
+        ("[[models]]\nname = 'a/b'", "model name must be letters"),
+        ("[[models]]\nsource = 'x'\n[[models]]\nsource = 'x'", "served model names must be unique"),
+        ("[[models]]\nsource = 'a'\n[[models]]\nsource = 'a_image'", "must be unique"),
     ],
 )
-def test_bad_config_files_name_the_bad_key(tmp_path, text, message):
+def test_bad_config_files_name_the_file_and_the_bad_key(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message):
-        load_config(path)
+    with pytest.raises(ValueError, match=message) as info:
+        ServeConfig.load(path)
+    assert str(path) in str(info.value)
 
 
 def test_other_file_types_are_refused(tmp_path):
     path = tmp_path / "serve.ini"
     path.write_text("")
     with pytest.raises(ValueError, match=r"\.toml, \.yaml or \.yml"):
-        load_config(path)
+        ServeConfig.load(path)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "server", "ray", "message"),
+    [
+        (
+            "ray",
+            {"grpc_port": 9001},
+            None,
+            r"the ray runtime cannot honour: server.grpc_port = 9001",
+        ),
+        ("ray", {"front": False}, None, "server.front = False"),
+        (
+            "native",
+            {"control_token": "t"},
+            None,
+            "server.control_token = 't' .there are no control APIs",
+        ),
+        ("pytriton", {"inference_token": "t"}, None, "server.inference_token"),
+        ("triton", {}, RayOptions(model_cpus=0.5), r"\[ray\] \(Ray deployment options\)"),
+    ],
+)
+def test_a_knob_a_runtime_cannot_honour_is_an_error_naming_both(runtime, server, ray, message):
+    config = ServeConfig(server=ServerConfig(**server), runtime=runtime, ray=ray or RayOptions())
+    with pytest.raises(ValueError, match=message):
+        config.check()
+
+
+def test_every_runtime_takes_the_defaults():
+    for runtime in RUNTIMES:
+        ServeConfig(runtime=runtime).check()
+
+
+def test_on_loopback_gives_free_ports_only_to_the_ports_a_runtime_listens_on():
+    ray = ServeConfig(runtime="ray").on_loopback()
+    assert ray.server.host == "127.0.0.1" and ray.server.http_port != 8000
+    assert ray.server.grpc_port == 8001 and ray.check()
+    native = ServeConfig(runtime="native").on_loopback()
+    assert native.server.metrics_port != 8002
+
+
+def test_flags_override_the_file_for_every_model():
+    base = ServeConfig(
+        (
+            ModelConfig("a", batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=10)),
+            ModelConfig("b"),
+        )
+    )
+    config = base.with_overrides(
+        model={"threads": 2, "name": None},
+        batching={"preferred_batch_sizes": [4], "max_batch_size": None},
+        queue={"max_queue_size": 5},
+        server={"http_port": 9000},
+        runtime="ray",
+    )
+    a, b = config.models
+    assert a.threads == b.threads == 2
+    assert a.batching == BatchingPolicy(
+        max_batch_size=8,
+        preferred_batch_sizes=(4,),
+        max_queue_delay_us=10,
+        default_queue_policy=QueuePolicy(max_queue_size=5),
+    )
+    assert config.server.http_port == 9000 and config.runtime == "ray"
+
+
+def test_model_flags_replace_the_files_models_and_keep_the_first_ones_settings():
+    base = ServeConfig((ModelConfig("a", name="first", instances=3),))
+    config = base.with_overrides(models=["x.onnx", "y"])
+    assert [(m.name, m.instances) for m in config.models] == [("x", 3), ("y", 3)]
+    with pytest.raises(ValueError, match="--name applies to one model"):
+        base.with_overrides(models=["x", "y"], model={"name": "z"})

@@ -16,10 +16,12 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
+from conftest import served_models
 from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
 from servekit.client import AsyncClient, Client
+from servekit.config import ServerConfig
+from servekit.pytriton import TritonServer
 from servekit.stages import synthetic_image
-from servekit.triton import ServerConfig, TritonServer, default_models
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def server(tiny_cnn_path):
         max_body_bytes=2_000_000,
     )
     policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000)
-    srv = TritonServer(default_models(tiny_cnn_path, name="tiny", policy=policy), config)
+    srv = TritonServer(served_models(tiny_cnn_path, name="tiny", policy=policy), config)
     srv.start()
     try:
         yield srv
@@ -55,7 +57,7 @@ def one(shape, data) -> dict:
 
 
 def test_the_public_http_port_is_servekits_front(server):
-    with urllib.request.urlopen(f"{server.config.http_url}/v2", timeout=10) as r:
+    with urllib.request.urlopen(f"{server.server.http_url}/v2", timeout=10) as r:
         assert json.loads(r.read())["name"] == "servekit"
 
 
@@ -74,33 +76,33 @@ def test_the_public_http_port_is_servekits_front(server):
     ],
 )
 def test_requests_that_break_tritonserver_get_a_400_from_the_front(server, body, message):
-    status, payload = post(server.config.http_port, body)
+    status, payload = post(server.server.http_port, body)
     assert status == 400, payload
     assert message in payload["error"]
     assert server.is_alive()
 
 
 def test_an_oversized_body_gets_413(server):
-    status, payload = post(server.config.http_port, "x" * 2_000_001)
+    status, payload = post(server.server.http_port, "x" * 2_000_001)
     assert status == 413 and "exceeds the limit" in payload["error"]
 
 
 def test_valid_requests_answer_as_in_process_over_http_and_grpc(server, tiny_cnn_path):
     x = np.random.default_rng(3).standard_normal((5, 3, 32, 32)).astype(np.float32)
     want = OnnxRuntimeRunner(tiny_cnn_path).infer({"input": x})["logits"]
-    for url in (server.config.http_url, server.config.grpc_url):
+    for url in (server.server.http_url, server.server.grpc_url):
         with Client(url) as c:
             np.testing.assert_allclose(
                 c.infer("tiny", {"input": x})["logits"], want, rtol=1e-5, atol=1e-5
             )
             assert len(c.classify([synthetic_image(1)], "tiny_image")[0]) == 5
-    status, payload = post(server.config.http_port, one([1, 3, 32, 32], x[0].ravel().tolist()))
+    status, payload = post(server.server.http_port, one([1, 3, 32, 32], x[0].ravel().tolist()))
     assert status == 200
     np.testing.assert_allclose(payload["outputs"][0]["data"], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_wrong_dtype_names_the_tensor_through_the_client(server):
-    with Client(server.config.http_url) as c, pytest.raises(InvalidInput, match="input"):
+    with Client(server.server.http_url) as c, pytest.raises(InvalidInput, match="input"):
         c.infer("tiny", {"input": np.zeros((1, 3, 32, 32), np.float64)})
 
 
@@ -108,10 +110,10 @@ def test_request_parameters_reach_triton_through_the_front(server):
     body = one([1, 3, 32, 32], [0.5] * 3072) | {
         "parameters": {"priority": 0, "timeout": 10_000_000}
     }
-    status, payload = post(server.config.http_port, body)
+    status, payload = post(server.server.http_port, body)
     assert status == 200, payload
     status, payload = post(
-        server.config.http_port, one([1, 3, 32, 32], [0.5] * 3072) | {"parameters": {"timeout": -1}}
+        server.server.http_port, one([1, 3, 32, 32], [0.5] * 3072) | {"parameters": {"timeout": -1}}
     )
     assert status == 400 and "'timeout'" in payload["error"]
 
@@ -131,7 +133,7 @@ def test_concurrent_requests_each_get_their_own_answer(server, tiny_cnn_path):
     import asyncio
 
     n = 24
-    got = asyncio.run(_concurrent(server.config.http_url, n))
+    got = asyncio.run(_concurrent(server.server.http_url, n))
     runner = OnnxRuntimeRunner(tiny_cnn_path)
     for i, out in enumerate(got):
         want = runner.infer({"input": np.full((1, 3, 32, 32), i / n, np.float32)})["logits"]

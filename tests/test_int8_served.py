@@ -8,11 +8,13 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
+from conftest import served_models
 from servekit import BatchingPolicy, OnnxRuntimeRunner, image_classifier
 from servekit.client import Client
+from servekit.config import ServerConfig
 from servekit.optimize import optimize
+from servekit.pytriton import TritonServer
 from servekit.stages import synthetic_image
-from servekit.triton import ServerConfig, TritonServer, default_models
 from servekit.triton.launcher import TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, runner_model
 
@@ -31,10 +33,10 @@ def inputs() -> np.ndarray:
 
 
 def test_pytriton_serves_the_int8_model_like_in_process(int8_model):
-    config = ServerConfig.on_loopback(exit_timeout_s=2)
+    config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
     local = OnnxRuntimeRunner(int8_model)
     images = [synthetic_image(i) for i in range(3)]
-    models = default_models(int8_model, name="tiny", policy=POLICY)
+    models = served_models(int8_model, name="tiny", policy=POLICY)
     with TritonServer(models, config), Client(config.grpc_url) as c:
         got = c.infer("tiny", {"input": inputs()})["logits"]
         classified = c.classify(images, model="tiny_image")

@@ -15,10 +15,9 @@ kv = pytest.importorskip("kubernetes_validate")
 
 from conftest import parse_metrics
 from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
-from servekit.config import policy_from_dict
 from servekit.kustomize import KustomizeError, render
 from servekit.metrics import GPU_GAUGES, Metrics
-from servekit.ray.app import APP_ARGS
+from servekit.ray.app import ray_config
 from servekit.triton.stub_metrics import FAILURE_METRIC
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +146,7 @@ def test_the_ray_service_runs_an_app_servekit_can_build():
     local = yaml.safe_load((ROOT / "ray_app" / "config.yaml").read_text())
     for app in (*config["applications"], *local["applications"]):
         assert app["import_path"] == "servekit.ray.app:build_app"
-        assert set(app["args"]) <= APP_ARGS
-        policy_from_dict(app["args"]["batching"])  # raises on a bad batching table
+        ray_config(app["args"])  # raises naming any unknown key or bad value
 
 
 def test_the_dashboard_and_the_autoscaler_use_only_exported_metrics():

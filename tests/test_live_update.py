@@ -147,16 +147,25 @@ def test_an_update_that_fails_to_warm_up_is_closed_and_the_old_version_serves():
 
 pytriton = pytest.importorskip("pytriton", reason="needs the triton extra")
 
+from conftest import served_models  # noqa: E402
 from servekit.client import Client  # noqa: E402
-from servekit.triton import ServerConfig, TritonServer, default_models  # noqa: E402
-from servekit.triton.server import load_onnx  # noqa: E402
+from servekit.config import ServerConfig  # noqa: E402
+from servekit.pytriton import TritonServer  # noqa: E402
+from servekit.runtime import load_model_runner  # noqa: E402
+
+
+def load_model(path, policy):
+    """The model file as a runtime loads it (a new version for ``update``)."""
+    from servekit import ModelConfig
+
+    return load_model_runner(ModelConfig(str(path), batching=policy))
 
 
 @pytest.fixture(scope="module")
 def server(tiny_cnn_path):
     policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=1000)
     srv = TritonServer(
-        default_models(tiny_cnn_path, name="tiny", policy=policy),
+        served_models(tiny_cnn_path, name="tiny", policy=policy),
         ServerConfig.on_loopback(exit_timeout_s=2, front=True),
     )
     srv.start()
@@ -180,25 +189,25 @@ def test_pytriton_swaps_roll_back_and_refuse_bad_versions_under_load_without_a_f
     @contextlib.contextmanager
     def session(k: int) -> Iterator[Callable[[], np.ndarray]]:
         # Half the threads through the HTTP front, half over gRPC.
-        with Client((server.config.http_url, server.config.grpc_url)[k % 2]) as c:
+        with Client((server.server.http_url, server.server.grpc_url)[k % 2]) as c:
             yield lambda: c.infer("tiny", {"input": ROWS})["logits"]
 
     def answers_now() -> np.ndarray:
-        with Client(server.config.http_url) as c:
+        with Client(server.server.http_url) as c:
             return c.infer("tiny", {"input": ROWS})["logits"]
 
     with Load(session) as load:
         time.sleep(0.5)
-        assert server.update("tiny", load_onnx(second_version, policy)) == 2
+        assert server.update("tiny", load_model(second_version, policy)) == 2
         np.testing.assert_allclose(answers_now(), two, rtol=1e-5)
         time.sleep(0.5)
         assert server.rollback("tiny") == 1
         np.testing.assert_allclose(answers_now(), one, rtol=1e-5)
         time.sleep(0.5)
         with pytest.raises(UpdateRefused, match="inputs differ"):
-            server.update("tiny", load_onnx(add_sub_path, policy))
+            server.update("tiny", load_model(add_sub_path, policy))
         assert server.version("tiny") == 1
-        server.update("tiny", load_onnx(second_version, policy))
+        server.update("tiny", load_model(second_version, policy))
         time.sleep(0.5)
     assert not load.failures(), load.failures()[:3]
     # Every answer is wholly one version's; the image model follows the same swaps.
@@ -206,7 +215,7 @@ def test_pytriton_swaps_roll_back_and_refuse_bad_versions_under_load_without_a_f
         np.allclose(r, one, rtol=1e-5) or np.allclose(r, two, rtol=1e-5) for r in load.results
     ]
     assert all(matched) and len(load.results) > 50
-    with Client(server.config.http_url) as c:
+    with Client(server.server.http_url) as c:
         assert c.classify([_jpeg()], model="tiny_image")[0]
 
 
@@ -220,10 +229,10 @@ def test_fifty_updates_leave_resident_memory_flat(server, tiny_cnn_path, second_
     policy = BatchingPolicy(max_batch_size=8)
     versions = [expected(tiny_cnn_path), expected(second_version)]
     sizes = []
-    with Client(server.config.grpc_url) as c:
+    with Client(server.server.grpc_url) as c:
         for cycle in range(1, 51):
             path = (tiny_cnn_path, second_version)[cycle % 2]
-            server.update("tiny", load_onnx(path, policy))
+            server.update("tiny", load_model(path, policy))
             out = c.infer("tiny", {"input": ROWS})["logits"]
             np.testing.assert_allclose(out, versions[cycle % 2], rtol=1e-5)
             if cycle in (10, 50):

@@ -27,8 +27,7 @@ def ray_url(resnet50_path):
                 "model": str(resnet50_path),
                 "name": "resnet50",
                 "batching": {"max_batch_size": 8, "max_queue_delay_us": 2000},
-                "model_cpus": 0.5,
-                "stage_cpus": 0.25,
+                "ray": {"model_cpus": 0.5, "stage_cpus": 0.25},
             }
         )
         serve.run(app, name="servekit", route_prefix="/")
@@ -94,9 +93,11 @@ def test_bad_inputs_get_a_400_naming_the_problem(ray_url):
 
 def test_a_model_replica_killed_under_load_is_replaced_and_later_requests_succeed(ray_url):
     names = [
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Model" in a["name"]
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "#resnet50#" in a["name"]
     ]
-    assert names, "no Model replica found"
+    assert names, "no replica of the resnet50 deployment found"
     stop, answered = threading.Event(), []
 
     def load() -> None:

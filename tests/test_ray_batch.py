@@ -160,9 +160,8 @@ def test_app_and_batch_job_spread_work_over_two_nodes(two_nodes, tmp_path, tiny_
             {
                 "model": str(tiny_cnn_path),
                 "name": "tiny",
-                "model_replicas": 2,
-                "model_cpus": 0.25,
-                "stage_cpus": 0.1,
+                "instances": 2,
+                "ray": {"model_cpus": 0.25, "stage_cpus": 0.1},
                 "batching": {"max_batch_size": 4, "max_queue_delay_us": 1000},
             }
         )
@@ -170,7 +169,7 @@ def test_app_and_batch_job_spread_work_over_two_nodes(two_nodes, tmp_path, tiny_
         url = f"http://127.0.0.1:{port}"
         with Client(url) as c:
             c.wait_ready("tiny_image", timeout_s=120)
-        model = serve.get_deployment_handle("Model", app_name="servekit")
+        model = serve.get_deployment_handle("tiny", app_name="servekit")
         seen: dict[str, int] = {}
         deadline = time.monotonic() + 120
         while len(seen) < 2 or min(seen.values()) == 0:

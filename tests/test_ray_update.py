@@ -37,8 +37,7 @@ def deploy(model: Path) -> None:
             "model": str(model),
             "name": "tiny",
             "batching": {"max_batch_size": 8, "max_queue_delay_us": 2000},
-            "model_cpus": 0.25,
-            "stage_cpus": 0.25,
+            "ray": {"model_cpus": 0.25, "stage_cpus": 0.25},
         }
     )
     serve.run(app, name="servekit", route_prefix="/")

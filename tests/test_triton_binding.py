@@ -21,14 +21,12 @@ from servekit import (
     TimeoutAction,
 )
 from servekit.errors import from_grpc_code, from_http_status
-from servekit.triton import TritonSetupError, triton_environment
-from servekit.triton.binding import (
+from servekit.pytriton.binding import (
     ERROR_OUTPUT,
     infer_callable,
-    pytriton_batcher,
-    pytriton_model_config,
     pytriton_tensors,
 )
+from servekit.triton import TritonSetupError, triton_environment
 
 SPEC = ModelSpec(
     (TensorSpec("image", "BYTES", [1]), TensorSpec("x", np.float32, [3, -1])),
@@ -48,7 +46,6 @@ def test_policy_renders_every_knob_to_pytritons_dynamic_batcher():
         max_batch_size=8,
         preferred_batch_sizes=(2, 4),
         max_queue_delay_us=700,
-        preserve_ordering=True,
         priority_levels=2,
         default_priority_level=2,
         default_queue_policy=QueuePolicy(
@@ -56,11 +53,12 @@ def test_policy_renders_every_knob_to_pytritons_dynamic_batcher():
         ),
         priority_queue_policies={1: QueuePolicy(timeout_action=TimeoutAction.DELAY)},
     )
-    config = pytriton_model_config(SPEC, policy)
+    config = policy.to_pytriton(SPEC.max_batch_size)
     assert config.batching and config.max_batch_size == 8
     b = config.batcher
     assert b.max_queue_delay_microseconds == 700 and b.preferred_batch_size == [2, 4]
-    assert b.preserve_ordering and (b.priority_levels, b.default_priority_level) == (2, 2)
+    assert (b.priority_levels, b.default_priority_level) == (2, 2)
+    assert BatchingPolicy(preserve_ordering=True).to_pytriton(16).batcher.preserve_ordering
     q = b.default_queue_policy
     assert (q.max_queue_size, q.default_timeout_microseconds, q.allow_timeout_override) == (
         10,
@@ -72,12 +70,11 @@ def test_policy_renders_every_knob_to_pytritons_dynamic_batcher():
 
 
 def test_default_policy_takes_the_models_batch_limit_and_unbatched_models_do_not_batch():
-    assert pytriton_model_config(SPEC, BatchingPolicy()).max_batch_size == 16
-    assert pytriton_batcher(BatchingPolicy()).preferred_batch_size is None
-    unbatched = ModelSpec(SPEC.inputs, SPEC.outputs, 0)
-    assert not pytriton_model_config(unbatched, BatchingPolicy()).batching
+    config = BatchingPolicy().to_pytriton(16)
+    assert config.max_batch_size == 16 and config.batcher.preferred_batch_size is None
+    assert not BatchingPolicy().to_pytriton(0).batching
     with pytest.raises(ValueError, match="32 exceeds the model's 16"):
-        pytriton_model_config(SPEC, BatchingPolicy(max_batch_size=32))
+        BatchingPolicy(max_batch_size=32).to_pytriton(16)
 
 
 class FakeRequest:

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
+from conftest import served_models
 from servekit import (
     BatchingPolicy,
     InvalidInput,
@@ -21,19 +22,18 @@ from servekit import (
     image_classifier,
 )
 from servekit.client import AsyncClient, Client
+from servekit.config import ServerConfig
+from servekit.pytriton import TritonServer
 from servekit.stages import synthetic_image
-from servekit.triton import ServerConfig, TritonServer, default_models
 
 POLICY = BatchingPolicy(max_batch_size=8, max_queue_delay_us=5000)
 
 
 @pytest.fixture(scope="module")
 def server(resnet50_path):
-    config = ServerConfig.on_loopback(
-        exit_timeout_s=2,
-    )
+    config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
     srv = TritonServer(
-        default_models(resnet50_path, name="resnet50", policy=POLICY, intra_op_threads=2), config
+        served_models(resnet50_path, name="resnet50", policy=POLICY, threads=2), config
     )
     srv.start()
     try:
@@ -50,7 +50,7 @@ def local(resnet50_path):
 
 @pytest.fixture(params=["http", "grpc"])
 def client(request, server):
-    url = server.config.http_url if request.param == "http" else server.config.grpc_url
+    url = server.server.http_url if request.param == "http" else server.server.grpc_url
     with Client(url) as c:
         yield c
 
@@ -64,7 +64,7 @@ def tensor(n: int, seed: int = 0) -> np.ndarray:
 
 
 def test_both_models_are_served(server):
-    with Client(server.config.http_url) as c:
+    with Client(server.server.http_url) as c:
         assert c.is_ready() and c.is_ready("resnet50") and c.is_ready("resnet50_image")
 
 
@@ -76,7 +76,7 @@ def test_tensor_model_equals_the_in_process_runner(client, local):
 
 def test_json_requests_equal_binary_ones(server):
     x = tensor(1, seed=2)
-    with Client(server.config.http_url) as c:
+    with Client(server.server.http_url) as c:
         binary = c.infer("resnet50", {"input": x})["logits"]
         as_json = c.infer("resnet50", {"input": x}, binary=False)["logits"]
     np.testing.assert_allclose(as_json, binary, rtol=1e-5, atol=1e-5)
@@ -99,7 +99,7 @@ def test_concurrent_requests_each_get_their_own_answer(server, local):
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        url = server.config.http_url if i % 2 else server.config.grpc_url
+        url = server.server.http_url if i % 2 else server.server.grpc_url
         try:
             with Client(url) as c:
                 got[i] = c.classify([blobs[i]])[0][0].class_id
@@ -118,7 +118,7 @@ def test_concurrent_requests_each_get_their_own_answer(server, local):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_shared_memory_inputs_give_the_same_result(server, local, protocol):
     x = tensor(2, seed=3)
-    url = server.config.http_url if protocol == "http" else server.config.grpc_url
+    url = server.server.http_url if protocol == "http" else server.server.grpc_url
     with Client(url, shared_memory=True, access_token=server.access_token) as c:
         got = c.infer("resnet50", {"input": x})["logits"]
         again = c.infer("resnet50", {"input": x[:1]})["logits"]
@@ -130,7 +130,7 @@ def test_shared_memory_needs_the_servers_token(server):
     from servekit import Unauthenticated
 
     with (
-        Client(server.config.http_url, shared_memory=True) as c,
+        Client(server.server.http_url, shared_memory=True) as c,
         pytest.raises(Unauthenticated, match="triton-access-token"),
     ):
         c.infer("resnet50", {"input": tensor(1)})
@@ -138,7 +138,7 @@ def test_shared_memory_needs_the_servers_token(server):
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_async_client(server, local, protocol):
-    url = server.config.http_url if protocol == "http" else server.config.grpc_url
+    url = server.server.http_url if protocol == "http" else server.server.grpc_url
     blobs = images(2, start=40)
 
     async def main():
@@ -186,7 +186,7 @@ def test_one_bad_image_among_concurrent_good_ones_fails_alone(server, local):
     results: dict[int, object] = {}
 
     def one(i: int, blob: bytes) -> None:
-        with Client(server.config.grpc_url) as c:
+        with Client(server.server.grpc_url) as c:
             try:
                 results[i] = c.classify([blob])[0][0].class_id
             except InvalidInput as exc:
@@ -210,14 +210,14 @@ def metric(text: str, name: str, model: str) -> float:
 
 def test_batching_is_visible_in_triton_metrics(server):
     def scrape() -> str:
-        with urllib.request.urlopen(server.config.metrics_url, timeout=10) as r:
+        with urllib.request.urlopen(server.server.metrics_url, timeout=10) as r:
             return r.read().decode()
 
     before = scrape()
     x = tensor(1, seed=5)
 
     def one(_: int) -> None:
-        with Client(server.config.grpc_url) as c:
+        with Client(server.server.grpc_url) as c:
             c.infer("resnet50", {"input": x})
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
@@ -250,7 +250,7 @@ def test_infer_command_sends_images_to_the_server(server, tmp_path):
     path = tmp_path / "a.jpg"
     path.write_bytes(images(1)[0])
     result = CliRunner().invoke(
-        app, ["infer", str(path), "--url", server.config.grpc_url, "--json", "--top-k", "2"]
+        app, ["infer", str(path), "--url", server.server.grpc_url, "--json", "--top-k", "2"]
     )
     assert result.exit_code == 0, result.output
     assert len(next(iter(__import__("json").loads(result.output).values()))) == 2
@@ -264,10 +264,8 @@ def _argv0(proc_dir) -> str:
 
 
 def test_a_server_stops_cleanly_and_frees_its_ports(add_sub_path):
-    config = ServerConfig.on_loopback(
-        exit_timeout_s=2,
-    )
-    models = default_models(add_sub_path, policy=BatchingPolicy(max_batch_size=4))
+    config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
+    models = served_models(add_sub_path, policy=BatchingPolicy(max_batch_size=4))
     with TritonServer(models, config) as srv:
         with Client(config.http_url) as c:
             a = np.ones((2, 16), np.float32)
@@ -296,7 +294,7 @@ def test_bench_command_measures_the_served_model(server, tmp_path):
     result = CliRunner().invoke(
         app,
         [
-            "bench", "--url", server.config.grpc_url, "--model", "resnet50_image", "--concurrency", "1,2",
+            "bench", "--url", server.server.grpc_url, "--model", "resnet50_image", "--concurrency", "1,2",
             "--window", "0.5", "--warmup", "0.2", "--max-windows", "3", "--stability", "0.5", "--out", str(out),
         ],
     )  # fmt: skip
@@ -314,7 +312,7 @@ def test_bench_command_reports_an_unknown_model(server):
     from servekit.cli import app
 
     result = CliRunner().invoke(
-        app, ["bench", "--url", server.config.http_url, "--model", "nope", "--concurrency", "1"]
+        app, ["bench", "--url", server.server.http_url, "--model", "nope", "--concurrency", "1"]
     )
     assert result.exit_code == 2
     assert "nope" in result.output
@@ -325,7 +323,7 @@ def test_load_generator_sends_through_shared_memory(server):
 
     async def main():
         target = open_target(
-            server.config.grpc_url,
+            server.server.grpc_url,
             "resnet50",
             {"input": tensor(1)},
             shared_memory=True,
@@ -358,7 +356,7 @@ def test_the_locust_user_sends_kserve_requests(server, tmp_path):
     prefix = tmp_path / "locust"
     subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "-u", "2", "-r", "2", "-t", "4s",
-         "--host", server.config.http_url, "--csv", str(prefix), "--only-summary"],
+         "--host", server.server.http_url, "--csv", str(prefix), "--only-summary"],
         env={**os.environ, "SERVEKIT_MODEL": "resnet50_image"}, check=True, timeout=120, capture_output=True,
     )  # fmt: skip
     with open(f"{prefix}_stats.csv") as f:
@@ -378,7 +376,7 @@ def test_metrics_count_known_traffic_exactly(server):
     names += ("nv_inference_exec_count", "nv_inference_request_summary_us_count")
 
     def counts() -> dict[str, float]:
-        got = scrape(server.config.metrics_url)
+        got = scrape(server.server.metrics_url)
         out = {n: sample(got, n, **labels) for n in names}
         out["servekit"] = sample(got, "servekit_request_failure", **labels, code="INVALID_ARG")
         return out
@@ -392,7 +390,7 @@ def test_metrics_count_known_traffic_exactly(server):
         if now == before:
             break
         before = now
-    with Client(server.config.http_url) as c:
+    with Client(server.server.http_url) as c:
         for i in range(3):
             c.classify(images(1, 40 + i))
         with pytest.raises(InvalidInput):
@@ -416,10 +414,10 @@ def test_triton_exports_every_family_servekit_exports(server):
     from conftest import scrape
     from servekit.metrics import COUNTERS, GAUGES, SUMMARIES
 
-    with Client(server.config.http_url) as c:
+    with Client(server.server.http_url) as c:
         c.classify(images(1, 70))
     names = {
         _re.sub(r"_(count|sum)$", "", n) if "summary" in n else n
-        for n, _ in scrape(server.config.metrics_url)
+        for n, _ in scrape(server.server.metrics_url)
     }
     assert {*COUNTERS, *GAUGES, *SUMMARIES} <= names

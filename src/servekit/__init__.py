@@ -1,9 +1,11 @@
-"""servekit: one inference-serving core, served in-process, on Triton and on Ray Serve.
+"""servekit: one inference-serving core, served natively, on PyTriton, on Triton and on Ray Serve.
 
 The public API is what ``__all__`` lists; everything else is an implementation detail.
 """
 
 from .batching import Batcher, BatcherStats, BatchingPolicy, QueuePolicy, TimeoutAction
+from .client import AsyncClient, Client
+from .config import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from .errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -17,22 +19,26 @@ from .errors import (
 from .metrics import Metrics
 from .pipeline import ImageClassifier, Pipeline, Prediction, image_classifier
 from .runners import BaseRunner, FunctionRunner, OnnxRuntimeRunner, Runner
+from .runtime import create_runtime, serve
 from .spec import DType, ModelSpec, TensorSpec, as_dtype
 from .stages import Postprocess, Preprocess
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
     "BaseRunner",
     "Batcher",
     "BatcherStats",
     "BatchingPolicy",
+    "Client",
     "DType",
     "DeadlineExceeded",
     "FunctionRunner",
     "ImageClassifier",
     "InvalidInput",
     "Metrics",
+    "ModelConfig",
     "ModelNotFound",
     "ModelNotReady",
     "ModelSpec",
@@ -43,12 +49,17 @@ __all__ = [
     "Prediction",
     "Preprocess",
     "QueuePolicy",
+    "RayOptions",
     "Runner",
     "RunnerError",
+    "ServeConfig",
     "ServekitError",
+    "ServerConfig",
     "TensorSpec",
     "TimeoutAction",
     "Unauthenticated",
     "as_dtype",
+    "create_runtime",
     "image_classifier",
+    "serve",
 ]

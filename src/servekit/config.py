@@ -1,65 +1,394 @@
-"""Serving configuration files (TOML, or YAML when PyYAML is installed): the CLI's knobs.
+"""``ServeConfig``: what to serve and how, one description consumed by every runtime.
+
+Built from a TOML or YAML file and/or command-line flags; every default lives here once.
+Each runtime (``native``, ``pytriton``, ``triton``, ``ray``) takes a ``ServeConfig`` and
+nothing else, and a knob a runtime cannot honour is an error naming the knob and the
+runtime (``ServeConfig.check``), never silently dropped.
 
 ::
 
-    model = "resnet50"            # zoo name or path to an .onnx file
-    instances = 1                 # model instances (Triton instance_group count)
-    threads = 2                   # ONNX Runtime intra-op threads
-    top_k = 5
+    runtime = "pytriton"            # native | pytriton | triton | ray
 
     [server]
-    http_port = 8000
-    grpc_port = 8001
-    metrics_port = 8002
+    http_port = 8000                # also grpc_port, metrics_port, host, front, tokens
+    front = true
 
-    [batching]                    # BatchingPolicy
-    max_batch_size = 32
-    preferred_batch_sizes = [8, 16]
-    max_queue_delay_us = 1000
+    [[models]]
+    source = "resnet50"             # zoo name or path to an .onnx file
+    name = "resnet50"               # default: the zoo name or the file's stem
+    engine = "onnxruntime"          # onnxruntime | tensorrt | torch
+    instances = 2                   # Triton instance_group count / Ray replicas / Batcher threads
+    threads = 1                     # ONNX Runtime intra-op threads per instance
+    top_k = 5                       # the <name>_image model's answers
+    [models.batching]               # BatchingPolicy (Triton's dynamic_batching)
+    max_batch_size = 16
+    preferred_batch_sizes = [4, 8]
+    max_queue_delay_us = 500
+    [models.batching.queue]         # its default QueuePolicy
+    max_queue_size = 64
 
-    [batching.queue]              # QueuePolicy (the default one)
-    max_queue_size = 256
-    default_timeout_us = 0
-    timeout_action = "REJECT"
+A file with one model may put the model's keys at the top level and ``[batching]`` beside
+them (``model = "resnet50"`` is ``source``), as earlier servekit versions wrote it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batching.policy import BatchingPolicy, QueuePolicy
+from .batching.policy import BatchingPolicy, check_keys
+from .endpoints import Endpoints
 
-__all__ = ["load_config", "policy_from_dict"]
+__all__ = [
+    "ENGINES",
+    "PRECISIONS",
+    "RUNTIMES",
+    "ModelConfig",
+    "RayOptions",
+    "ServeConfig",
+    "ServerConfig",
+    "image_model_name",
+    "load_config",
+    "model_name",
+]
 
-TOP_LEVEL = {
-    "model",
-    "name",
-    "instances",
-    "threads",
-    "top_k",
-    "labels",
-    "cache_dir",
-    "runtime",
-    "server",
-    "batching",
+RUNTIMES = ("pytriton", "triton", "native", "ray")
+"""``pytriton``: PyTriton (Triton's C++ batcher, servekit's runners in Python backend stubs);
+``triton``: tritonserver with servekit's Triton backend on a repository rendered from the
+config; ``native``: servekit's own KServe v2 server in one process; ``ray``: Ray Serve."""
+ENGINES = ("onnxruntime", "tensorrt", "torch")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def model_name(source: str | os.PathLike[str]) -> str:
+    """The served name of a zoo model or an ONNX file (its stem)."""
+    return os.path.splitext(os.path.basename(os.fspath(source)))[0]
+
+
+def image_model_name(name: str) -> str:
+    """The name of the image model (encoded images in, top-k out) served beside ``name``."""
+    return f"{name}_image"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model: where it comes from, which engine runs it, how it is batched and scaled."""
+
+    source: str = "resnet50"
+    """Zoo model name or path to an ONNX file."""
+    name: str = ""
+    """Served name; empty = ``model_name(source)``."""
+    engine: str = "onnxruntime"
+    precision: str = "fp32"
+    """What the engine builds at load (TensorRT, Torch); ONNX Runtime runs the file as
+    written (``servekit optimize`` makes INT8/FP16 files)."""
+    device: str | None = None
+    """CUDA ordinal (TensorRT) or torch device (Torch); None = the engine's default."""
+    batching: BatchingPolicy = field(default_factory=BatchingPolicy)
+    """``max_batch_size`` 0 = the model's own (64 for an ONNX file with a dynamic batch)."""
+    instances: int = 1
+    """Triton's instance_group count, Ray's model replicas, the Batcher's worker threads."""
+    threads: int | None = None
+    """ONNX Runtime intra-op threads per instance; None = ONNX Runtime's default."""
+    labels: str | None = None
+    """Class names, one per line, for the image model (default: the model's own metadata)."""
+    top_k: int = 5
+    image: bool = True
+    """Also serve ``<name>_image`` (encoded images in, top-k out) for an image classifier."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", os.fspath(self.source))
+        if not self.name:
+            object.__setattr__(self, "name", model_name(self.source))
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"model name must be letters, digits, '_', '.' or '-', got {self.name!r}"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        for key in ("instances", "top_k"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.labels is not None:
+            object.__setattr__(self, "labels", os.fspath(self.labels))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "batching" and getattr(self, f.name) is not None
+        }
+        data["batching"] = self.batching.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "models") -> ModelConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        kwargs = dict(data)
+        kwargs["batching"] = BatchingPolicy.from_dict(
+            data.get("batching", {}), f"{section}.batching"
+        )
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ServerConfig(Endpoints):
+    """Where and how a runtime listens; the defaults are Triton's own ports."""
+
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    front: bool = True
+    """Serve ``http_port`` with servekit's hardened KServe v2 front (Triton runtimes: Triton's
+    own HTTP moves to a private loopback port). Always on for ``native`` and ``ray``."""
+    inference_token: str | None = None
+    """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
+    control_token: str | None = None
+    """When set, Triton's model control, shared memory, config, statistics, trace and
+    logging APIs need it in ``servekit-control-token``; None on PyTriton = a random one."""
+    log_verbose: int = 0
+    """Triton's ``--log-verbose`` level; for ``native``, > 0 logs at DEBUG."""
+    exit_timeout_s: int = 5
+    """How long a stopping server waits for requests in flight."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Larger request bodies get a 413 from servekit's front before they are read whole."""
+
+    def __post_init__(self) -> None:
+        for key in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, key)
+            if not 0 < port < 65536:
+                raise ValueError(f"{key} must be in [1, 65535], got {port}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "server") -> ServerConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Ray Serve's deployment knobs beyond the model's own (``instances`` = model replicas)."""
+
+    model_cpus: float = 1.0
+    """CPUs reserved per model replica."""
+    stage_cpus: float = 0.25
+    """CPUs reserved per pre/postprocess replica and for the ingress."""
+    stage_replicas: int = 1
+    max_ongoing_requests: int = 0
+    """Per replica; 0 = four times the model's max batch size (at least 16). Ray's own
+    default (5) would starve the Batcher."""
+    ingress_batches: int = 0
+    """Batches the ingress keeps in flight per model; 0 = two per model replica, plus one."""
+    autoscaling: Mapping[str, Any] | None = None
+    """Ray's ``autoscaling_config`` for the model deployments (replaces ``instances``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "ray") -> RayOptions:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+# Knobs a runtime cannot honour: set to anything but the default, they are an error.
+_UNSUPPORTED: dict[str, dict[str, str]] = {
+    "pytriton": {
+        "ray": "Ray deployment options",
+        "inference_token": "PyTriton's gRPC port has one access token, the control_token",
+    },
+    "triton": {
+        "ray": "Ray deployment options",
+    },
+    "native": {
+        "ray": "Ray deployment options",
+        "control_token": "there are no control APIs",
+    },
+    "ray": {
+        "grpc_port": "Ray's ingress is HTTP only",
+        "metrics_port": "metrics are served on the HTTP port at /metrics",
+        "front": "Ray's ingress is always servekit's front",
+        "control_token": "there are no control APIs",
+        "log_verbose": "Ray logs through its own settings",
+    },
 }
-SERVER = {"host", "http_port", "grpc_port", "metrics_port", "log_verbose", "exit_timeout_s"}
 
 
-def _check_keys(section: str, data: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {unknown} in [{section}]; expected some of {sorted(allowed)}"
+@dataclass(frozen=True)
+class ServeConfig:
+    """Models, the server they are served on, and the runtime serving them."""
+
+    models: tuple[ModelConfig, ...] = (ModelConfig(),)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    runtime: str = "pytriton"
+    cache_dir: str | None = None
+    """Zoo model cache (default ``$SERVEKIT_CACHE`` or ``~/.cache/servekit/models``)."""
+    ray: RayOptions = field(default_factory=RayOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        if not self.models:
+            raise ValueError("nothing to serve: a ServeConfig needs at least one model")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
+        served = [n for m in self.models for n in (m.name, image_model_name(m.name))[: 1 + m.image]]
+        if len(set(served)) != len(served):
+            raise ValueError(f"served model names must be unique, got {served}")
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"no model {name!r} in the config; it has {[m.name for m in self.models]}")
+
+    def check(self, runtime: str | None = None) -> ServeConfig:
+        """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
+        config's) cannot honour; returns self."""
+        runtime = runtime or self.runtime
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {runtime!r}")
+        default_server, problems = ServerConfig(), []
+        for knob, why in _UNSUPPORTED[runtime].items():
+            if knob == "ray":
+                if self.ray != RayOptions():
+                    problems.append(f"[ray] ({why})")
+            elif getattr(self.server, knob) != getattr(default_server, knob):
+                problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
+        if problems:
+            raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
+        return self
+
+    def on_loopback(self) -> ServeConfig:
+        """This config on 127.0.0.1 with free ports for the ports its runtime listens on
+        (tests, benchmarks, ``servekit compare``)."""
+        from .endpoints import free_port
+
+        ports: dict[str, Any] = {
+            p: free_port()
+            for p in ("http_port", "grpc_port", "metrics_port")
+            if p not in _UNSUPPORTED[self.runtime]
+        }
+        server = dataclasses.replace(self.server, host="127.0.0.1", **ports)
+        return dataclasses.replace(self, server=server)
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole config as a file's tables (``from_dict``'s inverse)."""
+        data: dict[str, Any] = {
+            "runtime": self.runtime,
+            "server": self.server.to_dict(),
+            "models": [m.to_dict() for m in self.models],
+        }
+        if self.cache_dir is not None:
+            data["cache_dir"] = self.cache_dir
+        if self.ray != RayOptions():
+            data["ray"] = self.ray.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServeConfig:
+        """A config from a file's tables; an unknown key is named with its section."""
+        data = dict(data)
+        model_keys = {f.name for f in dataclasses.fields(ModelConfig)} | {"model"}
+        top = {"runtime", "server", "models", "cache_dir", "ray"}
+        check_keys("top level", data, top | (model_keys if "models" not in data else set()))
+        flat = {k: data.pop(k) for k in list(data) if k in model_keys}
+        if "model" in flat:  # the one-model shorthand
+            flat["source"] = flat.pop("model")
+        if flat:
+            models = [ModelConfig.from_dict(flat, "top level")]
+        else:
+            raw = data.get("models", [{}])
+            if not isinstance(raw, Sequence) or isinstance(raw, str):
+                raise ValueError(f"[[models]]: expected a list of tables, got {raw!r}")
+            models = [ModelConfig.from_dict(m, f"models.{i}") for i, m in enumerate(raw)]
+        return cls(
+            models=tuple(models),
+            server=ServerConfig.from_dict(data.get("server", {})),
+            runtime=data.get("runtime", "pytriton"),
+            cache_dir=data.get("cache_dir"),
+            ray=RayOptions.from_dict(data.get("ray", {})),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ServeConfig:
+        """Read a ``.toml`` / ``.yaml`` file; errors name the file and the bad key."""
+        try:
+            return cls.from_dict(load_config(path))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def to_toml(self) -> str:
+        """The config as a TOML file that ``ServeConfig.load`` reads back equal."""
+        return _toml(self.to_dict())
+
+    def with_overrides(
+        self,
+        *,
+        models: Sequence[str] = (),
+        server: Mapping[str, Any] | None = None,
+        model: Mapping[str, Any] | None = None,
+        batching: Mapping[str, Any] | None = None,
+        queue: Mapping[str, Any] | None = None,
+        runtime: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> ServeConfig:
+        """This config with command-line flags applied: ``models`` (sources) replace the
+        file's models, keeping the first one's settings; the rest override every model's
+        (``model``: ``ModelConfig`` fields, ``batching``/``queue``: the policy's), or the
+        server's. None values are flags not given."""
+
+        def given(d: Mapping[str, Any] | None) -> dict[str, Any]:
+            return {k: v for k, v in (d or {}).items() if v is not None}
+
+        base = self.models
+        if models:
+            first = dataclasses.replace(base[0], name="")
+            base = tuple(dataclasses.replace(first, source=os.fspath(s), name="") for s in models)
+        model_changes, batch_changes, queue_changes = given(model), given(batching), given(queue)
+        if "name" in model_changes and len(base) > 1:
+            raise ValueError("--name applies to one model; give it in the config file instead")
+        out = []
+        for m in base:
+            policy = m.batching
+            if batch_changes or queue_changes:
+                table = policy.to_dict()
+                table.update(batch_changes)
+                table["queue"] = {**table["queue"], **queue_changes}
+                policy = BatchingPolicy.from_dict(table)
+            out.append(dataclasses.replace(m, **model_changes, batching=policy))
+        return dataclasses.replace(
+            self,
+            models=tuple(out),
+            server=dataclasses.replace(self.server, **given(server)),
+            runtime=runtime or self.runtime,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else self.cache_dir,
         )
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check a config file; returns plain dicts (sections ``server``, ``batching``)."""
+    """A config file's tables, unchecked (``ServeConfig.load`` checks them)."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix in (".yaml", ".yml"):
@@ -71,31 +400,42 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             ) from None
         data = yaml.safe_load(text) or {}
     elif path.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
+        import tomllib
+
         data = tomllib.loads(text)
     else:
         raise ValueError(f"{path}: config files must end in .toml, .yaml or .yml")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
-    _check_keys("top level", data, TOP_LEVEL)
-    _check_keys("server", data.get("server", {}), SERVER)
-    policy_from_dict(data.get("batching", {}))  # fail early, with the field named
     return data
 
 
-def policy_from_dict(data: Mapping[str, Any]) -> BatchingPolicy:
-    """A ``BatchingPolicy`` from a ``[batching]`` table (``queue`` = its default QueuePolicy)."""
-    fields = {f.name for f in dataclasses.fields(BatchingPolicy)} - {
-        "default_queue_policy",
-        "priority_queue_policies",
-    }
-    _check_keys("batching", data, fields | {"queue"})
-    queue = dict(data.get("queue", {}))
-    _check_keys("batching.queue", queue, {f.name for f in dataclasses.fields(QueuePolicy)})
-    kwargs = {k: v for k, v in data.items() if k != "queue"}
-    if "preferred_batch_sizes" in kwargs:
-        kwargs["preferred_batch_sizes"] = tuple(kwargs["preferred_batch_sizes"])
-    return BatchingPolicy(**kwargs, default_queue_policy=QueuePolicy(**queue))
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """A minimal TOML writer for config tables (scalars, lists, tables, lists of tables)."""
+    lines, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            tables.append((f"{prefix}{key}", value, False))
+        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            tables.extend((f"{prefix}{key}", v, True) for v in value)
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for name, table, array in tables:
+        body = _toml(table, f"{name}.")
+        out += f"\n[[{name}]]\n" if array else f"\n[{name}]\n"
+        out += body.lstrip("\n")
+    return out

@@ -20,7 +20,14 @@ from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
 from .stages import IMAGENET_MEAN, IMAGENET_STD, Postprocess, Preprocess
 
-__all__ = ["ImageClassifier", "Pipeline", "Prediction", "image_classifier", "is_image_classifier"]
+__all__ = [
+    "ImageClassifier",
+    "Pipeline",
+    "Prediction",
+    "image_classifier",
+    "image_stages",
+    "is_image_classifier",
+]
 
 
 def _compatible(produced: TensorSpec, consumed: TensorSpec) -> bool:
@@ -138,7 +145,26 @@ def image_classifier(
         runner = OnnxRuntimeRunner(
             path, intra_op_threads=intra_op_threads, max_batch_size=max_batch_size
         )
-    spec = runner.spec
+    pre, post = image_stages(
+        runner.spec, getattr(runner, "metadata", None), top_k=top_k, labels=labels
+    )
+    return ImageClassifier([pre, runner, post])
+
+
+def image_stages(
+    spec: ModelSpec,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    top_k: int = 5,
+    labels: str | os.PathLike[str] | Sequence[str] | None = None,
+) -> tuple[Preprocess, Postprocess]:
+    """The Preprocess and Postprocess around a classifier with signature ``spec``: input
+    scaling and class names come from the model's metadata (the zoo writes them), labels
+    from ``labels`` when given.
+
+    Raises:
+        ValueError: ``spec`` is not one NCHW square image input and one logits output.
+    """
     if len(spec.inputs) != 1 or len(spec.outputs) != 1:
         raise ValueError(f"an image classifier needs one input and one output; got {spec}")
     x, y = spec.inputs[0], spec.outputs[0]
@@ -147,8 +173,7 @@ def image_classifier(
             f"expected input [N,3,S,S] and output [N,classes], got "
             f"{x.name} {list(x.shape)} and {y.name} {list(y.shape)}"
         )
-    # Zoo models carry their input scaling and class names in the ONNX metadata.
-    meta = getattr(runner, "metadata", {}) or {}
+    meta = metadata or {}
     mean = tuple(json.loads(meta["servekit.mean"])) if "servekit.mean" in meta else IMAGENET_MEAN
     std = tuple(json.loads(meta["servekit.std"])) if "servekit.std" in meta else IMAGENET_STD
     if labels is None and "servekit.labels" in meta:
@@ -169,7 +194,7 @@ def image_classifier(
         max_batch_size=spec.max_batch_size,
         input_name=y.name,
     )
-    return ImageClassifier([pre, runner, post])
+    return pre, post
 
 
 def is_image_classifier(spec: ModelSpec) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "ModelSpec",
     "TensorSpec",
     "as_dtype",
+    "spec_from_config",
 ]
 
 
@@ -316,3 +317,19 @@ class ModelSpec:
             else:
                 out[spec.name] = rng.integers(0, 100, shape).astype(spec.dtype.numpy)
         return out
+
+
+def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
+    """The ``ModelSpec`` a Triton model config in its JSON form declares."""
+
+    def tensors(items: list[Mapping[str, Any]]) -> tuple[TensorSpec, ...]:
+        return tuple(
+            TensorSpec(t["name"], t["data_type"], [int(d) for d in t.get("dims", [])])
+            for t in items
+        )
+
+    return ModelSpec(
+        tensors(list(config.get("input", []))),
+        tensors(list(config.get("output", []))),
+        int(config.get("max_batch_size", 0)),
+    )

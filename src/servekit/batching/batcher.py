@@ -118,13 +118,11 @@ class Batcher:
         if not spec.batched:
             raise ValueError(f"{name}: dynamic batching needs max_batch_size > 0 in the model spec")
         policy = policy or BatchingPolicy()
-        if policy.max_batch_size == 0:
-            policy = replace(policy, max_batch_size=spec.max_batch_size)
-        elif policy.max_batch_size > spec.max_batch_size:
-            raise ValueError(
-                f"{name}: policy max_batch_size {policy.max_batch_size} exceeds the model's "
-                f"{spec.max_batch_size}"
-            )
+        try:
+            effective = policy.effective_max_batch_size(spec.max_batch_size)
+        except ValueError as exc:
+            raise ValueError(f"{name}: policy {exc}") from None
+        policy = replace(policy, max_batch_size=effective)
         is_async = asyncio.iscoroutinefunction(self._fn)
         if executor is None:
             executor = "loop" if is_async else "threads"

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
-__all__ = ["BatchingPolicy", "QueuePolicy", "TimeoutAction"]
+__all__ = ["BatchingPolicy", "QueuePolicy", "TimeoutAction", "check_keys"]
 
 
 class TimeoutAction(str, Enum):
@@ -51,6 +52,60 @@ class QueuePolicy:
         if self.default_timeout_us:
             return min(requested, self.default_timeout_us)
         return requested
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[batching.queue]`` table of a config file."""
+        return {
+            "max_queue_size": self.max_queue_size,
+            "default_timeout_us": self.default_timeout_us,
+            "timeout_action": self.timeout_action.value,
+            "allow_timeout_override": self.allow_timeout_override,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "batching.queue") -> QueuePolicy:
+        """A queue policy from its table; unknown keys are named with their section."""
+        check_keys(section, data, set(cls.__dataclass_fields__))
+        return cls(**data)
+
+    def to_triton(self, msg: Any) -> None:
+        """Fill a ``ModelQueuePolicy`` message."""
+        from tritonclient.grpc import model_config_pb2 as pb
+
+        msg.SetInParent()
+        msg.timeout_action = (
+            pb.ModelQueuePolicy.DELAY
+            if self.timeout_action is TimeoutAction.DELAY
+            else pb.ModelQueuePolicy.REJECT
+        )
+        msg.default_timeout_microseconds = self.default_timeout_us
+        msg.allow_timeout_override = self.allow_timeout_override
+        msg.max_queue_size = self.max_queue_size
+
+    @classmethod
+    def from_triton(cls, msg: Any) -> QueuePolicy:
+        from tritonclient.grpc import model_config_pb2 as pb
+
+        return cls(
+            max_queue_size=msg.max_queue_size,
+            default_timeout_us=msg.default_timeout_microseconds,
+            timeout_action=TimeoutAction.DELAY
+            if msg.timeout_action == pb.ModelQueuePolicy.DELAY
+            else TimeoutAction.REJECT,
+            allow_timeout_override=msg.allow_timeout_override,
+        )
+
+    def to_pytriton(self) -> Any:
+        """PyTriton's ``QueuePolicy``."""
+        from pytriton.model_config.common import QueuePolicy as PtQueuePolicy
+        from pytriton.model_config.common import TimeoutAction as PtTimeoutAction
+
+        return PtQueuePolicy(
+            timeout_action=PtTimeoutAction(self.timeout_action.value),
+            default_timeout_microseconds=self.default_timeout_us,
+            allow_timeout_override=self.allow_timeout_override,
+            max_queue_size=self.max_queue_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +161,21 @@ class BatchingPolicy:
                 f"default_priority_level must be in [1, {self.priority_levels}] when "
                 f"priority_levels is {self.priority_levels}, got {self.default_priority_level}"
             )
+        if self.preserve_ordering and self.priority_levels > 1:
+            raise ValueError(
+                f"preserve_ordering allows one priority level (as in Triton), got "
+                f"priority_levels {self.priority_levels}"
+            )
+        delayed = [
+            level
+            for level, q in {0: self.default_queue_policy, **self.priority_queue_policies}.items()
+            if q.timeout_action is TimeoutAction.DELAY
+        ]
+        if self.preserve_ordering and delayed:
+            raise ValueError(
+                "preserve_ordering cannot be combined with timeout_action DELAY (as in Triton); "
+                f"DELAY is set for queue level(s) {delayed} (0 = the default queue)"
+            )
         if not self.priority_levels and self.default_priority_level:
             raise ValueError("default_priority_level needs priority_levels > 0")
         bad = [k for k in self.priority_queue_policies if not 1 <= k <= self.priority_levels]
@@ -159,4 +229,150 @@ class BatchingPolicy:
         """Most rows one batch may hold: the largest preferred size, else max_batch_size."""
         if self.preferred_batch_sizes:
             return self.preferred_batch_sizes[-1]
+        return self.effective_max_batch_size(model_max_batch_size) or 1
+
+    # --- the policy's forms on every runtime -------------------------------------------
+
+    def effective_max_batch_size(self, model_max_batch_size: int) -> int:
+        """``max_batch_size`` with 0 resolved to the model's; a policy asking for more than
+        the model takes is an error naming both numbers. A model that does not batch (0)
+        stays at 0."""
+        if model_max_batch_size <= 0:
+            return 0
+        if self.max_batch_size > model_max_batch_size:
+            raise ValueError(
+                f"max_batch_size {self.max_batch_size} exceeds the model's {model_max_batch_size}"
+            )
         return self.max_batch_size or model_max_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[batching]`` table of a config file (``from_dict``'s inverse); defaults
+        are written too, so a rendered file says what is in force."""
+        data: dict[str, Any] = {
+            "max_batch_size": self.max_batch_size,
+            "preferred_batch_sizes": list(self.preferred_batch_sizes),
+            "max_queue_delay_us": self.max_queue_delay_us,
+            "preserve_ordering": self.preserve_ordering,
+            "priority_levels": self.priority_levels,
+            "default_priority_level": self.default_priority_level,
+            "queue": self.default_queue_policy.to_dict(),
+        }
+        if self.priority_queue_policies:
+            data["priority_queues"] = {
+                str(level): q.to_dict() for level, q in self.priority_queue_policies.items()
+            }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "batching") -> BatchingPolicy:
+        """A policy from a ``[batching]`` table: the fields above, ``queue`` (the default
+        ``QueuePolicy``) and ``priority_queues`` (level -> ``QueuePolicy`` table).
+
+        Raises:
+            ValueError: an unknown key (named with its section) or a bad value.
+        """
+        scalars = {
+            "max_batch_size",
+            "preferred_batch_sizes",
+            "max_queue_delay_us",
+            "preserve_ordering",
+            "priority_levels",
+            "default_priority_level",
+        }
+        check_keys(section, data, scalars | {"queue", "priority_queues"})
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in scalars}
+        if "preferred_batch_sizes" in kwargs:
+            kwargs["preferred_batch_sizes"] = tuple(kwargs["preferred_batch_sizes"])
+        levels = data.get("priority_queues", {})
+        if not isinstance(levels, Mapping):
+            raise ValueError(f"[{section}.priority_queues]: expected a table, got {levels!r}")
+        return cls(
+            **kwargs,
+            default_queue_policy=QueuePolicy.from_dict(data.get("queue", {}), f"{section}.queue"),
+            priority_queue_policies={
+                _level(section, k): QueuePolicy.from_dict(v, f"{section}.priority_queues.{k}")
+                for k, v in levels.items()
+            },
+        )
+
+    def to_triton(self, config: Any, model_max_batch_size: int) -> None:
+        """Write ``max_batch_size`` and ``dynamic_batching`` into a ``model_config.proto``
+        ``ModelConfig`` message (Triton's config.pbtxt) for a model taking up to
+        ``model_max_batch_size`` rows (0 = no batching: no batcher is written)."""
+        config.max_batch_size = self.effective_max_batch_size(model_max_batch_size)
+        if not config.max_batch_size:
+            return
+        db = config.dynamic_batching
+        db.SetInParent()
+        db.preferred_batch_size.extend(self.preferred_batch_sizes)
+        db.max_queue_delay_microseconds = self.max_queue_delay_us
+        db.preserve_ordering = self.preserve_ordering
+        db.priority_levels = self.priority_levels
+        db.default_priority_level = self.default_priority_level
+        if self.default_queue_policy != QueuePolicy():
+            self.default_queue_policy.to_triton(db.default_queue_policy)
+        for level, q in self.priority_queue_policies.items():
+            q.to_triton(db.priority_queue_policy[level])
+
+    @classmethod
+    def from_triton(cls, config: Any) -> BatchingPolicy:
+        """The policy a ``ModelConfig`` message describes (``to_triton``'s way back).
+
+        Triton fills an unset ``preferred_batch_size`` with ``[max_batch_size]`` in the
+        configuration it serves, which batches the same as none: read back as none."""
+        db = config.dynamic_batching
+        preferred = tuple(db.preferred_batch_size)
+        if preferred == (config.max_batch_size,):
+            preferred = ()
+        return cls(
+            max_batch_size=config.max_batch_size,
+            preferred_batch_sizes=preferred,
+            max_queue_delay_us=db.max_queue_delay_microseconds,
+            preserve_ordering=db.preserve_ordering,
+            priority_levels=db.priority_levels,
+            default_priority_level=db.default_priority_level,
+            default_queue_policy=QueuePolicy.from_triton(db.default_queue_policy),
+            priority_queue_policies={
+                int(k): QueuePolicy.from_triton(v) for k, v in db.priority_queue_policy.items()
+            },
+        )
+
+    def to_pytriton(self, model_max_batch_size: int) -> Any:
+        """PyTriton's ``ModelConfig`` (batching on when the model batches, this policy's
+        knobs as its ``DynamicBatcher``, Triton's field names)."""
+        from pytriton.model_config import DynamicBatcher, ModelConfig
+
+        max_batch = self.effective_max_batch_size(model_max_batch_size)
+        if not max_batch:
+            return ModelConfig(batching=False)
+        batcher = DynamicBatcher(
+            max_queue_delay_microseconds=self.max_queue_delay_us,
+            preferred_batch_size=list(self.preferred_batch_sizes) or None,
+            preserve_ordering=self.preserve_ordering,
+            priority_levels=self.priority_levels,
+            default_priority_level=self.default_priority_level,
+            default_queue_policy=self.default_queue_policy.to_pytriton(),
+            priority_queue_policy={
+                k: v.to_pytriton() for k, v in self.priority_queue_policies.items()
+            }
+            or None,
+        )
+        return ModelConfig(batching=True, max_batch_size=max_batch, batcher=batcher)
+
+
+def _level(section: str, key: Any) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"[{section}.priority_queues]: levels are integers, got {key!r}") from None
+
+
+def check_keys(section: str, data: Any, allowed: set[str]) -> None:
+    """Raise ``ValueError`` naming the section, any unknown keys and the known ones."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"[{section}]: expected a table, got {data!r}")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown} in [{section}]; expected some of {sorted(allowed)}"
+        )

@@ -1,27 +1,26 @@
 """``servekit compare``: every runtime in turn, same model, same policy, same load, one report.
 
 Each runtime is a context manager that starts it on loopback and yields a factory of
-load-generator targets (made inside the measuring event loop) for the image model (JPEG in, top-5 out): the in-process Pipeline, servekit's
-Batcher in front of it, PyTriton (``servekit serve``), the Triton ensemble
-(``servekit triton`` with the servekit backend), and Ray Serve when servekit has an app
-for it. Runtimes that cannot run here are skipped and named with the reason.
+load-generator targets (made inside the measuring event loop) for the image model (JPEG in,
+top-5 out): the in-process Pipeline, servekit's Batcher in front of it, and every runtime
+of ``servekit serve`` built from one ``ServeConfig``. Runtimes that cannot run here are
+skipped and named with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..batching import Batcher, BatchingPolicy
+from ..batching import Batcher
+from ..config import ModelConfig, RayOptions, ServeConfig, ServerConfig, image_model_name
 from ..stages import synthetic_image
-from ..triton.env import free_port
 from .loadgen import MeasureConfig, Point, sweep
 from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
@@ -31,10 +30,8 @@ __all__ = ["RUNTIMES", "ComparisonResult", "compare", "markdown_report"]
 
 @dataclass(frozen=True)
 class Setup:
-    model_path: Path
-    policy: BatchingPolicy
-    instances: int
-    threads: int | None
+    model: ModelConfig
+    """The model (file, policy, instances, threads) every runtime serves."""
     payload: dict[str, np.ndarray]
 
 
@@ -43,7 +40,7 @@ def _raw(setup: Setup) -> Iterator[Any]:
     from ..pipeline import image_classifier
     from ..runners.onnx import OnnxRuntimeRunner
 
-    clf = image_classifier(OnnxRuntimeRunner(setup.model_path))
+    clf = image_classifier(OnnxRuntimeRunner(setup.model.source))
     try:
         yield lambda: RunnerTarget(clf, setup.payload, threads=16, name="raw")
     finally:
@@ -53,10 +50,11 @@ def _raw(setup: Setup) -> Iterator[Any]:
 @contextlib.contextmanager
 def _batcher(setup: Setup) -> Iterator[Any]:
     from ..pipeline import image_classifier
-    from ..runners.onnx import OnnxRuntimeRunner
+    from ..runtime.base import load_model_runner
 
-    clf = image_classifier(OnnxRuntimeRunner(setup.model_path, intra_op_threads=setup.threads))
-    batcher = Batcher(clf, setup.policy, instance_count=setup.instances, name="resnet50_image")
+    m = setup.model
+    clf = image_classifier(load_model_runner(m))
+    batcher = Batcher(clf, m.batching, instance_count=m.instances, name=image_model_name(m.name))
     try:
         yield lambda: BatcherTarget(batcher, setup.payload)
     finally:
@@ -64,73 +62,30 @@ def _batcher(setup: Setup) -> Iterator[Any]:
         clf.close()
 
 
-@contextlib.contextmanager
-def _pytriton(setup: Setup) -> Iterator[Any]:
-    from ..triton import ServerConfig, TritonServer, default_models
+def _served(runtime: str) -> Callable[[Setup], Any]:
+    """A runtime started by ``create_runtime`` from the same ``ServeConfig`` on loopback;
+    the targets speak gRPC where the runtime has it, HTTP otherwise."""
 
-    config = ServerConfig.on_loopback(
-        exit_timeout_s=2,
-    )
-    models = default_models(
-        setup.model_path,
-        name="resnet50",
-        policy=setup.policy,
-        instance_count=setup.instances,
-        intra_op_threads=setup.threads,
-    )
-    with TritonServer(models, config):
-        yield lambda: open_target(config.grpc_url, "resnet50_image", setup.payload)
+    @contextlib.contextmanager
+    def served(setup: Setup) -> Iterator[Any]:
+        from ..runtime import create_runtime
 
+        config = ServeConfig(
+            (setup.model,),
+            ServerConfig(exit_timeout_s=2),
+            runtime=runtime,
+            ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
+        ).on_loopback()
+        server = create_runtime(config)
+        server.start()
+        try:
+            url = config.server.http_url if runtime in ("ray", "native") else config.server.grpc_url
+            image = image_model_name(setup.model.name)
+            yield lambda: open_target(url, image, setup.payload)
+        finally:
+            server.stop()
 
-@contextlib.contextmanager
-def _ensemble(setup: Setup) -> Iterator[Any]:
-    from ..triton.launcher import TritonOptions, TritonProcess
-    from ..triton.repo import build_repository, reference_repository
-
-    with tempfile.TemporaryDirectory(prefix="servekit-compare-") as tmp:
-        repo = Path(tmp) / "repo"
-        models = [
-            replace(m, weights=setup.model_path) if m.weights else m
-            for m in reference_repository(
-                policy=setup.policy, instances=setup.instances, threads=setup.threads
-            )
-        ]
-        build_repository(repo, models)
-        options = TritonOptions.on_loopback(
-            model_repository=repo,
-            exit_timeout_s=2,
-        )
-        with TritonProcess(options) as process:
-            process.wait_ready([m.name for m in models])
-            yield lambda: open_target(options.grpc_url, "resnet50_ensemble", setup.payload)
-
-
-@contextlib.contextmanager
-def _ray(setup: Setup) -> Iterator[Any]:
-    import ray
-    from ray import serve
-
-    from ..ray import build_app, policy_to_dict
-
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {
-                "model": str(setup.model_path),
-                "name": "resnet50",
-                "batching": policy_to_dict(setup.policy),
-                "model_replicas": setup.instances,
-                "model_cpus": 0.5,
-                "threads": setup.threads,
-            }
-        )
-        serve.run(app, name="servekit", route_prefix="/")
-        yield lambda: open_target(f"http://127.0.0.1:{port}", "resnet50_image", setup.payload)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    return served
 
 
 def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
@@ -173,12 +128,15 @@ def _needs(module: str, extra: str) -> Callable[[Callable[[Setup], Any]], Callab
 RUNTIMES: dict[str, Callable[[Setup], Any]] = {
     "raw": _raw,
     "batcher": _batcher,
-    "pytriton": _needs("pytriton", "triton")(_pytriton),
-    "ensemble": _needs("pytriton", "triton")(_ensemble),
-    "ray": _needs("ray", "ray")(_ray),
+    "native": _needs("uvicorn", "http")(_served("native")),
+    "pytriton": _needs("pytriton", "triton")(_served("pytriton")),
+    "triton": _needs("pytriton", "triton")(_served("triton")),
+    "ray": _needs("ray", "ray")(_served("ray")),
 }
 """Runtime name -> context manager yielding a target factory. ``raw`` is the in-process
-Pipeline called one image per request from concurrent threads (no batching, no server)."""
+Pipeline called one image per request from concurrent threads (no batching, no server);
+``batcher`` servekit's Batcher in front of it, in-process; the others are ``servekit serve
+--runtime NAME`` (``triton``: the repository's ensemble on the servekit backend)."""
 
 
 @dataclass
@@ -204,26 +162,23 @@ class ComparisonResult:
 
 
 def compare(
-    model_path: Path,
+    model: ModelConfig,
     runtimes: Sequence[str],
     levels: Sequence[float],
     cfg: MeasureConfig,
     *,
-    policy: BatchingPolicy | None = None,
-    instances: int = 1,
-    threads: int | None = None,
     on_event: Callable[[str], None] = lambda _: None,
     ceiling_seconds: float = 0.0,
 ) -> ComparisonResult:
-    """Run the same closed-loop sweep against each runtime in turn; with ``ceiling_seconds``,
-    first measure the in-process Pipeline's best batched throughput as the raw ceiling."""
+    """Run the same closed-loop sweep against each runtime in turn, each serving ``model``
+    (an image classifier: its image model takes the load); with ``ceiling_seconds``, first
+    measure the in-process Pipeline's best batched throughput as the raw ceiling."""
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
     payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
-    setup = Setup(
-        Path(model_path), policy or BatchingPolicy(max_batch_size=8), instances, threads, payload
-    )
+    setup = Setup(model, payload)
+    model_path = Path(model.source)
     result = ComparisonResult({}, {})
     if ceiling_seconds > 0:
         on_event("measuring the raw ceiling (in-process Pipeline, batch 1/8/16)")

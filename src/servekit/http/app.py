@@ -9,7 +9,6 @@ bad requests are 400 naming the tensor, unknown models 404, a full queue 503 wit
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -17,7 +16,6 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..batching import Batcher
 from ..errors import (
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
@@ -30,6 +28,7 @@ from ..errors import (
 )
 from ..metrics import CONTENT_TYPE, Metrics
 from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata
+from .models import FrontModel, ModelRegistry, as_registry
 
 __all__ = ["KServeApp", "serve_http"]
 
@@ -44,12 +43,12 @@ class KServeApp:
     """ASGI app: ``/v2/health/{live,ready}``, ``/v2``, ``/v2/models/{name}[/versions/{v}][/ready|/infer]``.
 
     ``GET /metrics`` is the Prometheus exposition (Triton's ``nv_inference_*`` names) for
-    every model that is a Batcher or holds one in ``.batcher``.
+    every model with a Batcher behind it.
 
     Args:
-        models: name -> Runner (run on a worker thread) or Batcher (awaited); or a registry
-            whose ``async lookup(name)`` finds models as they come and go, and whose
-            ``async is_ready(name, version)`` answers readiness (``triton.front.TritonModels``).
+        models: name -> Runner (run on a worker thread), Batcher (awaited) or ``FrontModel``;
+            or a ``ModelRegistry`` that finds models as they come and go and answers their
+            readiness (``http.front.TritonModels``). See ``servekit.http.models``.
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
@@ -60,22 +59,21 @@ class KServeApp:
 
     def __init__(
         self,
-        models: Mapping[str, Any],
+        models: Mapping[str, Any] | ModelRegistry,
         *,
         max_body_bytes: int = 64 * 1024 * 1024,
         ready: Callable[[], bool] | None = None,
         metrics: Metrics | None = None,
         inference_token: str | None = None,
     ) -> None:
-        self.models = models if hasattr(models, "lookup") else dict(models)
+        self.models = as_registry(models)
         self._token = inference_token.encode() if inference_token else None
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
-        for name, model in self.models.items():
-            batcher = model if isinstance(model, Batcher) else getattr(model, "batcher", None)
-            if isinstance(batcher, Batcher) and (name, "1") not in self.metrics.models:
-                self.metrics.watch(batcher, name)
+        for name, model in self.models.loaded().items():
+            if model.batcher is not None and (name, "1") not in self.metrics.models:
+                self.metrics.watch(model.batcher, name)
 
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
@@ -121,14 +119,6 @@ class KServeApp:
             headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
         return status, body, headers
 
-    async def _model(self, name: str) -> Any:
-        lookup = getattr(self.models, "lookup", None)
-        if lookup is not None:
-            return await lookup(name)
-        if name not in self.models:
-            raise ModelNotFound(f"unknown model {name!r}; serving {sorted(self.models)}")
-        return self.models[name]
-
     async def _route(
         self, scope: dict[str, Any], receive: Callable[..., Any]
     ) -> tuple[int, bytes, dict[str, str]]:
@@ -144,22 +134,19 @@ class KServeApp:
         m = _MODEL.match(path)
         if m is None:
             return self._json(404, {"error": f"no route {method} {scope['path']}"})
-        model = await self._model(m["name"])
-        versioned = getattr(model, "versioned", False)  # versions are the runtime's to check
-        if m["version"] not in (None, "1") and not versioned:
+        model = await self.models.lookup(m["name"])
+        if m["version"] not in (None, "1") and not model.versioned:
             raise ModelNotFound(
                 f"model {m['name']!r} has no version {m['version']!r}; it has ['1']"
             )
         if m["rest"] is None and method == "GET":
             return self._json(200, metadata(m["name"], model.spec))
         if m["rest"] == "/ready" and method == "GET":
-            ready = self._ready()
-            if ready and hasattr(self.models, "is_ready"):
-                ready = await self.models.is_ready(m["name"], m["version"])
+            ready = self._ready() and await self.models.is_ready(m["name"], m["version"])
             return (200 if ready else 503), b"", {}
         if m["rest"] == "/infer" and method == "POST":
             self._authenticate(scope)
-            version = {"version": m["version"]} if versioned and m["version"] else {}
+            version = m["version"] if model.versioned and m["version"] else ""
             return await self._infer(m["name"], model, scope, receive, version)
         return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
 
@@ -192,10 +179,10 @@ class KServeApp:
     async def _infer(
         self,
         name: str,
-        model: Any,
+        model: FrontModel,
         scope: dict[str, Any],
         receive: Callable[..., Any],
-        version: Mapping[str, str],
+        version: str,
     ) -> tuple[int, bytes, dict[str, str]]:
         try:
             body = await self._read_body(scope, receive)
@@ -212,20 +199,9 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
-        scheduling: dict[str, Any] = {**_scheduling(request.parameters), **version}
-        scheduled = (
-            isinstance(model, Batcher)
-            or isinstance(getattr(model, "batcher", None), Batcher)
-            or getattr(model, "accepts_scheduling", False)
+        outputs = await model.infer(
+            request.inputs, **_scheduling(request.parameters), version=version
         )
-        if scheduling and scheduled:
-            outputs = await model.infer(request.inputs, **scheduling)
-        elif asyncio.iscoroutinefunction(model.infer):
-            outputs = await model.infer(request.inputs)
-        else:
-            outputs = await asyncio.get_running_loop().run_in_executor(
-                None, model.infer, request.inputs
-            )
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers
 

@@ -1,5 +1,5 @@
-"""servekit on Ray Serve (``build_app``); needs the ``ray`` extra."""
+"""The ``ray`` runtime: servekit on Ray Serve (``app``) and offline batch inference on Ray Data (``batch``)."""
 
-from .app import build_app, policy_to_dict
+from .app import build_app, ray_config
 
-__all__ = ["build_app", "policy_to_dict"]
+__all__ = ["build_app", "ray_config"]

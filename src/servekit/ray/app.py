@@ -9,57 +9,27 @@ per deployment so requests reach the Batcher together instead of one at a time.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from ..batching import Batcher, BatchingPolicy
-from ..config import policy_from_dict
+from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
+from ..runtime.base import probe_model
 from ..spec import ModelSpec
 
-__all__ = ["APP_ARGS", "build_app", "policy_to_dict"]
+__all__ = ["APP_NAME", "build_app", "ray_config"]
 
-APP_ARGS = frozenset(
-    {
-        "model",
-        "name",
-        "batching",
-        "threads",
-        "top_k",
-        "model_replicas",
-        "stage_replicas",
-        "model_cpus",
-        "stage_cpus",
-        "max_ongoing_requests",
-        "autoscaling",
-        "ingress_batches",
-    }
-)
-"""What ``build_app`` reads from its args (a config's ``args:``); anything else is a typo."""
-
-
-def policy_to_dict(policy: BatchingPolicy) -> dict[str, Any]:
-    """A policy as the ``[batching]`` table ``policy_from_dict`` reads (for Ray's config args)."""
-    data = {
-        k: v
-        for k, v in dataclasses.asdict(policy).items()
-        if k not in ("default_queue_policy", "priority_queue_policies")
-    }
-    data["preferred_batch_sizes"] = list(policy.preferred_batch_sizes)
-    queue = dataclasses.asdict(policy.default_queue_policy)
-    queue["timeout_action"] = policy.default_queue_policy.timeout_action.value
-    data["queue"] = queue
-    return data
+APP_NAME = "servekit"
 
 
 class _Batched:
     """A Runner behind a Batcher inside one replica; errors travel back as themselves."""
 
-    def __init__(self, runner: Any, policy: Mapping[str, Any], name: str) -> None:
+    def __init__(self, runner: Any, policy: BatchingPolicy, name: str) -> None:
         self.runner = runner
-        self.batcher = Batcher(runner, policy_from_dict(policy), name=name)
+        self.batcher = Batcher(runner, policy, name=name)
 
     async def __call__(
         self, inputs: dict[str, Any] | ServekitError
@@ -74,6 +44,11 @@ class _Batched:
     def spec(self) -> ModelSpec:
         return self.runner.spec
 
+    def settings(self) -> dict[str, Any]:
+        """What this replica runs with, read back: the Batcher's policy, the runner's threads."""
+        runner = getattr(self.runner, "runner", self.runner)
+        return {"policy": self.batcher.policy, "threads": getattr(runner, "threads", None)}
+
     def where(self) -> dict[str, Any]:
         """This replica's node and batch counts (which replica did the work, and how much)."""
         import ray
@@ -87,7 +62,7 @@ class _Batched:
 
 
 class _Remote:
-    """What ``KServeApp`` needs (``spec``, ``async infer``) over a chain of deployment handles.
+    """A ``FrontModel`` (``servekit.http.models``) over a chain of deployment handles.
 
     Requests are batched here too, so one handle call carries a whole batch down the
     chain: per-request handle calls cost more CPU than the model on a small machine.
@@ -102,7 +77,8 @@ class _Remote:
         in_flight: int,
     ) -> None:
         self.spec, self.handles = spec, handles
-        self.batcher = Batcher(
+        self.versioned = False
+        self.batcher: Batcher | None = Batcher(
             self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
         )
 
@@ -116,87 +92,72 @@ class _Remote:
             raise value
         return value  # type: ignore[no-any-return]
 
-    async def infer(self, inputs: dict[str, Any], **scheduling: Any) -> dict[str, Any]:
-        return await self.batcher.infer(inputs, **scheduling)
+    async def infer(
+        self,
+        inputs: dict[str, Any],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, Any]:
+        assert self.batcher is not None
+        return await self.batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
 
 
-def build_app(args: Mapping[str, Any] | None = None) -> Any:
+def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConfig:
+    """The ``ServeConfig`` a Ray app's ``args`` (a config file's tables) describe, checked
+    for the ``ray`` runtime."""
+    if isinstance(args, ServeConfig):
+        config = args
+    else:
+        config = ServeConfig.from_dict({k: v for k, v in (args or {}).items() if k != "runtime"})
+    return config.replace(runtime="ray").check()
+
+
+def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     """The Ray Serve application (``serve run servekit.ray.app:build_app``, or the YAML config).
 
-    ``args``: ``model`` (zoo name or ONNX path, default ``resnet50``), ``name`` (served name),
-    ``batching`` (a ``[batching]`` table), ``threads``, ``top_k``, ``model_replicas``,
-    ``stage_replicas``, ``model_cpus``, ``stage_cpus``, ``max_ongoing_requests``, ``autoscaling``
-    (Ray's ``autoscaling_config`` for the model deployment), ``ingress_batches`` (batches
-    the ingress keeps in flight; default two per model replica, plus one).
+    ``args`` are a ``ServeConfig``'s tables (``models``, or one model's keys at the top
+    level; ``server`` for the token and body limit; ``ray`` for the deployments). Each
+    model is a deployment of ``instances`` replicas running its runner behind a Batcher
+    with its own policy; an image classifier also gets preprocess and postprocess
+    deployments for ``<name>_image``. Every model loads on the driver first, so a file that
+    does not load fails here, before the cluster is touched.
     """
     from ray import serve
 
-    args = dict(args or {})
-    unknown = sorted(set(args) - APP_ARGS)
-    if unknown:
-        raise ValueError(f"build_app: unknown args {unknown}; known: {sorted(APP_ARGS)}")
-    model = str(args.get("model", "resnet50"))
-    name = str(
-        args.get(
-            "name", model if "/" not in model else model.rsplit("/", 1)[-1].removesuffix(".onnx")
-        )
-    )
-    batching = dict(args.get("batching", {"max_batch_size": 8, "max_queue_delay_us": 2000}))
-    policy = policy_from_dict(batching)
-    ongoing = int(args.get("max_ongoing_requests", max(4 * policy.max_batch_size, 16)))
-    stage_cpus = float(args.get("stage_cpus", 0.25))
-    top_k = int(args.get("top_k", 5))
-    threads = args.get("threads")
+    config = ray_config(args)
+    ray = config.ray
 
-    @serve.deployment(max_ongoing_requests=ongoing)
+    @serve.deployment
     class Model(_Batched):
-        def __init__(self) -> None:
-            from .. import zoo
-            from ..runners.onnx import OnnxRuntimeRunner
+        def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
+            from ..runtime.base import load_model_runner
 
-            path = zoo.resolve(model)
-            runner = OnnxRuntimeRunner(
-                path,
-                intra_op_threads=int(threads) if threads else None,
-                max_batch_size=policy.max_batch_size,
-            )
+            runner = load_model_runner(model, cache_dir)
             runner.warmup()
-            super().__init__(runner, batching, name)
+            super().__init__(runner, model.batching, model.name)
 
-    @serve.deployment(max_ongoing_requests=ongoing)
-    class Preprocess(_Batched):
-        def __init__(self, crop: int, resize: int) -> None:
-            from ..stages import Preprocess as Stage
+    @serve.deployment
+    class Stage(_Batched):
+        def __init__(self, model: ModelConfig, spec: ModelSpec, meta: dict, which: int) -> None:
+            from ..pipeline import image_stages
 
-            super().__init__(
-                Stage(crop=crop, resize=resize, max_batch_size=policy.max_batch_size, workers=1),
-                batching,
-                "preprocess",
-            )
+            stage = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)[which]
+            super().__init__(stage, model.batching, f"{model.name}-{('pre', 'post')[which]}")
 
-    @serve.deployment(max_ongoing_requests=ongoing)
-    class Postprocess(_Batched):
-        def __init__(self, num_classes: int) -> None:
-            from ..stages import Postprocess as Stage
-
-            super().__init__(
-                Stage(num_classes=num_classes, top_k=top_k, max_batch_size=policy.max_batch_size),
-                batching,
-                "postprocess",
-            )
-
-    @serve.deployment(max_ongoing_requests=4 * ongoing)
+    @serve.deployment
     class Ingress:
-        """KServe v2 over HTTP: ``<name>`` (tensors) and ``<name>_image`` (encoded images)."""
+        """KServe v2 over HTTP for every model (and every ``<name>_image``)."""
 
-        def __init__(self, pre: Any, net: Any, post: Any, specs: Mapping[str, ModelSpec]) -> None:
+        def __init__(self, chains: Mapping[str, tuple[ModelSpec, tuple[Any, ...], Any]]) -> None:
             self.app = KServeApp(
                 {
-                    name: _Remote(name, specs["model"], (net,), policy, in_flight),
-                    f"{name}_image": _Remote(
-                        f"{name}_image", specs["image"], (pre, net, post), policy, in_flight
-                    ),
-                }
+                    name: _Remote(name, spec, handles, policy, in_flight)
+                    for name, (spec, handles, (policy, in_flight)) in chains.items()
+                },
+                max_body_bytes=config.server.max_body_bytes,
+                inference_token=config.server.inference_token,
             )
 
         async def __call__(self, request: Any) -> Any:
@@ -217,49 +178,47 @@ def build_app(args: Mapping[str, Any] | None = None) -> Any:
                 },
             )
 
-    specs = _specs(model, top_k)
-    replicas = int(args.get("model_replicas", 1))
-    if args.get("autoscaling"):
-        replicas = int(args["autoscaling"].get("max_replicas", replicas))
-    # Batches in flight from the ingress: enough to keep every model replica and stage busy.
-    in_flight = int(args.get("ingress_batches", 2 * replicas + 1))
-    crop = specs["model"].inputs[0].shape[1]
-    model_options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": float(args.get("model_cpus", 1.0))}
-    }
-    if args.get("autoscaling"):
-        model_options["autoscaling_config"] = dict(args["autoscaling"])
-    else:
-        model_options["num_replicas"] = replicas
-    stage_options = {
-        "num_replicas": int(args.get("stage_replicas", 1)),
-        "ray_actor_options": {"num_cpus": stage_cpus},
-    }
-    pre = Preprocess.options(**stage_options).bind(crop, round(crop * 256 / 224))  # type: ignore[attr-defined]
-    net = Model.options(**model_options).bind()  # type: ignore[attr-defined]
-    post = Postprocess.options(**stage_options).bind(specs["model"].outputs[0].shape[0])  # type: ignore[attr-defined]
-    return Ingress.options(ray_actor_options={"num_cpus": stage_cpus}).bind(pre, net, post, specs)  # type: ignore[attr-defined]
-
-
-def _specs(model: str, top_k: int) -> dict[str, ModelSpec]:
-    """The served signatures, from the same core objects the replicas build (on the driver)."""
-    from .. import zoo
-    from ..pipeline import image_classifier, is_image_classifier
-    from ..runners.onnx import OnnxRuntimeRunner
-
-    path = zoo.resolve(model)
-    try:  # a redeploy whose model does not load fails here, before the cluster is touched
-        runner = OnnxRuntimeRunner(path, intra_op_threads=1)
-    except Exception as exc:
-        raise ValueError(f"{model}: cannot load: {type(exc).__name__}: {exc}") from None
-    try:
-        if not is_image_classifier(runner.spec):
-            raise ValueError(
-                f"{model}: the Ray app serves image classifiers (one NCHW input, one logits output)"
+    chains: dict[str, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
+    busiest = 16
+    for model in config.models:
+        probe = probe_model(model, config.cache_dir)
+        spec, image_spec, meta = probe.spec, probe.image_spec, probe.metadata
+        max_batch = model.batching.effective_max_batch_size(spec.max_batch_size) or 1
+        ongoing = ray.max_ongoing_requests or max(4 * max_batch, 16)
+        busiest = max(busiest, ongoing)
+        replicas = model.instances
+        options: dict[str, Any] = {
+            "name": model.name,
+            "max_ongoing_requests": ongoing,
+            "ray_actor_options": {"num_cpus": ray.model_cpus},
+        }
+        if ray.autoscaling:
+            options["autoscaling_config"] = dict(ray.autoscaling)
+            replicas = int(ray.autoscaling.get("max_replicas", replicas))
+        else:
+            options["num_replicas"] = replicas
+        # Batches in flight from the ingress: enough to keep every model replica and stage busy.
+        in_flight = ray.ingress_batches or 2 * replicas + 1
+        net = Model.options(**options).bind(model, config.cache_dir)  # type: ignore[attr-defined]
+        chains[model.name] = (spec, (net,), (model.batching, in_flight))
+        if image_spec is None:
+            continue
+        stage_options = {
+            "max_ongoing_requests": ongoing,
+            "num_replicas": ray.stage_replicas,
+            "ray_actor_options": {"num_cpus": ray.stage_cpus},
+        }
+        pre, post = (
+            Stage.options(name=f"{model.name}_{kind}", **stage_options).bind(  # type: ignore[attr-defined]
+                model, spec, meta, which
             )
-        clf = image_classifier(runner, top_k=top_k)
-        specs = {"model": runner.spec, "image": clf.spec}
-        clf.steps[0].close()
-        return specs
-    finally:
-        runner.close()
+            for which, kind in enumerate(("preprocess", "postprocess"))
+        )
+        chains[image_model_name(model.name)] = (
+            image_spec,
+            (pre, net, post),
+            (model.batching, in_flight),
+        )
+    return Ingress.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=4 * busiest, ray_actor_options={"num_cpus": ray.stage_cpus}
+    ).bind(chains)

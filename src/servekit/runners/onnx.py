@@ -133,6 +133,8 @@ class OnnxRuntimeRunner(BaseRunner):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        self.threads = intra_op_threads
+        """Intra-op threads asked for (None: ONNX Runtime's default)."""
         if intra_op_threads is not None:
             options.intra_op_num_threads = intra_op_threads
         if inter_op_threads is not None:

@@ -71,6 +71,11 @@ class VersionedRunner:
         return self._spec
 
     @property
+    def metadata(self) -> dict[str, str]:
+        """The serving version's model metadata (labels and input scaling of zoo models)."""
+        return dict(getattr(self._current.runner, "metadata", None) or {})
+
+    @property
     def version(self) -> int:
         """The version new batches run on."""
         return self._current.number

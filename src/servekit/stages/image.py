@@ -132,6 +132,7 @@ class Preprocess(BaseRunner):
         if crop > resize:
             raise ValueError(f"crop ({crop}) must not exceed resize ({resize})")
         self.resize, self.crop, self.max_pixels = resize, crop, max_pixels
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
         self.input_name, self.output_name = input_name, output_name
         std_arr = np.asarray(std, dtype=np.float64)
         # (x/255 - mean) / std == x * a + b, with a and b computed once.

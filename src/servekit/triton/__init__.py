@@ -1,15 +1,6 @@
-"""servekit on Triton: the environment the Python backend stub needs, PyTriton serving."""
+"""The ``triton`` runtime: tritonserver (bundled with PyTriton) with servekit's Triton backend
+on a model repository rendered from a ``ServeConfig``; the environment its stub needs."""
 
 from .env import TritonSetupError, apply_triton_environment, triton_environment
-from .server import ServedModel, ServerConfig, TritonServer, default_models, serve
 
-__all__ = [
-    "ServedModel",
-    "ServerConfig",
-    "TritonServer",
-    "TritonSetupError",
-    "apply_triton_environment",
-    "default_models",
-    "serve",
-    "triton_environment",
-]
+__all__ = ["TritonSetupError", "apply_triton_environment", "triton_environment"]

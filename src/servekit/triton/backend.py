@@ -8,7 +8,7 @@ what runs:
   see ``servekit.runners.load_runner``) on ``model_file`` (default ``model.onnx``) from the
   version folder, with ``precision``, ``threads`` (ONNX Runtime), ``device`` and
   ``preferred_batch_sizes`` (the TensorRT profile's ``opt``, CUDA graph sizes);
-- ``kind: "preprocess"``: image bytes -> FP32 CHW (``resize``, ``crop``);
+- ``kind: "preprocess"``: image bytes -> FP32 CHW (``resize``, ``crop``, ``mean``, ``std``);
 - ``kind: "postprocess"``: logits -> top-k (``top_k``, ``labels_file`` in the version folder).
 
 The config's inputs and outputs must match what servekit builds; a mismatch, a missing
@@ -29,28 +29,12 @@ import numpy as np
 from ..batching.execute import run_requests
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner
-from ..spec import ModelSpec, TensorSpec
+from ..spec import ModelSpec, spec_from_config
 from .stub_metrics import FailureCounter
 
-__all__ = ["TritonPythonModel", "build_runner", "check_config", "spec_from_config"]
+__all__ = ["TritonPythonModel", "build_runner", "check_config"]
 
 KINDS = ("runner", "preprocess", "postprocess")
-
-
-def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
-    """The ``ModelSpec`` a (JSON) model config declares."""
-
-    def tensors(items: list[Mapping[str, Any]]) -> tuple[TensorSpec, ...]:
-        return tuple(
-            TensorSpec(t["name"], t["data_type"], [int(d) for d in t.get("dims", [])])
-            for t in items
-        )
-
-    return ModelSpec(
-        tensors(list(config.get("input", []))),
-        tensors(list(config.get("output", []))),
-        int(config.get("max_batch_size", 0)),
-    )
 
 
 def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_size: int) -> Runner:
@@ -64,11 +48,13 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
         raise ValueError(f"parameter kind must be one of {list(KINDS)}, got {kind!r}")
     mbs = max(max_batch_size, 1)
     if kind == "preprocess":
-        from ..stages import Preprocess
+        from ..stages import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 
         return Preprocess(
             resize=_int(parameters, "resize", 256),
             crop=_int(parameters, "crop", 224),
+            mean=_floats(parameters, "mean", IMAGENET_MEAN),
+            std=_floats(parameters, "std", IMAGENET_STD),
             max_batch_size=mbs,
             workers=_int(parameters, "workers", 1),
         )
@@ -120,6 +106,21 @@ def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"parameter {key}: expected an integer, got {value!r}") from None
+
+
+def _floats(
+    parameters: Mapping[str, str], key: str, default: tuple[float, ...]
+) -> tuple[float, ...]:
+    """Comma-separated floats, or a ``ValueError`` naming the parameter and its value."""
+    value = parameters.get(key)
+    if value in (None, ""):
+        return default
+    try:
+        return tuple(float(v) for v in str(value).split(","))
+    except ValueError:
+        raise ValueError(
+            f"parameter {key}: expected comma-separated numbers, got {value!r}"
+        ) from None
 
 
 def check_config(name: str, built: ModelSpec, declared: ModelSpec) -> None:

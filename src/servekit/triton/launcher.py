@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,7 @@ class TritonProcess:
         return self
 
     def _start_front(self) -> None:
-        from .front import Front, TritonModels
+        from ..http.front import Front, TritonModels
 
         o = self.options
         registry = TritonModels(
@@ -240,13 +240,13 @@ class TritonProcess:
             else ""
         )
 
-    def stop(self) -> int | None:
+    def stop(self) -> None:
         """Stop the front, then tritonserver: SIGTERM (Triton drains for ``exit_timeout_s``),
         then SIGKILL if it lingers."""
         if self._front is not None:
             self._front.stop()
             self._front = None
-        return self._stop_server()
+        self._stop_server()
 
     def _stop_server(self) -> int | None:
         code = None
@@ -261,51 +261,33 @@ class TritonProcess:
             code = self._proc.returncode
             self._proc = None
         if self._workdir is not None:
-            from .server import kill_leftovers
+            from ..runtime.processes import kill_leftovers
 
             kill_leftovers(str(self._workdir))
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
         return code
 
-    def wait(
-        self, max_restarts: int = 0, on_restart: Callable[[int, str], None] | None = None
-    ) -> int:
-        """Block until tritonserver exits (what ``servekit triton`` does); SIGINT/SIGTERM stop it.
+    def problem(self) -> str | None:
+        """Why tritonserver is not serving (it died: a crash, a kill), or None."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        return f"tritonserver {_exit_reason(self._proc.returncode)}; log ended:\n{self.log_tail(5)}"
 
-        A tritonserver that dies on its own (a crash, a kill) is started again on the same
-        ports, up to ``max_restarts`` times; ``on_restart(count, why)`` reports each one.
-        Returns the exit code of the last tritonserver (0 after a requested stop).
-        """
-        assert self._proc is not None
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: self.stop())
-        try:
-            while self._proc is not None:
-                code = self._proc.poll()
-                if code is None:
-                    time.sleep(0.2)
-                    continue
-                if self.restarts >= max_restarts:
-                    return code
-                why = _exit_reason(code)
-                tail = self.log_tail(5)
-                self._stop_server()  # the front stays up, answering 503 until Triton is back
-                self.restarts += 1
-                if on_restart is not None:
-                    on_restart(self.restarts, f"{why}; log ended:\n{tail}")
-                try:
-                    self.start()
-                except TritonSetupError:
-                    if self._proc is None:  # a SIGTERM/SIGINT stopped it while it started
-                        return 0
-                    raise
-            return 0
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.stop()
+    def restart(self) -> None:
+        """Start tritonserver again on the same ports; the front stays up meanwhile,
+        answering 503 until Triton is back."""
+        self._stop_server()
+        self.restarts += 1
+        self.start()
+
+    def reload(self) -> list[str]:
+        """tritonserver reloads from its repository: ``--model-control-mode poll`` picks up
+        new version folders, ``explicit`` loads on request."""
+        raise ValueError(
+            "tritonserver reloads models from its repository (model control mode "
+            f"{self.options.model_control_mode!r}); use poll or explicit mode for live updates"
+        )
 
     def __enter__(self) -> TritonProcess:
         return self.start()

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching.policy import BatchingPolicy, QueuePolicy, TimeoutAction
+from ..batching.policy import BatchingPolicy
 from ..spec import ModelSpec, TensorSpec
 
 __all__ = ["EnsembleStep", "ensemble_config", "model_config", "parse", "render", "version_policy"]
@@ -44,18 +44,6 @@ def _tensors(target: Any, tensors: Sequence[TensorSpec]) -> None:
         msg.dims.extend(t.shape)
 
 
-def _queue_policy(msg: Any, q: QueuePolicy) -> None:
-    pb = _pb()
-    msg.timeout_action = (
-        pb.ModelQueuePolicy.DELAY
-        if q.timeout_action is TimeoutAction.DELAY
-        else pb.ModelQueuePolicy.REJECT
-    )
-    msg.default_timeout_microseconds = q.default_timeout_us
-    msg.allow_timeout_override = q.allow_timeout_override
-    msg.max_queue_size = q.max_queue_size
-
-
 def version_policy(spec: str) -> Any:
     """``"latest:N"``, ``"all"`` or ``"specific:1,3"`` as a ``ModelVersionPolicy``."""
     pb = _pb()
@@ -82,25 +70,14 @@ def model_config(
     parameters: Mapping[str, str] | None = None,
     versions: str | None = None,
 ) -> Any:
-    """A ``ModelConfig`` for one model served by ``backend`` on CPU instances."""
+    """A ``ModelConfig`` for one model served by ``backend`` on CPU instances, batched by
+    ``policy`` (``BatchingPolicy.to_triton``; None = the default policy)."""
     pb = _pb()
     config = pb.ModelConfig(name=name, backend=backend)
-    max_batch = (policy.max_batch_size if policy else 0) or spec.max_batch_size
-    config.max_batch_size = max_batch if spec.batched else 0
+    (policy or BatchingPolicy()).to_triton(config, spec.max_batch_size)
     _tensors(config.input, spec.inputs)
     _tensors(config.output, spec.outputs)
     config.instance_group.add(count=instance_count, kind=pb.ModelInstanceGroup.KIND_CPU)
-    if spec.batched and policy is not None:
-        db = config.dynamic_batching
-        db.preferred_batch_size.extend(policy.preferred_batch_sizes)
-        db.max_queue_delay_microseconds = policy.max_queue_delay_us
-        db.preserve_ordering = policy.preserve_ordering
-        db.priority_levels = policy.priority_levels
-        db.default_priority_level = policy.default_priority_level
-        if policy.default_queue_policy != QueuePolicy():
-            _queue_policy(db.default_queue_policy, policy.default_queue_policy)
-        for level, q in policy.priority_queue_policies.items():
-            _queue_policy(db.priority_queue_policy[level], q)
     for key, value in (parameters or {}).items():
         config.parameters[key].string_value = str(value)
     if versions:
@@ -141,30 +118,3 @@ def parse(text: str) -> Any:
     from google.protobuf import text_format
 
     return text_format.Parse(text, _pb().ModelConfig())
-
-
-def batching_policy(config: Any) -> BatchingPolicy:
-    """The ``BatchingPolicy`` a parsed config describes (the round trip's way back)."""
-    pb = _pb()
-    db = config.dynamic_batching
-
-    def queue(msg: Any) -> QueuePolicy:
-        return QueuePolicy(
-            max_queue_size=msg.max_queue_size,
-            default_timeout_us=msg.default_timeout_microseconds,
-            timeout_action=TimeoutAction.DELAY
-            if msg.timeout_action == pb.ModelQueuePolicy.DELAY
-            else TimeoutAction.REJECT,
-            allow_timeout_override=msg.allow_timeout_override,
-        )
-
-    return BatchingPolicy(
-        max_batch_size=config.max_batch_size,
-        preferred_batch_sizes=tuple(db.preferred_batch_size),
-        max_queue_delay_us=db.max_queue_delay_microseconds,
-        preserve_ordering=db.preserve_ordering,
-        priority_levels=db.priority_levels,
-        default_priority_level=db.default_priority_level,
-        default_queue_policy=queue(db.default_queue_policy),
-        priority_queue_policies={k: queue(v) for k, v in db.priority_queue_policy.items()},
-    )

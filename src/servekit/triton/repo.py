@@ -1,28 +1,50 @@
-"""The reference model repository: preprocess -> ResNet-50 -> postprocess, and their ensemble.
+"""Triton model repositories rendered from a ``ServeConfig`` (``servekit repo build``).
 
-Rendered from servekit's configuration (``ModelSpec`` + ``BatchingPolicy`` + instances ->
-config.pbtxt), so the repository in git (``model_repository/``) and ``servekit repo
-build`` agree by construction; weights are built into version folders, never committed.
+Each model becomes a folder served by the ``servekit`` backend: its config.pbtxt carries
+the model's signature (read from the file), its ``BatchingPolicy`` (every knob:
+``preferred_batch_size``, ``max_queue_delay_microseconds``, queue policies, priorities),
+its instance count and the engine parameters; its weights go into version folders, never
+into git. An image classifier also gets a preprocess and a postprocess model and an
+ensemble chaining the three (``<name>_image``; the reference repository in git keeps the
+names ``preprocess``, ``postprocess`` and ``resnet50_ensemble``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..batching.policy import BatchingPolicy
+from ..config import ModelConfig, ServeConfig, image_model_name
 from ..spec import ModelSpec
 from .pbtxt import EnsembleStep, ensemble_config, model_config, render
 
-__all__ = ["RepositoryModel", "build_repository", "reference_repository", "runner_model"]
+__all__ = [
+    "RepositoryModel",
+    "build_repository",
+    "model_repository",
+    "reference_repository",
+    "runner_model",
+]
+
+REFERENCE = ModelConfig(
+    "resnet50",
+    batching=BatchingPolicy(
+        max_batch_size=16, preferred_batch_sizes=(4, 8), max_queue_delay_us=100
+    ),
+)
+"""The reference workload: ResNet-50 with its ensemble, batched as the seeds' deployment
+batches it (preferred batches of 4 and 8, 100 us of queue delay)."""
+REFERENCE_NAMES = ("preprocess", "postprocess", "resnet50_ensemble")
 
 
 @dataclass(frozen=True)
 class RepositoryModel:
-    """One model folder: its config and what its version folder needs."""
+    """One model folder: its config and what each version folder holds."""
 
     name: str
     config: Any
@@ -30,80 +52,154 @@ class RepositoryModel:
     weights: str | os.PathLike[str] | None = None
     """Zoo model to build into each version's ``model.onnx``, or an ONNX file to copy there."""
     versions: tuple[int, ...] = field(default=(1,))
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Other files for each version folder: name -> text (a labels file)."""
+
+
+def runner_parameters(model: ModelConfig) -> dict[str, str]:
+    """The servekit backend's parameters for a model: its engine and how to run it."""
+    params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx"}
+    if model.precision != "fp32":
+        params["precision"] = model.precision
+    if model.threads:
+        params["threads"] = str(model.threads)
+    if model.device:
+        params["device"] = model.device
+    if model.batching.preferred_batch_sizes:
+        params["preferred_batch_sizes"] = ",".join(map(str, model.batching.preferred_batch_sizes))
+    return params
+
+
+def _image_models(
+    model: ModelConfig,
+    spec: ModelSpec,
+    metadata: Mapping[str, str],
+    names: tuple[str, str, str],
+) -> list[RepositoryModel]:
+    """Preprocess, postprocess and the ensemble for an image classifier."""
+    from ..pipeline import image_stages
+
+    pre, post = image_stages(spec, metadata, top_k=model.top_k, labels=model.labels)
+    pre.close()
+    pre_name, post_name, ensemble_name = names
+    (image,), (tensor,) = pre.spec.inputs, pre.spec.outputs
+    (logits,), outputs = post.spec.inputs, post.spec.outputs
+    (x,), (y,) = spec.inputs, spec.outputs
+    max_batch = model.batching.effective_max_batch_size(spec.max_batch_size)
+    labels = "\n".join(post.labels) + "\n"
+    return [
+        RepositoryModel(
+            pre_name,
+            model_config(
+                pre_name,
+                ModelSpec((image,), (tensor,), max_batch),
+                model.batching,
+                instance_count=model.instances,
+                parameters={
+                    "kind": "preprocess",
+                    "resize": str(pre.resize),
+                    "crop": str(pre.crop),
+                    "mean": ",".join(map(repr, pre.mean)),
+                    "std": ",".join(map(repr, pre.std)),
+                },
+            ),
+        ),
+        RepositoryModel(
+            post_name,
+            model_config(
+                post_name,
+                ModelSpec((logits,), outputs, max_batch),
+                model.batching,
+                instance_count=model.instances,
+                parameters={
+                    "kind": "postprocess",
+                    "top_k": str(post.k),
+                    "num_classes": str(len(post.labels)),
+                    "labels_file": "labels.txt",
+                },
+            ),
+            files={"labels.txt": labels},
+        ),
+        RepositoryModel(
+            ensemble_name,
+            ensemble_config(
+                ensemble_name,
+                (image,),
+                outputs,
+                [
+                    EnsembleStep(pre_name, {image.name: "image"}, {tensor.name: "preprocessed"}),
+                    EnsembleStep(model.name, {x.name: "preprocessed"}, {y.name: "logits"}),
+                    EnsembleStep(
+                        post_name,
+                        {logits.name: "logits"},
+                        {t.name: t.name for t in outputs},
+                    ),
+                ],
+                max_batch,
+            ),
+        ),
+    ]
+
+
+def model_repository(
+    config: ServeConfig,
+    *,
+    versions: tuple[int, ...] = (1,),
+    image_names: tuple[str, str, str] | None = None,
+) -> list[RepositoryModel]:
+    """Every model of ``config`` as repository folders, and beside each image classifier
+    ``<name>_preprocess``, ``<name>_postprocess`` and their ensemble ``<name>_image``
+    (``image_names`` renames those three, for a one-model repository)."""
+    from ..runtime.base import probe_model
+
+    config.check("triton")
+    out: list[RepositoryModel] = []
+    for model in config.models:
+        probe = probe_model(model, config.cache_dir)
+        out.append(
+            RepositoryModel(
+                model.name,
+                model_config(
+                    model.name,
+                    probe.spec,
+                    model.batching,
+                    instance_count=model.instances,
+                    parameters=runner_parameters(model),
+                ),
+                weights=probe.path,
+                versions=versions,
+            )
+        )
+        if probe.image_spec is not None:
+            names = image_names or (
+                f"{model.name}_preprocess",
+                f"{model.name}_postprocess",
+                image_model_name(model.name),
+            )
+            out += _image_models(model, probe.spec, probe.metadata, names)
+    return out
 
 
 def reference_repository(
     *,
-    model: str = "resnet50",
     policy: BatchingPolicy | None = None,
-    top_k: int = 5,
-    instances: int = 1,
-    threads: int | None = None,
+    top_k: int = REFERENCE.top_k,
+    instances: int = REFERENCE.instances,
+    threads: int | None = REFERENCE.threads,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[RepositoryModel]:
     """The four models of the ResNet-50 ensemble; image bytes in, top-k out."""
-    policy = policy or BatchingPolicy(max_batch_size=16)
-    # The stages' own signatures, so the repository can never drift from what the backend builds.
-    from ..stages import Postprocess, Preprocess
-
-    pre_spec, post_spec = Preprocess(workers=1).spec, Postprocess(top_k=top_k).spec
-    (image,), (tensor,) = pre_spec.inputs, pre_spec.outputs
-    (logits,), outputs = post_spec.inputs, post_spec.outputs
-    mbs = policy.max_batch_size or 16
-    runner_params = {"kind": "runner", "runner": "onnxruntime", "model_file": "model.onnx"}
-    if threads:
-        runner_params["threads"] = str(threads)
-    stages = [
-        RepositoryModel(
-            "preprocess",
-            model_config(
-                "preprocess",
-                ModelSpec((image,), (tensor,), mbs),
-                policy,
-                instance_count=instances,
-                parameters={"kind": "preprocess", "resize": "256", "crop": "224"},
-            ),
-        ),
-        RepositoryModel(
-            model,
-            model_config(
-                model,
-                ModelSpec((tensor,), (logits,), mbs),
-                policy,
-                instance_count=instances,
-                parameters=runner_params,
-            ),
-            weights=model,
-        ),
-        RepositoryModel(
-            "postprocess",
-            model_config(
-                "postprocess",
-                ModelSpec((logits,), outputs, mbs),
-                policy,
-                instance_count=instances,
-                parameters={"kind": "postprocess", "top_k": str(top_k), "num_classes": "1000"},
-            ),
-        ),
-    ]
-    ensemble = RepositoryModel(
-        f"{model}_ensemble",
-        ensemble_config(
-            f"{model}_ensemble",
-            (image,),
-            outputs,
-            [
-                EnsembleStep("preprocess", {"image": "image"}, {"input": "preprocessed"}),
-                EnsembleStep(model, {"input": "preprocessed"}, {"logits": "logits"}),
-                EnsembleStep(
-                    "postprocess",
-                    {"logits": "logits"},
-                    {"scores": "scores", "classes": "classes", "labels": "labels"},
-                ),
-            ],
-            mbs,
-        ),
+    model = ModelConfig(
+        REFERENCE.source,
+        batching=policy or REFERENCE.batching,
+        top_k=top_k,
+        instances=instances,
+        threads=threads,
     )
-    return [*stages, ensemble]
+    cache = os.fspath(cache_dir) if cache_dir is not None else None
+    return model_repository(
+        ServeConfig((model,), runtime="triton", cache_dir=cache), image_names=REFERENCE_NAMES
+    )
 
 
 def runner_model(
@@ -116,25 +212,20 @@ def runner_model(
     versions: tuple[int, ...] = (1,),
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> RepositoryModel:
-    """One ONNX model (zoo name or file) on the servekit backend, its signature read
-    from the model itself, batched by ``policy`` (default: up to 8, no delay)."""
-    from .. import zoo
-    from ..runners.onnx import OnnxRuntimeRunner
-
-    path = zoo.resolve(model, cache_dir)
-    with OnnxRuntimeRunner(path, intra_op_threads=1) as runner:
-        spec = runner.spec
-    parameters = {"kind": "runner", "runner": "onnxruntime", "model_file": "model.onnx"}
-    if threads:
-        parameters["threads"] = str(threads)
-    config = model_config(
+    """One ONNX model (zoo name or file) on the servekit backend, without an image model."""
+    config = ModelConfig(
+        os.fspath(model),
         name,
-        spec,
-        policy or BatchingPolicy(max_batch_size=8),
-        instance_count=instances,
-        parameters=parameters,
+        batching=policy or BatchingPolicy(),
+        instances=instances,
+        threads=threads,
+        image=False,
     )
-    return RepositoryModel(name, config, weights=path, versions=versions)
+    cache = os.fspath(cache_dir) if cache_dir is not None else None
+    (only,) = model_repository(
+        ServeConfig((config,), runtime="triton", cache_dir=cache), versions=versions
+    )
+    return only
 
 
 def build_repository(
@@ -152,7 +243,7 @@ def build_repository(
 
     root = Path(directory)
     written: list[Path] = []
-    for m in models or reference_repository():
+    for m in models if models is not None else reference_repository(cache_dir=cache_dir):
         folder = root / m.name
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "config.pbtxt"
@@ -161,6 +252,9 @@ def build_repository(
         for version in m.versions:
             vdir = folder / str(version)
             vdir.mkdir(exist_ok=True)
+            for filename, text in m.files.items():
+                (vdir / filename).write_text(text)
+                written.append(vdir / filename)
             if m.weights:
                 target = vdir / "model.onnx"
                 if force or not target.exists():

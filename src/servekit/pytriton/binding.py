@@ -1,6 +1,6 @@
 """servekit models on PyTriton: the spec and policy rendered to PyTriton, and the infer callable.
 
-Triton's C++ dynamic batcher forms the batches (from the rendered ``BatchingPolicy``);
+Triton's C++ dynamic batcher forms the batches (``BatchingPolicy.to_pytriton``);
 each batch reaches ``infer_callable``, which validates every request, runs the valid
 ones together and answers each request on its own (``batching.run_requests``). A
 request that fails alone gets its own error with the right code through the stub
@@ -17,18 +17,15 @@ from typing import Any
 import numpy as np
 
 from ..batching.execute import run_requests
-from ..batching.policy import BatchingPolicy, QueuePolicy
 from ..errors import ServekitError, triton_code
-from ..spec import ModelSpec, TensorSpec
-from .env import TritonSetupError
+from ..spec import TensorSpec
+from ..triton.env import TritonSetupError
 
 __all__ = [
     "ERROR_OUTPUT",
     "error_response",
     "infer_callable",
     "install_error_shim",
-    "pytriton_batcher",
-    "pytriton_model_config",
     "pytriton_tensors",
 ]
 
@@ -52,50 +49,6 @@ def pytriton_tensors(tensors: Sequence[TensorSpec]) -> list[Any]:
     ]
 
 
-def _queue_policy(q: QueuePolicy) -> Any:
-    from pytriton.model_config.common import QueuePolicy as PtQueuePolicy
-    from pytriton.model_config.common import TimeoutAction as PtTimeoutAction
-
-    return PtQueuePolicy(
-        timeout_action=PtTimeoutAction(q.timeout_action.value),
-        default_timeout_microseconds=q.default_timeout_us,
-        allow_timeout_override=q.allow_timeout_override,
-        max_queue_size=q.max_queue_size,
-    )
-
-
-def pytriton_batcher(policy: BatchingPolicy) -> Any:
-    """A ``BatchingPolicy`` as PyTriton's ``DynamicBatcher`` (same knobs, Triton's field names)."""
-    from pytriton.model_config import DynamicBatcher
-
-    return DynamicBatcher(
-        max_queue_delay_microseconds=policy.max_queue_delay_us,
-        preferred_batch_size=list(policy.preferred_batch_sizes) or None,
-        preserve_ordering=policy.preserve_ordering,
-        priority_levels=policy.priority_levels,
-        default_priority_level=policy.default_priority_level,
-        default_queue_policy=_queue_policy(policy.default_queue_policy),
-        priority_queue_policy={
-            k: _queue_policy(v) for k, v in policy.priority_queue_policies.items()
-        }
-        or None,
-    )
-
-
-def pytriton_model_config(spec: ModelSpec, policy: BatchingPolicy) -> Any:
-    """PyTriton ``ModelConfig``: batching on when the spec batches, the policy's limits."""
-    from pytriton.model_config import ModelConfig
-
-    if not spec.batched:
-        return ModelConfig(batching=False)
-    max_batch = policy.max_batch_size or spec.max_batch_size
-    if max_batch > spec.max_batch_size:
-        raise ValueError(
-            f"policy max_batch_size {max_batch} exceeds the model's {spec.max_batch_size}"
-        )
-    return ModelConfig(batching=True, max_batch_size=max_batch, batcher=pytriton_batcher(policy))
-
-
 def error_response(exc: ServekitError, model: str) -> dict[str, np.ndarray]:
     """The one-request error the stub shim turns into a coded Triton error."""
     message = f"{model}: {exc}"
@@ -117,7 +70,7 @@ def infer_callable(runner: Any, model: str) -> Callable[[list[Any]], list[dict[s
 
 
 def _shim_source() -> bytes:
-    return resources.files("servekit.triton").joinpath("_stub_shim.py").read_bytes()
+    return resources.files("servekit.pytriton").joinpath("_stub_shim.py").read_bytes()
 
 
 def install_error_shim(model_name: str) -> None:

@@ -1,8 +1,8 @@
-"""servekit's hardened KServe v2 front on Triton's public HTTP port.
+"""servekit's hardened KServe v2 front on Triton's public HTTP port (the Triton runtimes').
 
 tritonserver 2.51 (the one PyTriton 0.7 bundles) aborts on one JSON request whose shape
 claims more elements than memory holds, and answers malformed ``data`` with 500s. With
-``ServerConfig(front=True)`` (``servekit serve --front``) Triton's HTTP endpoint moves
+``ServerConfig(front=True)`` (the default) Triton's HTTP endpoint moves
 to loopback on a private port and the public HTTP port is servekit's ``KServeApp``: it
 decodes and checks every request against the model's spec before anything is
 allocated (the same code as the Ray front), then forwards the tensors to Triton over
@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -31,8 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from ..batching import Batcher
 from ..errors import ModelNotFound, ModelNotReady
-from ..spec import ModelSpec
+from ..spec import ModelSpec, spec_from_config
+from .app import KServeApp
+from .models import StaticModels
+from .server import AsgiThread
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]
 
@@ -42,8 +45,8 @@ log = logging.getLogger(__name__)
 class ForwardedModel:
     """A model Triton serves, as the front sees it: the spec, and ``infer`` over gRPC."""
 
-    accepts_scheduling = True
-    """The front passes Triton's ``priority`` / ``timeout`` request parameters through."""
+    batcher: Batcher | None = None
+    """Triton batches; its own metrics port exports the counters."""
     versioned = True
     """The front passes ``/versions/<v>/`` through; Triton answers for the versions it has."""
 
@@ -107,8 +110,6 @@ class TritonModels(Mapping[str, ForwardedModel]):
             raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
 
     def _fetch(self, name: str) -> ForwardedModel:
-        from .backend import spec_from_config
-
         quoted = urllib.parse.quote(name, safe="")
         spec = spec_from_config(self._get(f"/v2/models/{quoted}/config"))
         now = time.monotonic()
@@ -142,6 +143,9 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
         return await asyncio.to_thread(ready)
 
+    def loaded(self) -> Mapping[str, ForwardedModel]:
+        return {name: model for name, (_, model) in self._cache.items()}
+
     def __getitem__(self, name: str) -> ForwardedModel:
         return self._cache[name][1]
 
@@ -173,15 +177,15 @@ class Front:
         max_body_bytes: int = 64 * 1024 * 1024,
         inference_token: str | None = None,
     ) -> None:
-        from ..http import KServeApp
-
         self.registry = (
             models
             if isinstance(models, TritonModels)
-            else {
-                name: ForwardedModel(name, spec, grpc_url, inference_token)
-                for name, spec in models.items()
-            }
+            else StaticModels(
+                {
+                    name: ForwardedModel(name, spec, grpc_url, inference_token)
+                    for name, spec in models.items()
+                }
+            )
         )
         self.app = KServeApp(
             self.registry,
@@ -189,46 +193,18 @@ class Front:
             ready=ready,
             inference_token=inference_token,
         )
-        self.host, self.port = host, port
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._http = AsgiThread(self.app, host, port, name="servekit-front", on_exit=self._close)
 
     def start(self, timeout_s: float = 30.0) -> Front:
-        import uvicorn
-
-        config = uvicorn.Config(
-            self.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
-        )
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # the caller owns the signals
-        self._thread = threading.Thread(target=self._run, name="servekit-front", daemon=True)
-        self._thread.start()
-        deadline = timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise OSError(f"the HTTP front could not listen on {self.host}:{self.port}")
-            threading.Event().wait(0.02)
-            deadline -= 0.02
-            if deadline <= 0:
-                raise TimeoutError(f"the HTTP front did not start within {timeout_s} s")
+        self._http.start(timeout_s)
         return self
 
-    def _run(self) -> None:
-        async def main() -> None:
-            try:
-                await self._server.serve()
-            finally:
-                if isinstance(self.registry, TritonModels):
-                    await self.registry.aclose()
-                else:
-                    for m in self.registry.values():
-                        await m.aclose()
-
-        asyncio.run(main())
+    async def _close(self) -> None:
+        if isinstance(self.registry, TritonModels):
+            await self.registry.aclose()
+        else:
+            for m in self.registry.values():
+                await m.aclose()  # type: ignore[attr-defined]
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        self._http.stop(timeout_s)

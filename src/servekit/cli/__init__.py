@@ -1,0 +1,28 @@
+"""The ``servekit`` command line: each command parses its flags, builds a config and makes one call."""
+
+from __future__ import annotations
+
+import typer
+
+from .batch import batch
+from .bench import bench, compare
+from .infer import demo, infer
+from .models import models_app, repo_app
+from .precision import accuracy, optimize
+from .serve import serve, triton
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help="servekit: serve deep-learning models in-process, on Triton and on Ray.",
+    context_settings={"max_content_width": 120},
+)
+app.add_typer(models_app, name="models")
+app.add_typer(repo_app, name="repo")
+for command in (infer, serve, bench, compare, optimize, accuracy, batch, demo):
+    app.command()(command)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(triton)
+
+
+def main() -> None:
+    app()

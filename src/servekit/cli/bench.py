@@ -1,0 +1,173 @@
+"""``servekit bench`` (load-test an endpoint) and ``servekit compare`` (every runtime, one report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import ServekitError
+from .common import CacheDir, ConfigFile, console, serve_config, zoo_model
+
+__all__ = ["bench", "compare"]
+
+
+def bench(
+    url: Annotated[
+        str, typer.Option(help="KServe v2 endpoint: http://host:8000 or grpc://host:8001.")
+    ],
+    model: Annotated[str, typer.Option(help="Served model name.")] = "resnet50",
+    concurrency: Annotated[
+        str | None, typer.Option(help="Closed loop levels: start:end:step, start:end:xF or a,b,c.")
+    ] = None,
+    request_rate: Annotated[
+        str | None, typer.Option(help="Open loop (Poisson) rates in requests/s, same syntax.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows per request.")] = 1,
+    window: Annotated[float, typer.Option(help="Measurement window, seconds.")] = 5.0,
+    warmup: Annotated[float, typer.Option(help="Warm-up before each level, seconds.")] = 2.0,
+    max_windows: Annotated[int, typer.Option(min=3)] = 10,
+    stability: Annotated[
+        float, typer.Option(help="Tolerance for stable windows (0.1 = 10%).")
+    ] = 0.1,
+    out: Annotated[Path | None, typer.Option(help="Write OUT.json, OUT.csv and OUT.png.")] = None,
+    shared_memory: Annotated[
+        bool, typer.Option(help="Send inputs through system shared memory (same host only).")
+    ] = False,
+    access_token: Annotated[
+        str | None, typer.Option(help="Token for restricted APIs (PyTriton's shared memory).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="HTTP: send JSON tensors, not binary.")
+    ] = False,
+) -> None:
+    """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
+    levels or open loop at Poisson request rates; windows repeat until stable."""
+    import asyncio
+
+    from ..bench import MeasureConfig, open_target, parse_levels, sweep
+    from ..bench.payload import payload_from_metadata
+    from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
+    from ..client import Client
+
+    if (concurrency is None) == (request_rate is None):
+        raise typer.BadParameter("give exactly one of --concurrency or --request-rate")
+    mode, spec = ("concurrency", concurrency) if concurrency else ("rate", request_rate)
+    try:
+        levels = parse_levels(spec)  # type: ignore[arg-type]
+        cfg = MeasureConfig(
+            window_s=window,
+            warmup_s=warmup,
+            max_windows=max_windows,
+            stability=stability,
+            rows_per_request=batch_size,
+        )
+        with Client(url) as client:
+            inputs = payload_from_metadata(client.metadata(model)["inputs"], batch_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except ServekitError as exc:
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+
+    async def run() -> list:
+        target = open_target(url, model, inputs)
+        try:
+            return await sweep(
+                target, levels, mode, cfg, on_point=lambda p: console.print(table([p]))
+            )
+        finally:
+            await target.close()
+
+    try:
+        with console.status(f"measuring {model} at {url}"):
+            points = asyncio.run(run())
+    except ServekitError as exc:
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+    console.print(table(points, title=f"{model} at {url}"))
+    if out is not None:
+        series = {f"{model} ({url.split(':')[0]})": points}
+        write_json(
+            series, out.with_suffix(".json"), {"url": url, "model": model, "batch_size": batch_size}
+        )
+        write_csv(series, out.with_suffix(".csv"))
+        plot_latency_vs_throughput(series, out.with_suffix(".png"), title=model)
+        console.print(f"wrote {out.with_suffix('.json')}, .csv, .png")
+
+
+def compare(
+    runtimes: Annotated[
+        str,
+        typer.Option(help="Comma-separated: raw, batcher, native, pytriton, triton, ray."),
+    ] = "raw,batcher,native,pytriton,triton,ray",
+    concurrency: Annotated[str, typer.Option(help="Closed loop levels.")] = "1,2,4,8,16",
+    model: Annotated[
+        str, typer.Option(help="Zoo model or ONNX path (an image classifier).")
+    ] = "resnet50",
+    config: ConfigFile = None,
+    max_batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    instances: Annotated[int, typer.Option(min=1)] = 2,
+    threads: Annotated[int | None, typer.Option(min=1, help="ORT threads per instance.")] = 1,
+    window: Annotated[float, typer.Option()] = 5.0,
+    warmup: Annotated[float, typer.Option()] = 3.0,
+    max_windows: Annotated[int, typer.Option(min=3)] = 8,
+    ceiling_seconds: Annotated[
+        float, typer.Option(help="Seconds per batch size for the raw ceiling (0 = skip).")
+    ] = 8.0,
+    out: Annotated[Path, typer.Option(help="Writes OUT.md, OUT.json, OUT.csv, OUT.png.")] = Path(
+        "bench/results/compare"
+    ),
+    cache_dir: CacheDir = None,
+) -> None:
+    """Start each runtime in turn on loopback with the same model and policy, run the same
+    sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
+    are skipped and named."""
+    import os
+    import platform
+    import shlex
+    import sys
+
+    from ..bench import MeasureConfig, parse_levels
+    from ..bench.compare import compare as run_compare
+    from ..bench.compare import markdown_report
+    from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
+
+    cfg = serve_config(
+        config,
+        models=None if config else [str(zoo_model(model, cache_dir))],
+        cache_dir=cache_dir,
+        instances=instances,
+        threads=threads,
+        max_batch_size=max_batch_size,
+    )
+    try:
+        levels = parse_levels(concurrency)
+        mcfg = MeasureConfig(window_s=window, warmup_s=warmup, max_windows=max_windows)
+        result = run_compare(
+            cfg.models[0],
+            [r.strip() for r in runtimes.split(",") if r.strip()],
+            levels,
+            mcfg,
+            on_event=console.print,
+            ceiling_seconds=ceiling_seconds,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    for name, points in result.series.items():
+        console.print(table(points, title=name))
+    command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_json(
+        result.series, out.with_suffix(".json"), {"skipped": result.skipped, "command": command}
+    )
+    write_csv(result.series, out.with_suffix(".csv"))
+    plot = None
+    if result.series:
+        plot_latency_vs_throughput(
+            result.series, out.with_suffix(".png"), title="servekit compare: ResNet-50 on JPEGs"
+        )
+        plot = out.with_suffix(".png").name
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine))
+    console.print(f"wrote {out.with_suffix('.md')}")

@@ -1,0 +1,201 @@
+"""``servekit serve`` (any runtime, from a ``ServeConfig``) and ``servekit triton`` (tritonserver
+on a repository of your own); both run under the ``Supervisor``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import ServekitError
+from .common import (
+    CacheDir,
+    ConfigFile,
+    Delay,
+    Engine,
+    Front,
+    Instances,
+    Labels,
+    MaxBatch,
+    Models,
+    Name,
+    Precision,
+    Preferred,
+    QueueSize,
+    Threads,
+    TopK,
+    console,
+    fail,
+    serve_config,
+)
+
+__all__ = ["serve", "triton"]
+
+Restarts = Annotated[
+    int, typer.Option(min=0, help="Restart a runtime that dies, up to N times (0 = never).")
+]
+InferenceToken = Annotated[
+    str | None,
+    typer.Option(
+        envvar="SERVEKIT_INFERENCE_TOKEN",
+        help="Require this servekit-inference-token header on inference.",
+    ),
+]
+ControlToken = Annotated[
+    str | None,
+    typer.Option(
+        envvar="SERVEKIT_CONTROL_TOKEN",
+        help="Require this token on Triton's control APIs (servekit-control-token; "
+        "PyTriton: its access token).",
+    ),
+]
+
+
+def serve(
+    config: ConfigFile = None,
+    model: Models = None,
+    runtime: Annotated[
+        str | None, typer.Option(help="pytriton (default), triton, native or ray.")
+    ] = None,
+    name: Name = None,
+    engine: Engine = None,
+    precision: Precision = None,
+    instances: Instances = None,
+    threads: Threads = None,
+    max_batch_size: MaxBatch = None,
+    preferred_batch_sizes: Preferred = None,
+    max_queue_delay_us: Delay = None,
+    max_queue_size: QueueSize = None,
+    top_k: TopK = None,
+    labels: Labels = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    http_port: Annotated[int | None, typer.Option()] = None,
+    grpc_port: Annotated[int | None, typer.Option()] = None,
+    metrics_port: Annotated[int | None, typer.Option()] = None,
+    front: Front = None,
+    inference_token: InferenceToken = None,
+    control_token: ControlToken = None,
+    log_verbose: Annotated[int | None, typer.Option(help="Triton's --log-verbose level.")] = None,
+    restarts: Restarts = 5,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Serve models over KServe v2 (HTTP, and gRPC on the Triton runtimes): each tensor
+    model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
+    the model files; SIGINT/SIGTERM stop."""
+    from ..runtime import serve as run
+    from ..triton.env import TritonSetupError
+
+    cfg = serve_config(
+        config,
+        models=model,
+        runtime=runtime,
+        cache_dir=cache_dir,
+        server={
+            "host": host,
+            "http_port": http_port,
+            "grpc_port": grpc_port,
+            "metrics_port": metrics_port,
+            "front": front,
+            "inference_token": inference_token,
+            "control_token": control_token,
+            "log_verbose": log_verbose,
+        },
+        name=name,
+        engine=engine,
+        precision=precision,
+        instances=instances,
+        threads=threads,
+        top_k=top_k,
+        labels=labels,
+        max_batch_size=max_batch_size,
+        preferred_batch_sizes=preferred_batch_sizes,
+        max_queue_delay_us=max_queue_delay_us,
+        max_queue_size=max_queue_size,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    s = cfg.server
+    console.print(
+        f"starting the {cfg.runtime} runtime with {[m.name for m in cfg.models]} on {s.http_url}"
+        + ("" if cfg.runtime in ("ray", "native") else f" (gRPC {s.grpc_url})")
+        + "; ready once every model is loaded"
+    )
+    try:
+        code = run(cfg, max_restarts=restarts, on_event=console.print)
+    except TritonSetupError as exc:
+        raise fail(f"cannot start Triton: {exc}", 3) from None
+    except ImportError as exc:
+        raise fail(f"the {cfg.runtime} runtime is not installed: {exc}", 3) from None
+    except (ValueError, OSError, ServekitError) as exc:
+        raise fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+def triton(
+    ctx: typer.Context,
+    model_repository: Annotated[
+        Path, typer.Option(help="Triton model repository.", exists=True, file_okay=False)
+    ],
+    model_control_mode: Annotated[
+        str, typer.Option(help="none, poll or explicit (Triton's).")
+    ] = "none",
+    repository_poll_secs: Annotated[int, typer.Option(min=1)] = 5,
+    load_model: Annotated[
+        list[str] | None, typer.Option(help="With explicit: model to load at start.")
+    ] = None,
+    config: ConfigFile = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    http_port: Annotated[int | None, typer.Option()] = None,
+    grpc_port: Annotated[int | None, typer.Option()] = None,
+    metrics_port: Annotated[int | None, typer.Option()] = None,
+    log_verbose: Annotated[int | None, typer.Option()] = None,
+    restarts: Restarts = 5,
+    inference_token: InferenceToken = None,
+    control_token: ControlToken = None,
+    front: Front = None,
+) -> None:
+    """Run the tritonserver bundled with PyTriton on a repository, with the servekit backend
+    installed and the environment fixed (the server section of --config applies). Other
+    tritonserver flags pass through, e.g.
+    `servekit triton --model-repository model_repository -- --strict-readiness=false`."""
+    from ..runtime import Supervisor
+    from ..triton.env import TritonSetupError
+    from ..triton.launcher import TritonProcess
+    from ..triton.runtime import triton_options
+
+    cfg = serve_config(
+        config,
+        runtime="triton",
+        server={
+            "host": host,
+            "http_port": http_port,
+            "grpc_port": grpc_port,
+            "metrics_port": metrics_port,
+            "front": front,
+            "inference_token": inference_token,
+            "control_token": control_token,
+            "log_verbose": log_verbose,
+        },
+    )
+    try:
+        options = triton_options(
+            cfg,
+            model_repository,
+            model_control_mode=model_control_mode,
+            repository_poll_secs=repository_poll_secs,
+            load_models=tuple(load_model or ()),
+            extra_args=tuple(ctx.args),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    process = TritonProcess(options)
+    via = f"servekit's front on {options.http_url}" if options.front else options.http_url
+    console.print(
+        f"starting tritonserver on {via} (gRPC {options.grpc_url}, metrics {options.metrics_url})"
+    )
+    try:
+        code = Supervisor(process, max_restarts=restarts, on_event=console.print).run()
+    except TritonSetupError as exc:
+        raise fail(f"cannot start Triton: {exc}", 3) from None
+    raise typer.Exit(code)

@@ -1,0 +1,47 @@
+"""Where a server listens: client URLs for a host and its ports, and free loopback ports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Endpoints", "free_port"]
+
+
+class Endpoints:
+    """Client URLs for a Triton listening on ``host`` and its three ports."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    @classmethod
+    def on_loopback(cls, **fields: Any) -> Any:
+        """This config on 127.0.0.1 with three free ports (tests, benchmarks, ``compare``)."""
+        ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+        return cls(**{"host": "127.0.0.1", **ports, **fields})
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now (for tests and benchmarks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

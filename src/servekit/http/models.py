@@ -1,0 +1,155 @@
+"""What servekit's KServe v2 front serves: a declared contract instead of attribute probes.
+
+A ``FrontModel`` is one served model as the front sees it: its signature, whether it
+has versions of its own, the ``Batcher`` behind it (for metrics and scheduling) and
+``infer`` with Triton's scheduling parameters. A ``ModelRegistry`` finds models by name
+and answers their readiness. ``as_registry`` turns what app code has (Runners,
+Batchers, a mapping of them) into these once, at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..batching import Batcher
+from ..errors import ModelNotFound
+from ..runners.base import Runner
+from ..spec import ModelSpec
+
+__all__ = [
+    "BatchedModel",
+    "FrontModel",
+    "ModelRegistry",
+    "RunnerModel",
+    "StaticModels",
+    "as_registry",
+]
+
+
+@runtime_checkable
+class FrontModel(Protocol):
+    """One model behind the front."""
+
+    spec: ModelSpec
+    versioned: bool
+    """True: ``/versions/<v>/`` passes through to ``infer`` (the runtime owns versions);
+    False: only version 1 exists."""
+    batcher: Batcher | None
+    """The Batcher whose counters the front exports as Triton's metrics, if any."""
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]: ...
+
+
+@runtime_checkable
+class ModelRegistry(Protocol):
+    """The models a front serves, found by name (they may come and go)."""
+
+    async def lookup(self, name: str) -> FrontModel:
+        """The model, or ``ModelNotFound`` naming it."""
+        ...
+
+    async def is_ready(self, name: str, version: str | None) -> bool: ...
+
+    def loaded(self) -> Mapping[str, FrontModel]:
+        """The models known right now (for metrics)."""
+        ...
+
+
+class BatchedModel:
+    """A ``Batcher`` as a front model: requests are awaited on its loop, scheduling honoured."""
+
+    versioned = False
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher: Batcher | None = batcher
+        self.spec = batcher.spec
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        assert self.batcher is not None
+        return await self.batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
+
+
+class RunnerModel:
+    """A plain Runner as a front model: each request runs alone on a worker thread."""
+
+    versioned = False
+    batcher: Batcher | None = None
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.spec = runner.spec
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.runner.infer, inputs)
+
+
+class StaticModels(Mapping[str, FrontModel]):
+    """A fixed set of models (every runtime that loads its own), always ready once listed."""
+
+    def __init__(self, models: Mapping[str, FrontModel]) -> None:
+        self._models = dict(models)
+
+    async def lookup(self, name: str) -> FrontModel:
+        if name not in self._models:
+            raise ModelNotFound(f"unknown model {name!r}; serving {sorted(self._models)}")
+        return self._models[name]
+
+    async def is_ready(self, name: str, version: str | None) -> bool:
+        return name in self._models
+
+    def loaded(self) -> Mapping[str, FrontModel]:
+        return self._models
+
+    def __getitem__(self, name: str) -> FrontModel:
+        return self._models[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._models)
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+def as_front_model(model: Any) -> FrontModel:
+    """A Batcher, a Runner or a ``FrontModel`` as a ``FrontModel``."""
+    if isinstance(model, Batcher):
+        return BatchedModel(model)
+    if isinstance(model, FrontModel):
+        return model
+    if isinstance(model, Runner):
+        return RunnerModel(model)
+    raise TypeError(
+        f"cannot serve {type(model).__name__}: expected a Batcher, Runner or FrontModel"
+    )
+
+
+def as_registry(models: Mapping[str, Any] | ModelRegistry) -> ModelRegistry:
+    """A registry as is; a mapping of Batchers, Runners or front models as ``StaticModels``."""
+    if isinstance(models, ModelRegistry):
+        return models
+    return StaticModels({name: as_front_model(m) for name, m in models.items()})

@@ -1,0 +1,116 @@
+"""``NativeServer``: the KServe v2 front over servekit's ``Batcher``s, in one process.
+
+Every model of the ``ServeConfig`` is loaded through ``load_models`` and batched by a
+``Batcher`` with the model's own ``BatchingPolicy`` and ``instances`` worker threads;
+the front answers on ``http_port`` and the Prometheus metrics on ``metrics_port``.
+Readiness turns true once every model is warm.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..batching import Batcher
+from ..config import ServeConfig
+from ..http.app import KServeApp
+from ..http.server import AsgiThread, MetricsApp
+from ..runtime.base import ServedModel, load_models, reload_models
+
+__all__ = ["NativeServer"]
+
+log = logging.getLogger(__name__)
+
+
+class NativeServer:
+    """servekit's own server: start, use, stop (or a context manager)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config.check("native")
+        self.models: list[ServedModel] = []
+        self.batchers: dict[str, Batcher] = {}
+        self.app: KServeApp | None = None
+        self._threads: list[AsgiThread] = []
+        self._ready = False
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> NativeServer:
+        return cls(config)
+
+    def start(self) -> NativeServer:
+        """Load and warm up every model, then listen; returns once both ports answer."""
+        c = self.config
+        if c.server.log_verbose:
+            logging.getLogger("servekit").setLevel(logging.DEBUG)
+        try:
+            if not self.models:  # a restart keeps the warm runners
+                self.models = [m for model in c.models for m in load_models(model, c.cache_dir)]
+                for m in self.models:
+                    m.runner.warmup()
+            self.batchers = {
+                m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
+                for m in self.models
+            }
+            self.app = KServeApp(
+                self.batchers,
+                max_body_bytes=c.server.max_body_bytes,
+                ready=lambda: self._ready,
+                inference_token=c.server.inference_token,
+            )
+            app = self.app
+            self._threads = [
+                AsgiThread(app, c.server.host, c.server.http_port, name="servekit-native").start(),
+                AsgiThread(
+                    MetricsApp(app.metrics.render),
+                    c.server.host,
+                    c.server.metrics_port,
+                    name="servekit-metrics",
+                ).start(),
+            ]
+        except BaseException:
+            self._shutdown()
+            raise
+        self._ready = True
+        log.info("serving %s on %s", list(self.batchers), c.server.http_url)
+        return self
+
+    def problem(self) -> str | None:
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        return f"{dead} stopped unexpectedly" if dead else None
+
+    def restart(self) -> None:
+        self._shutdown()
+        self.start()
+
+    def reload(self) -> list[str]:
+        """Read each model's file again and swap it in between batches (no request fails)."""
+        return reload_models(self.config, self.models)
+
+    def policy(self, name: str) -> Any:
+        """The batching policy in force for model ``name`` (its Batcher's)."""
+        return self.batchers[name].policy
+
+    def _shutdown(self) -> None:
+        self._ready = False
+        for thread in self._threads:
+            thread.stop(self.config.server.exit_timeout_s + 5)
+        self._threads = []
+        for batcher in self.batchers.values():
+            batcher.close()
+        self.batchers = {}
+
+    def stop(self) -> None:
+        """Stop listening, drain the Batchers and close the runners."""
+        self._shutdown()
+        closed: set[int] = set()
+        for m in self.models:
+            if id(m.runner) not in closed:
+                closed.add(id(m.runner))
+                m.runner.close()
+        self.models = []
+
+    def __enter__(self) -> NativeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

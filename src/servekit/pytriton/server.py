@@ -1,0 +1,245 @@
+"""The ``pytriton`` runtime: servekit models behind Triton's HTTP/gRPC API, through PyTriton.
+
+Triton's own server (bundled with PyTriton) speaks KServe v2 over HTTP and gRPC,
+serves metrics and does the dynamic batching; servekit supplies the runners, their
+signatures and batching policies, and per-request error handling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import ServeConfig, ServerConfig
+from ..errors import ModelNotFound
+from ..runners.base import Runner
+from ..runners.versioned import VersionedRunner
+from ..runtime.base import ServedModel, load_models, reload_models
+from ..runtime.processes import kill_leftovers, processes
+from ..triton.env import apply_triton_environment, free_port, gpu_present
+from .binding import infer_callable, install_error_shim, pytriton_tensors
+
+__all__ = ["TritonServer"]
+
+log = logging.getLogger(__name__)
+
+
+class TritonServer:
+    """Triton (via PyTriton) serving servekit models; start, use, stop (or a context manager)."""
+
+    def __init__(
+        self,
+        models: Sequence[ServedModel] = (),
+        config: ServerConfig | None = None,
+        *,
+        serve_config: ServeConfig | None = None,
+    ) -> None:
+        if not models and serve_config is None:
+            raise ValueError("nothing to serve: pass at least one ServedModel")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        # Every model is updatable in place: see ``update``.
+        self.models = [
+            m
+            if isinstance(m.runner, VersionedRunner)
+            else dataclasses.replace(m, runner=VersionedRunner(m.runner, name=m.name))
+            for m in models
+        ]
+        self.server = config or ServerConfig()
+        self.config = serve_config
+        """What ``reload`` reads the models' files from (set by ``from_config``)."""
+        self._triton: Any = None
+        self._workdir: Path | None = None
+        self._front: Any = None
+        self._stubs: dict[int, str] = {}
+        self.restarts = 0
+        """How many times ``serve`` restarted Triton after a model's worker process died."""
+        self.access_token: str | None = None
+        """The token the running server expects on restricted APIs (``Client(access_token=)``)."""
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> TritonServer:
+        """Serve every model of ``config`` (loaded by ``start``, see ``load_models``)."""
+        return cls(config=config.check("pytriton").server, serve_config=config)
+
+    def start(self) -> TritonServer:
+        """Warm up every runner, then start Triton and load the models; returns once all are ready.
+
+        Readiness for load balancers is per model: ``/v2/models/<name>/ready`` turns true
+        only after that model's runner is warm and loaded. (PyTriton starts Triton empty
+        and then loads the models, so ``/v2/health/ready`` is true a moment earlier; its
+        local-model-store mode would avoid that but races its own handshake with the
+        Python backend stubs.)
+        """
+        if not self.models:  # loaded here, so a signal can interrupt it (``Supervisor``)
+            assert self.config is not None
+            self.models = [
+                m for model in self.config.models for m in load_models(model, self.config.cache_dir)
+            ]
+        apply_triton_environment()
+        from pytriton.triton import (
+            Triton,
+            TritonConfig,
+            TritonSecurityConfig,
+        )
+
+        for m in self.models:
+            m.runner.warmup()
+        c = self.server
+        security = TritonSecurityConfig(access_token=c.control_token)
+        # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
+        # to the garbage collector, which warns.
+        self._workdir = Path(tempfile.mkdtemp(prefix="servekit-triton-"))
+        triton = Triton(
+            workspace=self._workdir / "workspace",
+            security_config=security,
+            config=TritonConfig(
+                http_address="127.0.0.1" if c.front else c.host,
+                http_port=free_port() if c.front else c.http_port,
+                grpc_address=c.host,
+                grpc_port=c.grpc_port,
+                metrics_address=c.host,
+                metrics_port=c.metrics_port,
+                metrics_config=["summary_latencies=true"],
+                allow_gpu_metrics=gpu_present(),
+                log_verbose=c.log_verbose,
+                exit_timeout_secs=c.exit_timeout_s,
+            ),
+        )
+        try:
+            for m in self.models:
+                install_error_shim(m.name)
+                spec = m.runner.spec
+                triton.bind(
+                    model_name=m.name,
+                    infer_func=[infer_callable(m.runner, m.name) for _ in range(m.instance_count)],
+                    inputs=pytriton_tensors(spec.inputs),
+                    outputs=pytriton_tensors(spec.outputs),
+                    config=m.policy.to_pytriton(spec.max_batch_size),
+                    # servekit checks outputs itself, and the error pseudo-output is not in the config.
+                    strict=False,
+                )
+            triton.run()
+            if c.front:
+                from ..http.front import Front
+
+                self._front = Front(
+                    {m.name: m.runner.spec for m in self.models},
+                    c.grpc_url,
+                    host=c.host,
+                    port=c.http_port,
+                    ready=self.is_healthy,
+                    max_body_bytes=c.max_body_bytes,
+                ).start()
+        except BaseException:
+            if self._front is not None:
+                self._front.stop()
+                self._front = None
+            triton.stop()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
+        self._triton = triton
+        self.access_token = security.access_token
+        # Each model instance runs in a Python backend stub, named <model>_<n>_<device> in
+        # its argv.
+        names = "|".join(re.escape(m.name) for m in self.models)
+        instance = re.compile(rf"^(?:{names})_\d+_\d+$")
+        self._stubs = {
+            pid: next((a for a in argv if instance.match(a)), argv[0])
+            for pid, argv in processes(str(self._workdir)).items()
+            if argv[0].endswith("triton_python_backend_stub")
+        }
+        return self
+
+    def dead_instances(self) -> list[str]:
+        """Model instances whose Python backend stub died. Triton 2.51 still reports such
+        a model ready and fails each of its requests ("Stub process ... is not healthy"),
+        and PyTriton cannot start a stub again, so ``serve`` restarts Triton."""
+        if not self._stubs or self._workdir is None:
+            return []
+        alive = processes(str(self._workdir))
+        return sorted(name for pid, name in self._stubs.items() if pid not in alive)
+
+    def problem(self) -> str | None:
+        if not self.is_alive():
+            return "Triton stopped unexpectedly"
+        dead = self.dead_instances()
+        if dead:
+            return f"model instance(s) {dead}: worker process died"
+        return None
+
+    def reload(self) -> list[str]:
+        """Read each configured model's file again and swap it in live (``update``)."""
+        if self.config is None:
+            raise ValueError("reload needs a server built by TritonServer.from_config")
+        return reload_models(self.config, self.models)
+
+    def is_healthy(self) -> bool:
+        """Triton alive and every model instance's worker process alive."""
+        return self.is_alive() and not self.dead_instances()
+
+    def restart(self) -> None:
+        """Stop Triton and start it again with the same (warm) runners and ports."""
+        self._shutdown()
+        self.restarts += 1
+        self.start()
+
+    def _versioned(self, name: str) -> VersionedRunner:
+        for m in self.models:
+            if m.name == name:
+                return m.runner  # type: ignore[return-value]
+        raise ModelNotFound(f"no model named {name!r}; serving {[m.name for m in self.models]}")
+
+    def update(self, name: str, runner: Runner, version: int | None = None) -> int:
+        """Serve ``runner`` as model ``name`` from the next batch on, without a reload in
+        Triton: no request fails and none mixes versions (``VersionedRunner``). Returns
+        the new version number; a runner that fails to warm up or has another signature
+        raises and the old version keeps serving."""
+        number = self._versioned(name).update(runner, version)
+        log.info("%s: now serving version %d", name, number)
+        return number
+
+    def rollback(self, name: str) -> int:
+        """Serve model ``name``'s previous version again; returns its number."""
+        number = self._versioned(name).rollback()
+        log.info("%s: rolled back to version %d", name, number)
+        return number
+
+    def version(self, name: str) -> int:
+        """The version of model ``name`` new batches run on."""
+        return self._versioned(name).version
+
+    def is_alive(self) -> bool:
+        return self._triton is not None and self._triton.is_alive()
+
+    def stop(self) -> None:
+        """Stop Triton (waiting up to ``exit_timeout_s`` for in-flight requests) and close runners."""
+        self._shutdown()
+        for m in self.models:
+            m.runner.close()
+
+    def _shutdown(self) -> None:
+        if self._front is not None:
+            self._front.stop()
+            self._front = None
+        if self._triton is not None:
+            self._triton.stop()
+            self._triton = None
+        if self._workdir is not None:
+            kill_leftovers(str(self._workdir))
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        self._stubs = {}
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,82 @@
+"""``RayRuntime``: a ``ServeConfig`` served by Ray Serve on a local Ray (or a cluster).
+
+``start`` starts Ray and Serve on the config's host and HTTP port and deploys
+``build_app(config)``; ``reload`` deploys again (Ray rolls the replicas over, each
+re-reading the model file; a file that does not load fails on the driver and the serving
+version stays). Ray restarts dead replicas itself, so there is never a ``problem``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ServeConfig
+from .app import APP_NAME, build_app, ray_config
+
+__all__ = ["RayRuntime"]
+
+
+class RayRuntime:
+    """The ``ray`` runtime: start, use, stop (or a context manager)."""
+
+    def __init__(
+        self, config: ServeConfig, *, address: str = "local", num_cpus: int | None = None
+    ) -> None:
+        self.config = ray_config(config)
+        self.address, self.num_cpus = address, num_cpus
+        self._owns_ray = False
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> RayRuntime:
+        return cls(config)
+
+    def start(self) -> RayRuntime:
+        import ray
+        from ray import serve
+
+        app = build_app(self.config)  # fails on the driver before the cluster is touched
+        if not ray.is_initialized():
+            ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
+            self._owns_ray = True
+        s = self.config.server
+        serve.start(http_options={"host": s.host, "port": s.http_port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        return self
+
+    def problem(self) -> str | None:
+        return None
+
+    def restart(self) -> None:
+        self.reload()
+
+    def reload(self) -> list[str]:
+        from ray import serve
+
+        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
+        return [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
+
+    def deployments(self) -> dict[str, Any]:
+        """Each deployment's running replica count (what Ray has, read back)."""
+        from ray import serve
+
+        app = serve.status().applications[APP_NAME]
+        return {
+            name: sum(n for state, n in d.replica_states.items() if str(state) == "RUNNING")
+            for name, d in app.deployments.items()
+        }
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            if self._owns_ray:
+                ray.shutdown()
+                self._owns_ray = False
+
+    def __enter__(self) -> RayRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,165 @@
+"""What every runtime shares: the ``Runtime`` contract and the one way a model is loaded.
+
+A runtime is a thin adapter: it takes a ``ServeConfig``, loads each model through
+``load_models`` (the engine switch, the image model beside a classifier, the version
+wrapper for live updates), renders the batching policy to its own form and serves.
+The ``Supervisor`` drives any runtime the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from ..batching.policy import BatchingPolicy
+from ..config import ModelConfig, ServeConfig, image_model_name
+from ..runners.base import Runner
+from ..runners.versioned import VersionedRunner
+from ..spec import ModelSpec
+
+__all__ = [
+    "ModelProbe",
+    "Runtime",
+    "ServedModel",
+    "load_model_runner",
+    "load_models",
+    "probe_model",
+    "reload_models",
+]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model as a runtime serves it: a name, a Runner, its batching policy and instances."""
+
+    name: str
+    runner: Runner
+    policy: BatchingPolicy = field(default_factory=BatchingPolicy)
+    instance_count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.instance_count < 1:
+            raise ValueError(f"{self.name}: instance_count must be >= 1, got {self.instance_count}")
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A server the ``Supervisor`` can start, watch, reload and stop."""
+
+    def start(self) -> object:
+        """Load and warm up every model, then listen; returns once every model is ready."""
+        ...
+
+    def stop(self) -> None:
+        """Stop listening (waiting for requests in flight) and release every model."""
+        ...
+
+    def problem(self) -> str | None:
+        """Why the runtime cannot serve right now (a dead process, say), or None."""
+        ...
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports."""
+        ...
+
+    def reload(self) -> list[str]:
+        """Read every model's file again and serve it (a live update where the runtime can);
+        returns what it did, one line per model. A model that fails to load raises and the
+        serving version stays."""
+        ...
+
+
+def load_model_runner(model: ModelConfig, cache_dir: str | None = None) -> Runner:
+    """The model's file on its engine, read from disk now (what a reload runs again).
+
+    Raises:
+        ModelNotFound: the zoo name or file does not exist.
+        ValueError: the file does not load, naming it and the engine's error.
+    """
+    from .. import zoo
+    from ..errors import ServekitError
+    from ..runners import load_runner
+
+    path = zoo.resolve(model.source, cache_dir)
+    try:
+        return load_runner(
+            path,
+            engine=model.engine,
+            precision=model.precision,
+            max_batch_size=model.batching.max_batch_size or None,
+            preferred_batch_sizes=model.batching.preferred_batch_sizes,
+            threads=model.threads,
+            device=model.device,
+        )
+    except (ValueError, ServekitError):
+        raise
+    except Exception as exc:
+        raise ValueError(f"{model.source}: cannot load: {type(exc).__name__}: {exc}") from None
+
+
+def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[ServedModel]:
+    """The tensor model and, for an image classifier with ``model.image``, its image model
+    (encoded images in, top-k out). Both share one ``VersionedRunner``, so an update of the
+    tensor model updates both."""
+    from ..pipeline import image_classifier, is_image_classifier
+
+    runner = VersionedRunner(load_model_runner(model, cache_dir), name=model.name)
+    served = [ServedModel(model.name, runner, model.batching, model.instances)]
+    if model.image and runner.spec.batched and is_image_classifier(runner.spec):
+        clf = image_classifier(runner, top_k=model.top_k, labels=model.labels)
+        served.append(
+            ServedModel(image_model_name(model.name), clf, model.batching, model.instances)
+        )
+    return served
+
+
+def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[str]:
+    """Read each configured model's file again and swap it into its ``VersionedRunner``
+    (the in-process runtimes' SIGHUP); returns one line per model."""
+    by_name = {m.name: m.runner for m in served}
+    done = []
+    for model in config.models:
+        versioned = by_name[model.name]
+        assert isinstance(versioned, VersionedRunner)
+        number = versioned.update(load_model_runner(model, config.cache_dir))
+        done.append(f"{model.name}: now serving version {number}")
+    return done
+
+
+@dataclass(frozen=True)
+class ModelProbe:
+    """What a runtime that loads models elsewhere (Ray's replicas, Triton's backend) needs to
+    know first: the file, its signature and metadata, and the image model's signature
+    (None when no image model is served)."""
+
+    path: Path
+    spec: ModelSpec
+    metadata: dict[str, str]
+    image_spec: ModelSpec | None
+
+
+def probe_model(model: ModelConfig, cache_dir: str | None = None) -> ModelProbe:
+    """Load the model's file once with ONNX Runtime (the signature is the file's, whatever
+    engine serves it) to read its signature; a file that does not load fails here, naming it.
+    """
+    from .. import zoo
+    from ..pipeline import ImageClassifier, image_stages, is_image_classifier
+
+    probe = dataclasses.replace(
+        model, engine="onnxruntime", precision="fp32", device=None, threads=1
+    )
+    runner = load_model_runner(probe, cache_dir)
+    try:
+        spec = runner.spec
+        meta = dict(getattr(runner, "metadata", None) or {})
+        image_spec = None
+        if model.image and spec.batched and is_image_classifier(spec):
+            pre, post = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)
+            image_spec = ImageClassifier([pre, runner, post]).spec
+            pre.close()
+        return ModelProbe(zoo.resolve(model.source, cache_dir), spec, meta, image_spec)
+    finally:
+        runner.close()

@@ -1,0 +1,112 @@
+"""``Supervisor``: the one loop that runs a runtime until it is told to stop.
+
+SIGINT/SIGTERM stop the runtime cleanly, also while it is still starting (a signal then
+interrupts the start, and whatever was started is stopped). SIGHUP reloads the models
+from their files (``Runtime.reload``); a reload that fails is logged and the serving
+version stays. Every ``check_s`` the runtime is asked for a ``problem``; a runtime that
+has one is restarted on the same ports, up to ``max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from .base import Runtime
+
+__all__ = ["Supervisor"]
+
+log = logging.getLogger("servekit")
+
+
+class Supervisor:
+    """Runs ``runtime`` in the foreground: start, watch, reload on SIGHUP, stop on a signal."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        max_restarts: int = 5,
+        check_s: float = 1.0,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.max_restarts = max_restarts
+        self.check_s = check_s
+        self.restarts = 0
+        self._say = on_event or log.info
+        self._stop = threading.Event()
+        self._hup = threading.Event()
+        self._wake = threading.Event()
+        self._started = False
+
+    def request_stop(self) -> None:
+        """Ask ``run`` to stop the runtime and return (thread-safe)."""
+        self._stop.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        """Ask ``run`` to reload the models (thread-safe)."""
+        self._hup.set()
+        self._wake.set()
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.request_stop()
+        if not self._started:  # interrupt a start that may take a while
+            raise KeyboardInterrupt
+
+    def run(self) -> int:
+        """Serve until a stop signal; returns the exit code (0, or 1 when the runtime died
+        more often than ``max_restarts``)."""
+        previous = self._install()
+        try:
+            try:
+                self.runtime.start()
+                self._started = True
+            except KeyboardInterrupt:
+                return 0
+            self._install()  # again: starting Ray replaces the SIGTERM handler with an abort
+            return self._watch()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            self.runtime.stop()
+
+    def _install(self) -> dict[int, object]:
+        """Take SIGINT, SIGTERM and SIGHUP (from the main thread only); returns the handlers
+        they had."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, object] = {
+            sig: signal.signal(sig, self._on_stop) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
+        return previous
+
+    def _watch(self) -> int:
+        while not self._stop.is_set():
+            self._wake.wait(self.check_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            if self._hup.is_set():
+                self._hup.clear()
+                try:
+                    for line in self.runtime.reload():
+                        self._say(line)
+                except Exception as exc:  # a failed update must not stop the serving version
+                    self._say(f"reload failed, the serving version stays: {exc}")
+            problem = self.runtime.problem()
+            if problem is None:
+                continue
+            if self.restarts >= self.max_restarts:
+                self._say(f"{problem}; gave up after {self.restarts} restart(s)")
+                return 1
+            self.restarts += 1
+            self._say(f"{problem}; restarting ({self.restarts}/{self.max_restarts})")
+            self.runtime.restart()
+            self._say("restarted")
+        return 0

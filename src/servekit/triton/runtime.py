@@ -1,0 +1,93 @@
+"""``TritonRuntime``: a ``ServeConfig`` served by tritonserver with servekit's Triton backend.
+
+The config is rendered to a model repository in a private folder (``model_repository``),
+and ``TritonProcess`` runs tritonserver on it behind servekit's front, with the config's
+ports and tokens. What ``servekit serve --runtime triton`` runs; ``servekit repo build``
+writes the same repository to a folder of your own for ``servekit triton``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..config import ServeConfig
+from .launcher import TritonOptions, TritonProcess
+from .repo import build_repository, model_repository
+
+__all__ = ["TritonRuntime", "triton_options"]
+
+
+def triton_options(config: ServeConfig, model_repository: Path, **extra: object) -> TritonOptions:
+    """The tritonserver flags a ``ServeConfig``'s server section implies."""
+    s = config.server
+    return TritonOptions(
+        model_repository,
+        host=s.host,
+        http_port=s.http_port,
+        grpc_port=s.grpc_port,
+        metrics_port=s.metrics_port,
+        log_verbose=s.log_verbose,
+        exit_timeout_s=s.exit_timeout_s,
+        inference_token=s.inference_token,
+        control_token=s.control_token,
+        front=s.front,
+        max_body_bytes=s.max_body_bytes,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+class TritonRuntime:
+    """The ``triton`` runtime: start, use, stop (or a context manager)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config.check("triton")
+        self.process: TritonProcess | None = None
+        self._root: Path | None = None
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> TritonRuntime:
+        return cls(config)
+
+    @property
+    def repository(self) -> Path | None:
+        return self._root
+
+    def start(self) -> TritonRuntime:
+        """Render and build the repository, start tritonserver, wait for every model."""
+        self._root = Path(tempfile.mkdtemp(prefix="servekit-repository-"))
+        try:
+            models = model_repository(self.config)
+            build_repository(self._root, models, cache_dir=self.config.cache_dir)
+            self.process = TritonProcess(triton_options(self.config, self._root)).start()
+            self.process.wait_ready([m.name for m in models])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def problem(self) -> str | None:
+        return self.process.problem() if self.process is not None else "not started"
+
+    def restart(self) -> None:
+        assert self.process is not None
+        self.process.restart()
+
+    def reload(self) -> list[str]:
+        assert self.process is not None
+        return self.process.reload()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def __enter__(self) -> TritonRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
