@@ -225,7 +225,10 @@ def _int8(
             _Reader(iter({name: t} for t in tensors)),
             quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QInt8 if target == "tensorrt" else QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
+            # ONNX Runtime's UINT8 x INT8 kernels on x86 CPUs without VNNI (AVX2 alone)
+            # multiply through 16-bit sums that saturate; UINT8 x UINT8 never does, so a
+            # file made for the CPU answers the same on every CPU it is served on.
+            weight_type=QuantType.QInt8 if target == "tensorrt" else QuantType.QUInt8,
             per_channel=per_channel,
             calibrate_method=methods[method],
             nodes_to_exclude=sorted(set(exclude)),
