@@ -4,8 +4,12 @@ PyTriton fails every request of a batch with one INTERNAL error. This wraps its
 proxy so a response carrying ``__servekit_error__`` (code, message) becomes an
 error response for that request alone, with the right code (INVALID_ARG -> HTTP
 400 / gRPC INVALID_ARGUMENT, UNAVAILABLE -> 503, ...). servekit installs it as
-``model.py`` next to PyTriton's proxy, renamed ``_pytriton_model.py``.
+``model.py`` next to PyTriton's proxy, renamed ``_pytriton_model.py``. It also makes
+the second and later instances of a model wait for the first one's handshake instead
+of failing the load (``_get_config_patiently``).
 """
+
+import time
 
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
@@ -39,4 +43,23 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
         return super().initialize(args)
 
 
+_get_config = _proxy.get_config_from_handshake_server
+
+
+def _get_config_patiently(socket_path, timeout_s=1.0):  # type: ignore[no-untyped-def]
+    """PyTriton's instances after the first read their config from the first one's
+    handshake socket with a 1 s deadline and no retry; on a busy machine the socket's
+    file exists a moment before it listens, the connection is refused and the model
+    fails to load. Keep asking for up to 60 s instead."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return _get_config(socket_path, timeout_s=5.0)
+        except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 _proxy._wrap_response = _wrap_response_or_error
+_proxy.get_config_from_handshake_server = _get_config_patiently
