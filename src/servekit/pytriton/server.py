@@ -23,6 +23,7 @@ from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_models, reload_models
 from ..runtime.processes import kill_leftovers, processes
 from ..triton.env import apply_triton_environment, free_port, gpu_present
+from ..triton.logs import LogFollower
 from .binding import infer_callable, install_error_shim, pytriton_tensors
 
 __all__ = ["TritonServer"]
@@ -58,6 +59,7 @@ class TritonServer:
         self._triton: Any = None
         self._workdir: Path | None = None
         self._front: Any = None
+        self._log: LogFollower | None = None
         self._stubs: dict[int, str] = {}
         self.restarts = 0
         """How many times ``serve`` restarted Triton after a model's worker process died."""
@@ -110,9 +112,12 @@ class TritonServer:
                 metrics_config=["summary_latencies=true"],
                 allow_gpu_metrics=gpu_present(),
                 log_verbose=c.log_verbose,
+                log_file=self._workdir / "tritonserver.log",
                 exit_timeout_secs=c.exit_timeout_s,
             ),
         )
+        self._log = LogFollower(self._workdir / "tritonserver.log", verbose=c.log_verbose > 0)
+        self._log.start()
         try:
             for m in self.models:
                 install_error_shim(m.name)
@@ -232,6 +237,9 @@ class TritonServer:
         if self._triton is not None:
             self._triton.stop()
             self._triton = None
+        if self._log is not None:
+            self._log.stop()
+            self._log = None
         if self._workdir is not None:
             kill_leftovers(str(self._workdir))
             shutil.rmtree(self._workdir, ignore_errors=True)

@@ -69,6 +69,7 @@ class Supervisor:
             except KeyboardInterrupt:
                 return 0
             self._install()  # again: starting Ray replaces the SIGTERM handler with an abort
+            self._say("serving: SIGHUP reloads the models, SIGINT or SIGTERM stops")
             return self._watch()
         finally:
             for sig, handler in previous.items():

@@ -31,6 +31,7 @@ from .env import (
     gpu_present,
     triton_environment,
 )
+from .logs import LogFollower
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -118,6 +119,7 @@ class TritonProcess:
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
         self._front: Any = None
+        self._log: LogFollower | None = None
         # With the front, tritonserver's HTTP endpoint keeps one private port across restarts.
         self.triton_http_url = (
             f"http://127.0.0.1:{free_port()}" if options.front else options.http_url
@@ -170,6 +172,7 @@ class TritonProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self._log = LogFollower(self.log_path, verbose=self.options.log_verbose > 0).start()
         deadline = time.monotonic() + timeout_s
         while not self._http_ok("/v2/health/live"):
             if proc.poll() is not None:  # died, or stop() was called meanwhile
@@ -260,6 +263,9 @@ class TritonProcess:
                     self._proc.wait()
             code = self._proc.returncode
             self._proc = None
+        if self._log is not None:  # after the server's last words
+            self._log.stop()
+            self._log = None
         if self._workdir is not None:
             from ..runtime.processes import kill_leftovers
 

@@ -1,0 +1,105 @@
+"""tritonserver's log, followed and filtered for the console.
+
+tritonserver 2.51 prints lines at every start that read like failures but are not: an
+error per model PyTriton loads from memory (``Failed to set config modification time``)
+and, on a machine without a GPU, CUDA's pinned-memory and driver messages. Each known
+one is explained once and then hidden; the start-up tables are dropped; every other
+warning and error is passed on as it is. With ``log_verbose`` > 0 nothing is filtered.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["HARMLESS", "LogFollower", "filter_line"]
+
+log = logging.getLogger("servekit.tritonserver")
+
+HARMLESS = {
+    "Failed to set config modification time": (
+        "tritonserver 2.51 logs 'Failed to set config modification time' for every model "
+        "loaded with its config in the request (all of PyTriton's): harmless"
+    ),
+    "Unable to allocate pinned system memory": "no CUDA driver: no pinned memory pool (CPU serving)",
+    "CudaDriverHelper has not been initialized": "no CUDA driver: CPU serving",
+    "CUDA memory pool disabled": "no CUDA driver: CPU serving",
+}
+"""Substring -> why the line is harmless."""
+
+_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ?(.*)$")
+
+
+def filter_line(line: str, explained: set[str]) -> tuple[int, str] | None:
+    """What to log for one tritonserver line: (level, text), or None to hide it.
+    ``explained`` collects the explanations already given."""
+    stripped = line.rstrip("\n")
+    for needle, why in HARMLESS.items():
+        if needle in stripped:
+            if why in explained:
+                return None
+            explained.add(why)
+            return logging.INFO, f"tritonserver: {why} (hidden from now on)"
+    if not stripped.strip() or stripped.lstrip()[:1] in ("+", "|"):
+        return None  # the start-up tables
+    m = _LINE.match(stripped)
+    if m is None:
+        return logging.INFO, f"tritonserver: {stripped}"
+    kind, text = m.groups()
+    if not text.strip():
+        return None  # a table's heading line
+    level = {"I": logging.INFO, "W": logging.WARNING}.get(kind, logging.ERROR)
+    text = text.strip().strip('"')
+    return level, f"tritonserver: {text}"
+
+
+class LogFollower:
+    """Follows a growing log file on a daemon thread and logs its lines, filtered."""
+
+    def __init__(self, path: Path, *, verbose: bool = False, interval_s: float = 0.2) -> None:
+        self.path, self.verbose, self.interval_s = Path(path), verbose, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._explained: set[str] = set()
+
+    def start(self) -> LogFollower:
+        self._thread = threading.Thread(target=self._run, name="servekit-tritonlog", daemon=True)
+        self._thread.start()
+        return self
+
+    def _emit(self, line: str) -> None:
+        if self.verbose:
+            log.info("tritonserver: %s", line.rstrip("\n"))
+            return
+        out = filter_line(line, self._explained)
+        if out is not None:
+            log.log(*out)
+
+    def _run(self) -> None:
+        while not self.path.exists():
+            if self._stop.wait(self.interval_s):
+                return
+        with self.path.open(errors="replace") as f:
+            pending = ""
+            while True:
+                chunk = f.readline()
+                if chunk:
+                    pending += chunk
+                    if pending.endswith("\n"):
+                        self._emit(pending)
+                        pending = ""
+                    continue
+                if self._stop.is_set():
+                    if pending:
+                        self._emit(pending)
+                    return
+                time.sleep(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None

@@ -1,0 +1,50 @@
+"""tritonserver's log on the console: known-harmless lines explained once, errors kept."""
+
+from __future__ import annotations
+
+import logging
+
+from servekit.triton.logs import LogFollower, filter_line
+
+START = """\
+W1123 13:44:21.880105 675 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory pool will not be available: CUDA driver version is insufficient"
+E1123 13:44:21.880352 675 server.cc:241] "CudaDriverHelper has not been initialized."
+I1123 13:44:21.880648 675 server.cc:604]
++------------------+------+
+| Repository Agent | Path |
++------------------+------+
+
+E1123 13:44:22.898288 675 model_repository_manager.cc:470] "Failed to set config modification time: model_config_content_name_ is empty"
+I1123 13:44:22.901295 675 model_lifecycle.cc:472] "loading: tiny_cnn:1"
+E1123 13:44:25.020320 675 model_repository_manager.cc:470] "Failed to set config modification time: model_config_content_name_ is empty"
+E1123 13:44:26.000000 675 model_lifecycle.cc:641] "failed to load 'broken': model.onnx does not exist"
+W1123 13:44:27.000000 675 metrics.cc:1] "an unknown warning"
+"""
+
+
+def test_harmless_lines_are_explained_once_and_errors_stay():
+    explained: set[str] = set()
+    out = [r for line in START.splitlines() if (r := filter_line(line, explained))]
+    texts = [t for _, t in out]
+    assert sum("Failed to set config modification time" in t for t in texts) == 1
+    assert all("harmless" in t or "CPU serving" in t for t in texts[:3])
+    assert (logging.INFO, "tritonserver: loading: tiny_cnn:1") in out
+    assert (
+        logging.ERROR,
+        "tritonserver: failed to load 'broken': model.onnx does not exist",
+    ) in out
+    assert out[-1] == (logging.WARNING, "tritonserver: an unknown warning")
+    assert not any("Repository Agent" in t or t.endswith(": ") for t in texts)
+
+
+def test_the_follower_logs_a_growing_file_and_everything_when_verbose(tmp_path, caplog):
+    path = tmp_path / "tritonserver.log"
+    for verbose, expected in ((False, 6), (True, len(START.splitlines()))):
+        caplog.clear()
+        path.write_text("")
+        with caplog.at_level(logging.INFO, logger="servekit.tritonserver"):
+            follower = LogFollower(path, verbose=verbose, interval_s=0.01).start()
+            with path.open("a") as f:
+                f.write(START)
+            follower.stop()
+        assert len(caplog.records) == expected, [r.message for r in caplog.records]
