@@ -1,5 +1,5 @@
 # Two commands do all set-up on a machine with python3, make and git:
-#   make serve   create .venv, install, build the reference model, start serving (PyTriton)
+#   make serve   create .venv, install, build the models, start serving (PyTriton)
 #   make test    the same set-up, then the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,12 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	@touch $@
 
-models: $(STAMP)
-	$(BIN)/servekit models build resnet50
+# The trained EfficientNet-Lite0 (real ImageNet class names) and the ResNet-50 reference workload.
+MODELS := efficientnet_lite0 resnet50
 
-# KServe v2 on HTTP :8000, gRPC :8001, metrics :8002 (Ctrl-C stops it).
+models: $(STAMP)
+	$(BIN)/servekit models build $(MODELS)
+
+# KServe v2 on HTTP :8000, gRPC :8001, metrics :8002 (Ctrl-C stops it): each model and its
+# <name>_image model. Try: .venv/bin/servekit infer --sample cat --url http://localhost:8000
 serve: models
-	$(BIN)/servekit serve --model resnet50
+	$(BIN)/servekit serve $(addprefix --model ,$(MODELS))
 
 demo: models
 	$(BIN)/servekit demo

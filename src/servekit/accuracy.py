@@ -10,7 +10,6 @@ real pictures.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -59,24 +58,13 @@ def photo_set(variants: bool = True) -> list[bytes]:
     """scikit-image's colour sample photos as JPEGs, each also flipped and cropped."""
     from PIL import Image
 
-    try:
-        import skimage.data
-    except ImportError:
-        raise ImportError(
-            "the photo set needs scikit-image: pip install 'servekit[trained]'"
-        ) from None
+    from .samples import skimage_photo, to_jpeg
+
     out: list[bytes] = []
     for name in _PHOTOS:
-        loader = getattr(skimage.data, name, None)
-        if loader is None:
+        img = skimage_photo(name)
+        if img is None:
             continue
-        try:
-            array = loader()
-        except Exception:  # a photo scikit-image would have to download
-            continue
-        if array.ndim == 2 or array.shape[-1] not in (3, 4):
-            continue
-        img = Image.fromarray(array[..., :3])
         views = [img]
         if variants:
             w, h = img.size
@@ -87,10 +75,7 @@ def photo_set(variants: bool = True) -> list[bytes]:
                 img.crop((w - cw, h - ch, w, h)),
                 img.crop(((w - cw) // 2, (h - ch) // 2, (w + cw) // 2, (h + ch) // 2)),
             ]
-        for view in views:
-            buf = io.BytesIO()
-            view.convert("RGB").save(buf, "JPEG", quality=92)
-            out.append(buf.getvalue())
+        out += [to_jpeg(view) for view in views]
     return out
 
 

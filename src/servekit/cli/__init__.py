@@ -16,6 +16,9 @@ __all__ = ["app", "main"]
 app = typer.Typer(
     help="servekit: serve deep-learning models in-process, on Triton and on Ray.",
     context_settings={"max_content_width": 120},
+    # Plain help: Rich's boxed tables cut the text into narrow columns whenever the
+    # terminal is narrow or unknown (a pipe, CI logs); click's layout reads at any width.
+    rich_markup_mode=None,
 )
 app.add_typer(models_app, name="models")
 app.add_typer(repo_app, name="repo")

@@ -59,7 +59,9 @@ ConfigFile = Annotated[
 Models = Annotated[
     list[str] | None,
     typer.Option(
-        "--model", help="Zoo model name or ONNX file; repeat for several (replaces the file's)."
+        "--model",
+        metavar="MODEL",
+        help="Zoo model name or ONNX file; repeat for several (replaces the file's).",
     ),
 ]
 Name = Annotated[str | None, typer.Option(help="Served name (one model; default: its stem).")]

@@ -16,16 +16,28 @@ from .common import CacheDir, console
 __all__ = ["demo", "infer"]
 
 
+TRAINED = "efficientnet_lite0"
+"""What ``servekit infer`` classifies with by default: a trained model with ImageNet's class names."""
+
+
 def infer(
     images: Annotated[
-        list[Path], typer.Argument(help="JPEG/PNG files.", exists=True, dir_okay=False)
-    ],
+        list[Path] | None,
+        typer.Argument(help="JPEG/PNG files.", exists=True, dir_okay=False),
+    ] = None,
+    sample: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME",
+            help="A sample photo by name, repeatable: cat, coffee, astronaut, rocket.",
+        ),
+    ] = None,
     model: Annotated[
         str,
         typer.Option(
             help="Zoo model or ONNX path (in-process); with --url, the served image model."
         ),
-    ] = "resnet50",
+    ] = TRAINED,
     url: Annotated[
         str | None,
         typer.Option(
@@ -37,8 +49,18 @@ def infer(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     cache_dir: CacheDir = None,
 ) -> None:
-    """Classify images and print the top-k classes of each: in-process, or on a server with --url."""
-    blobs = [p.read_bytes() for p in images]
+    """Classify images and print the top-k classes of each: in-process, or on a server with
+    --url. The default model is a trained EfficientNet-Lite0 with ImageNet's class names."""
+    from ..samples import sample as load_sample
+
+    named: list[tuple[str, bytes]] = [(str(p), p.read_bytes()) for p in images or []]
+    try:
+        named += [(f"sample {name}", load_sample(name)) for name in sample or []]
+    except (ValueError, ImportError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--sample") from None
+    if not named:
+        raise typer.BadParameter("give image files or --sample NAME (cat, coffee, ...)")
+    blobs = [blob for _, blob in named]
     try:
         if url is not None:
             from ..client import Client
@@ -59,13 +81,13 @@ def infer(
         raise typer.Exit(2) from None
     if as_json:
         out = {
-            str(p): [{"label": r.label, "class_id": r.class_id, "score": r.score} for r in preds]
-            for p, preds in zip(images, results, strict=True)
+            name: [{"label": r.label, "class_id": r.class_id, "score": r.score} for r in preds]
+            for (name, _), preds in zip(named, results, strict=True)
         }
         typer.echo(json.dumps(out, indent=2))
         return
-    for path, preds in zip(images, results, strict=True):
-        table = Table("rank", "class", "label", "score", title=str(path))
+    for (name, _), preds in zip(named, results, strict=True):
+        table = Table("rank", "class", "label", "score", title=name)
         for rank, p in enumerate(preds, 1):
             table.add_row(str(rank), str(p.class_id), p.label, f"{p.score:.4f}")
         console.print(table)

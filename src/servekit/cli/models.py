@@ -31,8 +31,12 @@ from .common import (
 
 __all__ = ["models_app", "repo_app"]
 
-models_app = typer.Typer(help="Reference models built locally from a fixed seed.")
-repo_app = typer.Typer(help="Triton model repositories rendered from a ServeConfig.")
+models_app = typer.Typer(
+    help="Reference models built locally from a fixed seed.", rich_markup_mode=None
+)
+repo_app = typer.Typer(
+    help="Triton model repositories rendered from a ServeConfig.", rich_markup_mode=None
+)
 
 
 @models_app.command("build")

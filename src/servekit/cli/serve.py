@@ -33,6 +33,23 @@ from .common import (
 
 __all__ = ["serve", "triton"]
 
+SERVER_FLAGS = (
+    "host",
+    "http_port",
+    "grpc_port",
+    "metrics_port",
+    "front",
+    "inference_token",
+    "control_token",
+    "log_verbose",
+)
+"""The flags of both commands that set ``ServeConfig.server`` fields of the same names."""
+
+
+def _server_flags(scope: dict[str, object]) -> dict[str, object]:
+    return {name: scope[name] for name in SERVER_FLAGS}
+
+
 Restarts = Annotated[
     int, typer.Option(min=0, help="Restart a runtime that dies, up to N times (0 = never).")
 ]
@@ -92,16 +109,7 @@ def serve(
         models=model,
         runtime=runtime,
         cache_dir=cache_dir,
-        server={
-            "host": host,
-            "http_port": http_port,
-            "grpc_port": grpc_port,
-            "metrics_port": metrics_port,
-            "front": front,
-            "inference_token": inference_token,
-            "control_token": control_token,
-            "log_verbose": log_verbose,
-        },
+        server=_server_flags(locals()),
         name=name,
         engine=engine,
         precision=precision,
@@ -167,16 +175,7 @@ def triton(
     cfg = serve_config(
         config,
         runtime="triton",
-        server={
-            "host": host,
-            "http_port": http_port,
-            "grpc_port": grpc_port,
-            "metrics_port": metrics_port,
-            "front": front,
-            "inference_token": inference_token,
-            "control_token": control_token,
-            "log_verbose": log_verbose,
-        },
+        server=_server_flags(locals()),
     )
     try:
         options = triton_options(
