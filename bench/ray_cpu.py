@@ -23,7 +23,8 @@ from ray import serve
 from servekit import BatchingPolicy, zoo
 from servekit.bench.loadgen import MeasureConfig, sweep
 from servekit.bench.targets import open_target
-from servekit.ray import build_app, policy_to_dict
+from servekit.config import ModelConfig, RayOptions, ServeConfig
+from servekit.ray import build_app
 from servekit.stages import synthetic_image
 from servekit.triton.env import free_port
 
@@ -52,16 +53,10 @@ def main() -> None:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {
-                "model": str(path),
-                "name": "resnet50",
-                "batching": policy_to_dict(BatchingPolicy(max_batch_size=8)),
-                "model_replicas": 2,
-                "model_cpus": 0.5,
-                "threads": 1,
-            }
+        model = ModelConfig(
+            str(path), "resnet50", batching=BatchingPolicy(max_batch_size=8), instances=2, threads=1
         )
+        app = build_app(ServeConfig((model,), runtime="ray", ray=RayOptions(model_cpus=0.5)))
         serve.run(app, name="servekit", route_prefix="/")
         payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
         cfg = MeasureConfig(window_s=args.seconds / 3, warmup_s=3, max_windows=3)
