@@ -25,7 +25,7 @@ from rich.table import Table
 
 from servekit import BatchingPolicy, OnnxRuntimeRunner, image_classifier, zoo
 from servekit.bench import MeasureConfig, open_target, parse_levels, sweep
-from servekit.bench.compare import pipeline_ceiling
+from servekit.bench.compare import Setup, pipeline_ceiling
 from servekit.bench.report import plot_latency_vs_throughput, write_csv, write_json
 from servekit.config import ModelConfig, ServerConfig
 from servekit.pytriton import TritonServer
@@ -66,7 +66,7 @@ def main() -> None:
     policy = BatchingPolicy(max_batch_size=args.max_batch_size)
 
     path = zoo.build("resnet50")
-    ceiling, by_batch = pipeline_ceiling(path, args.seconds)
+    ceiling, by_batch = pipeline_ceiling(Setup.of(ModelConfig(str(path), "resnet50")), args.seconds)
     clf = image_classifier(OnnxRuntimeRunner(path))
     p50_1, p99_1 = one_at_a_time_ms(clf, jpeg, args.seconds)
     clf.close()

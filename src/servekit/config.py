@@ -219,7 +219,6 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "native": {
         "ray": "Ray deployment options",
-        "grpc_port": "the native runtime serves KServe v2 over HTTP only",
         "control_token": "there are no control APIs",
     },
     "ray": {

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,83 +32,154 @@ from .loadgen import MeasureConfig, Point, sweep
 from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
-__all__ = ["RUNTIMES", "ComparisonResult", "compare", "markdown_report"]
+__all__ = ["RUNTIMES", "ComparisonResult", "ServerProcess", "Setup", "compare", "markdown_report"]
 
 
 @dataclass(frozen=True)
 class Setup:
     model: ModelConfig
     """The model (file, policy, instances, threads) every runtime serves."""
+    target: str
+    """The served model the load goes to: ``<name>_image`` for an image classifier."""
     payload: dict[str, np.ndarray]
+    image: bool
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> Setup:
+        """An image classifier gets one 320x240 JPEG per request, any other model one row
+        of random tensors (``payload_from_metadata``)."""
+        from ..http.kserve import metadata
+        from ..runtime.base import probe_model
+        from .payload import payload_from_metadata
+
+        probe = probe_model(model)
+        if probe.image_spec is not None:
+            payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
+            return cls(model, image_model_name(model.name), payload, True)
+        inputs = metadata(model.name, probe.spec)["inputs"]
+        return cls(model, model.name, payload_from_metadata(inputs), False)
+
+    def local(self, threads: int | None = None) -> Any:
+        """What the in-process rows call: the Pipeline (classifier) or the runner itself."""
+        import dataclasses
+
+        from ..pipeline import image_classifier
+        from ..runtime.base import load_model_runner
+
+        runner = load_model_runner(dataclasses.replace(self.model, threads=threads))
+        return image_classifier(runner, top_k=self.model.top_k) if self.image else runner
 
 
 @contextlib.contextmanager
 def _raw(setup: Setup) -> Iterator[Any]:
-    from ..pipeline import image_classifier
-    from ..runners.onnx import OnnxRuntimeRunner
-
-    clf = image_classifier(OnnxRuntimeRunner(setup.model.source))
+    local = setup.local()
     try:
-        yield lambda: RunnerTarget(clf, setup.payload, threads=16, name="raw")
+        yield (lambda: RunnerTarget(local, setup.payload, threads=16, name="raw")), None
     finally:
-        clf.close()
+        local.close()
 
 
 @contextlib.contextmanager
 def _batcher(setup: Setup) -> Iterator[Any]:
-    from ..pipeline import image_classifier
-    from ..runtime.base import load_model_runner
-
     m = setup.model
-    clf = image_classifier(load_model_runner(m))
-    batcher = Batcher(clf, m.batching, instance_count=m.instances, name=image_model_name(m.name))
+    local = setup.local(m.threads)
+    batcher = Batcher(local, m.batching, instance_count=m.instances, name=setup.target)
     try:
-        yield lambda: BatcherTarget(batcher, setup.payload)
+        yield (lambda: BatcherTarget(batcher, setup.payload)), None
     finally:
         batcher.close()
-        clf.close()
+        local.close()
 
 
 def _served(runtime: str) -> Callable[[Setup], Any]:
-    """A runtime started by ``create_runtime`` from the same ``ServeConfig`` on loopback;
-    the targets speak gRPC where the runtime has it, HTTP otherwise."""
+    """``servekit serve --runtime RUNTIME`` in its own process, from the same ``ServeConfig``
+    on loopback, so its process tree's CPU is its own; the targets speak gRPC where the
+    runtime has it, HTTP otherwise."""
 
     @contextlib.contextmanager
     def served(setup: Setup) -> Iterator[Any]:
-        from ..runtime import create_runtime
-
         config = ServeConfig(
             (setup.model,),
             ServerConfig(exit_timeout_s=2),
             runtime=runtime,
             ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
         ).on_loopback()
-        server = create_runtime(config)
-        server.start()
-        try:
-            url = config.server.http_url if runtime in ("ray", "native") else config.server.grpc_url
-            image = image_model_name(setup.model.name)
-            yield lambda: open_target(url, image, setup.payload)
-        finally:
-            server.stop()
+        url = config.server.http_url if runtime == "ray" else config.server.grpc_url
+        with ServerProcess(config) as server:
+            server.wait_ready([setup.target])
+            yield (lambda: open_target(url, setup.target, setup.payload)), server.pid
 
     return served
 
 
-def pipeline_ceiling(model_path: Path, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
-    """The in-process Pipeline's best images/s over batch sizes 1, 8 and 16 (no server at all)."""
-    from ..pipeline import image_classifier
-    from ..runners.onnx import OnnxRuntimeRunner
+class ServerProcess:
+    """``servekit serve --config`` in a process of its own: start, wait, stop (SIGTERM)."""
 
-    jpeg = synthetic_image(0)
+    def __init__(self, config: ServeConfig, *extra_args: str) -> None:
+        self.config, self.extra_args = config, extra_args
+        self._dir = tempfile.TemporaryDirectory(prefix="servekit-server-")
+        self.log = Path(self._dir.name) / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def __enter__(self) -> ServerProcess:
+        path = Path(self._dir.name) / "serve.toml"
+        path.write_text(self.config.to_toml())
+        command = [sys.executable, "-m", "servekit", "serve", "--config", str(path)]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [*command, *self.extra_args], stdout=log, stderr=subprocess.STDOUT
+            )
+        return self
+
+    def wait_ready(self, models: Sequence[str], timeout_s: float = 300.0) -> None:
+        from ..client import Client
+
+        deadline = time.monotonic() + timeout_s
+        url = self.config.server.http_url
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
+            try:
+                with Client(url) as client:
+                    if all(client.is_ready(m) for m in models):
+                        return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{models} not ready in {timeout_s} s: {self.log.read_text()[-3000:]}"
+                )
+            time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._dir.cleanup()
+
+
+def pipeline_ceiling(setup: Setup, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
+    """The in-process model's best rows/s over batch sizes 1, 8 and 16 (those the model
+    takes; no server at all):
+    the Pipeline for a classifier, the runner otherwise."""
+    local = setup.local()
     by_batch: dict[int, float] = {}
-    clf = image_classifier(OnnxRuntimeRunner(model_path))
     try:
-        for batch in (1, 8, 16):
-            images = [jpeg] * batch
-            by_batch[batch] = rows_per_s(lambda: clf.classify(images), batch, seconds)  # noqa: B023 - called before the loop moves on
+        for batch in [b for b in (1, 8, 16) if b <= max(local.spec.max_batch_size, 1)]:
+            rows = {k: np.concatenate([v] * batch) for k, v in setup.payload.items()}
+            by_batch[batch] = rows_per_s(lambda: local.infer(rows), batch, seconds)  # noqa: B023 - called before the loop moves on
     finally:
-        clf.close()
+        local.close()
     return max(by_batch.values()), by_batch
 
 
@@ -146,6 +224,8 @@ class ComparisonResult:
     ceiling: float | None = None
     """The in-process Pipeline's best images/s at its best batch size: the raw ceiling."""
     ceiling_by_batch: dict[int, float] | None = None
+    workload: str = ""
+    """What each request is, in words (for the report)."""
 
     def share_of_raw(self) -> dict[str, float]:
         """Each runtime's best inferences/s as a fraction of the raw ceiling (or raw's best)."""
@@ -176,15 +256,11 @@ def compare(
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
-    payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
-    setup = Setup(model, payload)
-    model_path = Path(model.source)
-    result = ComparisonResult({}, {})
+    setup = Setup.of(model)
+    result = ComparisonResult({}, {}, workload=_workload(setup))
     if ceiling_seconds > 0:
-        on_event("measuring the raw ceiling (in-process Pipeline, batch 1/8/16)")
-        result.ceiling, result.ceiling_by_batch = pipeline_ceiling(
-            Path(model_path), ceiling_seconds
-        )
+        on_event("measuring the raw ceiling (in-process, batch 1/8/16)")
+        result.ceiling, result.ceiling_by_batch = pipeline_ceiling(setup, ceiling_seconds)
     for name in runtimes:
         try:
             context = RUNTIMES[name](setup)
@@ -193,17 +269,32 @@ def compare(
             on_event(f"skipped {name}: {exc}")
             continue
         on_event(f"measuring {name}")
-        with context as make_target:
+        with context as (make_target, pid):
+            measure = dataclasses.replace(cfg, server_pid=pid)
 
-            async def run(make_target: Any = make_target) -> list[Point]:
+            async def run(make_target: Any = make_target, measure: Any = measure) -> list[Point]:
                 target = make_target()  # inside the loop: asyncio clients bind to it
                 try:
-                    return await sweep(target, levels, "concurrency", cfg)
+                    return await sweep(target, levels, "concurrency", measure)
                 finally:
                     await target.close()
 
             result.series[name] = asyncio.run(run())
     return result
+
+
+def _workload(setup: Setup) -> str:
+    if setup.image:
+        return (
+            f"Every runtime classifies the same 320x240 JPEG (decode, resize, crop, normalise, "
+            f"{setup.model.name}, top-{setup.model.top_k}) on `{setup.target}`, closed loop, one "
+            "image per request, same policy."
+        )
+    shapes = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in setup.payload.items())
+    return (
+        f"Every runtime serves `{setup.target}` with the same policy, closed loop, one request "
+        f"of {shapes} at a time per client."
+    )
 
 
 def markdown_report(result: ComparisonResult, command: str, plot: str | None, machine: str) -> str:
@@ -218,26 +309,29 @@ def markdown_report(result: ComparisonResult, command: str, plot: str | None, ma
         command,
         "```",
         "",
-        "Every runtime classifies the same 320x240 JPEG (decode, resize, crop, normalise, "
-        "ResNet-50, top-5), closed loop, one image per request, same policy.",
+        result.workload
+        or "Every runtime serves the same model, closed loop, one request at a time per client.",
         "",
         (
-            f"Raw ceiling: {result.ceiling:.1f} images/s, the in-process Pipeline at its best batch size "
+            f"Raw ceiling: {result.ceiling:.1f} rows/s, the in-process model at its best batch size "
             f"(by batch: {', '.join(f'{b}: {v:.1f}' for b, v in (result.ceiling_by_batch or {}).items())}). "
-            "The `raw` rows call the same Pipeline one image per request from concurrent threads."
+            "The `raw` rows call it one request at a time from concurrent threads."
             if result.ceiling
             else "Shares are of the `raw` rows' best."
         ),
         "",
-        "| runtime | concurrency | images/s | share of raw (best) | p50 ms | p95 ms | p99 ms | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| runtime | concurrency | rows/s | share of raw (best) | p50 ms | p95 ms | p99 ms | errors "
+        "| server CPU us/request | client CPU us/request |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, points in result.series.items():
         for p in points:
             s = p.stats
+            server = "-" if math.isnan(p.server_cpu_us) else f"{p.server_cpu_us:.0f}"
             lines.append(
                 f"| {name} | {p.level:g} | {s.inferences_per_s:.1f} | {shares.get(name, float('nan')):.1%} | "
-                f"{s.p50_ms:.1f} | {s.p95_ms:.1f} | {s.p99_ms:.1f} | {s.errors} |"
+                f"{s.p50_ms:.1f} | {s.p95_ms:.1f} | {s.p99_ms:.1f} | {s.errors} | {server} | "
+                f"{p.client_cpu_us:.0f} |"
             )
     if shares:
         lines += [

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ServekitError
+from .cpu import TreeCpu
 from .stats import WindowStats, is_stable, summarize
 from .targets import Target
 
@@ -35,6 +36,8 @@ class MeasureConfig:
     rows_per_request: int = 1
     max_in_flight: int = 2048
     """Open loop: requests outstanding at once before the client counts itself saturated."""
+    server_pid: int | None = None
+    """The server's process: its whole tree's CPU is measured per request (same host only)."""
 
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.warmup_s < 0:
@@ -64,6 +67,11 @@ class Point:
     fell behind its schedule or hit max_in_flight."""
     achieved_rate: float
     error_messages: tuple[str, ...] = field(default_factory=tuple)
+    client_cpu_us: float = float("nan")
+    """Client CPU per request answered, microseconds (the whole client process)."""
+    server_cpu_us: float = float("nan")
+    """Server CPU per request answered, microseconds: the CPU time of the server's whole
+    process tree (``MeasureConfig.server_pid``); NaN when not measured."""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -75,6 +83,8 @@ class Point:
             "client_cpu": self.client_cpu,
             "client_bound": self.client_bound,
             "achieved_rate": self.achieved_rate,
+            "client_cpu_us": self.client_cpu_us,
+            "server_cpu_us": self.server_cpu_us,
             "errors_seen": list(self.error_messages),
         }
 
@@ -134,13 +144,25 @@ class _Recorder:
         return summarize(lat, (end - start) - len(lat), duration, rows)
 
 
+@dataclass(frozen=True)
+class _Usage:
+    client_cores: float
+    client_us: float
+    """Client CPU per request completed in the measured windows, microseconds."""
+    server_us: float
+    """The same for the server's process tree; NaN without ``server_pid``."""
+
+
 async def _measure(
     recorder: _Recorder, cfg: MeasureConfig, extra: Callable[[], bool] = lambda: False
-) -> tuple[list[WindowStats], list[tuple[int, int, float]], float]:
-    """Warm up, then cut windows until stable; returns windows, their bounds, client CPU."""
+) -> tuple[list[WindowStats], list[tuple[int, int, float]], _Usage]:
+    """Warm up, then cut windows until stable; returns windows, their bounds and the CPU
+    the client (and the server's tree, with ``server_pid``) used per request."""
     await asyncio.sleep(cfg.warmup_s)
     windows: list[WindowStats] = []
     bounds: list[tuple[int, int, float]] = []
+    server = TreeCpu(cfg.server_pid) if cfg.server_pid is not None else None
+    first = len(recorder.latencies)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     while len(windows) < cfg.max_windows:
         i0, t0 = len(recorder.latencies), time.perf_counter()
@@ -150,8 +172,15 @@ async def _measure(
         bounds.append((i0, i1, t1 - t0))
         if is_stable(windows, cfg.stability, cfg.stable_windows):
             break
-    cpu = (time.process_time() - cpu_start) / max(time.perf_counter() - wall_start, 1e-9)
-    return windows, bounds, cpu
+    client_s = time.process_time() - cpu_start
+    server_s = server.lap() if server is not None else float("nan")
+    requests = max(len(recorder.latencies) - first, 1)
+    usage = _Usage(
+        client_s / max(time.perf_counter() - wall_start, 1e-9),
+        client_s / requests * 1e6,
+        server_s / requests * 1e6,
+    )
+    return windows, bounds, usage
 
 
 def _merge(
@@ -186,10 +215,11 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
 
     workers = [asyncio.create_task(worker()) for _ in range(int(concurrency))]
     try:
-        windows, bounds, cpu = await _measure(recorder, cfg)
+        windows, bounds, usage = await _measure(recorder, cfg)
     finally:
         stop = True
         await asyncio.gather(*workers, return_exceptions=True)
+    cpu = usage.client_cores
     n = min(cfg.stable_windows, len(windows))
     stats = _merge(recorder, bounds, n, cfg.rows_per_request)
     # The generator's event loop is one thread: near a full core, it is the bottleneck.
@@ -204,6 +234,8 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
         client_bound,
         stats.throughput,
         tuple(recorder.errors),
+        usage.client_us,
+        usage.server_us,
     )
 
 
@@ -244,12 +276,13 @@ async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int =
     scheduler = asyncio.create_task(schedule())
     start = time.perf_counter()
     try:
-        windows, bounds, cpu = await _measure(recorder, cfg)
+        windows, bounds, usage = await _measure(recorder, cfg)
     finally:
         stop = True
         await scheduler
         await asyncio.gather(*in_flight, return_exceptions=True)
     achieved = sent / (time.perf_counter() - start)
+    cpu = usage.client_cores
     n = min(cfg.stable_windows, len(windows))
     stats = _merge(recorder, bounds, n, cfg.rows_per_request)
     behind = achieved < 0.95 * rate or saturated > 0
@@ -264,6 +297,8 @@ async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int =
         behind,
         achieved,
         tuple(recorder.errors),
+        usage.client_us,
+        usage.server_us,
     )
 
 

@@ -28,6 +28,8 @@ def table(points: Sequence[Point], title: str = "") -> Table:
         "p99 ms",
         "mean ms",
         "errors",
+        "client CPU us/req",
+        "server CPU us/req",
         "note",
         title=title,
     )
@@ -47,6 +49,8 @@ def table(points: Sequence[Point], title: str = "") -> Table:
             f"{s.p99_ms:.1f}",
             f"{s.mean_ms:.1f}",
             str(s.errors),
+            f"{p.client_cpu_us:.0f}",
+            "-" if math.isnan(p.server_cpu_us) else f"{p.server_cpu_us:.0f}",
             ", ".join(notes),
         )
     return t

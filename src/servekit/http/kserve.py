@@ -22,7 +22,15 @@ import numpy as np
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
 
-__all__ = ["DecodedRequest", "decode_request", "encode_response", "metadata"]
+__all__ = [
+    "DecodedRequest",
+    "decode_request",
+    "element_count",
+    "encode_response",
+    "metadata",
+    "tensor_from_raw",
+    "tensor_to_raw",
+]
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
@@ -66,6 +74,35 @@ def _bytes_to_binary(array: np.ndarray) -> bytes:
         parts.append(struct.pack("<I", len(b)))
         parts.append(b)
     return b"".join(parts)
+
+
+def tensor_from_raw(
+    name: str, datatype: str, shape: list[int], raw: memoryview, count: int
+) -> np.ndarray:
+    """One input from its raw bytes (Triton's binary tensor layout: little-endian values,
+    BYTES as 4-byte-length-prefixed elements); ``count`` is the checked element count."""
+    if datatype == "BYTES":
+        return _bytes_from_binary(raw, count, name).reshape(shape)
+    dtype = as_dtype(datatype).numpy
+    if len(raw) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"got {len(raw)}"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def tensor_to_raw(array: np.ndarray) -> tuple[str, bytes]:
+    """An output's KServe datatype and raw bytes (the layout ``tensor_from_raw`` reads)."""
+    datatype = as_dtype(array.dtype).datatype
+    if datatype == "BYTES":
+        return datatype, _bytes_to_binary(array)
+    return datatype, np.ascontiguousarray(array).tobytes()
+
+
+def element_count(shape: list[int], name: str, available: int) -> int:
+    """Public name of ``_element_count`` (the gRPC service checks claims the same way)."""
+    return _element_count(shape, name, available)
 
 
 def _element_count(shape: list[int], name: str, available: int) -> int:
@@ -167,17 +204,8 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
                 raise InvalidInput(
                     f"input {name!r}: binary_data_size {size!r} exceeds the {len(binary) - pos} binary bytes left"
                 )
-            raw = binary[pos : pos + size]
+            inputs[name] = tensor_from_raw(name, datatype, shape, binary[pos : pos + size], count)
             pos += size
-            if datatype == "BYTES":
-                inputs[name] = _bytes_from_binary(raw, count, name).reshape(shape)
-            else:
-                dtype = as_dtype(datatype).numpy
-                if size != count * dtype.itemsize:
-                    raise InvalidInput(
-                        f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, got {size}"
-                    )
-                inputs[name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
         elif "data" in item:
             inputs[name] = _json_data(item["data"], datatype, shape, name, len(body))
         else:
@@ -222,11 +250,7 @@ def encode_response(
         datatype = as_dtype(array.dtype).datatype
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if "*" in request.binary_outputs or name in request.binary_outputs:
-            raw = (
-                _bytes_to_binary(array)
-                if datatype == "BYTES"
-                else np.ascontiguousarray(array).tobytes()
-            )
+            _, raw = tensor_to_raw(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             tails.append(raw)
         elif datatype == "BYTES":

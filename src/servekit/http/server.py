@@ -12,8 +12,9 @@ __all__ = ["AsgiThread", "MetricsApp"]
 
 class AsgiThread:
     """uvicorn serving ``app`` on ``host:port`` from a daemon thread; ``start`` returns once
-    it listens, ``stop`` waits for requests in flight. ``on_exit`` runs on the server's loop
-    after it stops (closing clients that belong to that loop)."""
+    it listens, ``stop`` waits for requests in flight. ``on_start`` runs on the server's
+    loop before it listens (another server sharing the loop), ``on_exit`` after it stops
+    (closing what belongs to that loop)."""
 
     def __init__(
         self,
@@ -22,10 +23,11 @@ class AsgiThread:
         port: int,
         *,
         name: str = "servekit-http",
+        on_start: Callable[[], Awaitable[None]] | None = None,
         on_exit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.app, self.host, self.port, self.name = app, host, port, name
-        self._on_exit = on_exit
+        self._on_start, self._on_exit = on_start, on_exit
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -55,6 +57,8 @@ class AsgiThread:
     def _run(self) -> None:
         async def main() -> None:
             try:
+                if self._on_start is not None:
+                    await self._on_start()
                 await self._server.serve()
             finally:
                 if self._on_exit is not None:

@@ -1,8 +1,10 @@
-"""``NativeServer``: the KServe v2 front over servekit's ``Batcher``s, in one process.
+"""``NativeServer``: servekit's KServe v2 server over its ``Batcher``s, in one process.
 
 Every model of the ``ServeConfig`` is loaded through ``load_models`` and batched by a
 ``Batcher`` with the model's own ``BatchingPolicy`` and ``instances`` worker threads;
-the front answers on ``http_port`` and the Prometheus metrics on ``metrics_port``.
+KServe v2 is answered over HTTP on ``http_port`` (the hardened front) and over gRPC on
+``grpc_port`` (Triton's ``GRPCInferenceService``), both on one event loop, and the
+Prometheus metrics on ``metrics_port``.
 Readiness turns true once every model is warm.
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from ..batching import Batcher
 from ..config import ServeConfig
+from ..grpc import GrpcService, grpc_server
 from ..http.app import KServeApp
 from ..http.server import AsgiThread, MetricsApp
 from ..runtime.base import ServedModel, load_models, reload_models
@@ -58,8 +61,33 @@ class NativeServer:
                 inference_token=c.server.inference_token,
             )
             app = self.app
+            grpc = GrpcService(
+                app.models,
+                ready=lambda: self._ready,
+                inference_token=c.server.inference_token,
+                on_failure=app.metrics.failed,
+            )
+            holder: dict[str, Any] = {}
+
+            async def start_grpc() -> None:  # on the HTTP front's event loop: one loop for both
+                holder["server"] = grpc_server(
+                    grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes
+                )
+                await holder["server"].start()
+
+            async def stop_grpc() -> None:
+                if "server" in holder:
+                    await holder["server"].stop(c.server.exit_timeout_s)
+
             self._threads = [
-                AsgiThread(app, c.server.host, c.server.http_port, name="servekit-native").start(),
+                AsgiThread(
+                    app,
+                    c.server.host,
+                    c.server.http_port,
+                    name="servekit-native",
+                    on_start=start_grpc,
+                    on_exit=stop_grpc,
+                ).start(),
                 AsgiThread(
                     MetricsApp(app.metrics.render),
                     c.server.host,

@@ -1,0 +1,254 @@
+"""Triton's ``GRPCInferenceService`` (from the protocol definitions tritonclient ships) over a
+``ModelRegistry``, on ``grpc.aio``: what the native runtime serves on its gRPC port.
+
+Health, server and model metadata, model readiness, model configuration (Triton's
+``ModelConfig`` message with the batching policy in force) and inference, with tensors
+as typed contents or raw bytes (tritonclient sends raw). Requests are checked the way the
+HTTP front checks them: shape claims against the request's size before anything is
+allocated, then the model's signature. Errors map once through ``errors.grpc_code``.
+Methods servekit does not serve here (shared memory, repository control, statistics,
+trace, logging) answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from .. import __version__
+from ..errors import (
+    INFERENCE_TOKEN_HEADER,
+    InvalidInput,
+    ModelNotFound,
+    RunnerError,
+    ServekitError,
+    Unauthenticated,
+    grpc_code,
+)
+from ..http.kserve import element_count, tensor_from_raw, tensor_to_raw
+from ..http.models import ModelRegistry
+from ..spec import as_dtype
+
+__all__ = ["GrpcService", "grpc_server"]
+
+log = logging.getLogger(__name__)
+
+GRPC_TOKEN_KEY = "triton-grpc-protocol-" + INFERENCE_TOKEN_HEADER
+"""Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
+
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
+
+
+def _parameter(value: Any) -> Any:
+    kind = value.WhichOneof("parameter_choice")
+    return getattr(value, kind) if kind else None
+
+
+def _scheduling(request: Any) -> dict[str, int]:
+    out = {}
+    for key, arg in (("priority", "priority"), ("timeout", "timeout_us")):
+        if key in request.parameters:
+            value = _parameter(request.parameters[key])
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(
+                    f"parameter {key!r}: expected a non-negative integer, got {value!r}"
+                )
+            out[arg] = value
+    return out
+
+
+def decode_inputs(request: Any) -> dict[str, np.ndarray]:
+    """The request's input tensors, checked before anything is allocated for them."""
+    available = request.ByteSize()
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
+        if not name:
+            raise InvalidInput(f"inputs[{i}] needs a name")
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
+        try:
+            as_dtype(datatype)
+        except (KeyError, TypeError, ValueError):
+            raise InvalidInput(f"input {name!r}: unknown datatype {datatype!r}") from None
+        if any(d < 0 for d in shape):
+            raise InvalidInput(f"input {name!r}: shape {shape} has a negative dimension")
+        count = element_count(shape, name, available)
+        if raw:
+            inputs[name] = tensor_from_raw(name, datatype, shape, memoryview(raw[i]), count)
+            continue
+        field = _CONTENTS.get(datatype)
+        if field is None:
+            raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
+        values = getattr(tensor.contents, field)
+        if len(values) != count:
+            raise InvalidInput(
+                f"input {name!r}: shape {shape} needs {count} values, contents has {len(values)}"
+            )
+        if datatype == "BYTES":
+            array = np.empty(count, dtype=object)
+            array[:] = list(values)
+        else:
+            array = np.asarray(values, dtype=as_dtype(datatype).numpy)
+        inputs[name] = array.reshape(shape)
+    return inputs
+
+
+class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The service; ``ready`` is the server's readiness (e.g. warm-up done)."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        *,
+        ready: Callable[[], bool] = lambda: True,
+        inference_token: str | None = None,
+        on_failure: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.models, self._ready = models, ready
+        self._token = inference_token.encode() if inference_token else None
+        self._on_failure = on_failure
+
+    async def _fail(self, context: Any, exc: BaseException) -> None:
+        if not isinstance(exc, ServekitError):
+            log.exception("unexpected error in a gRPC call")
+            exc = RunnerError(f"internal error: {type(exc).__name__}: {exc}")
+        await context.abort(getattr(grpc.StatusCode, grpc_code(exc)), str(exc))
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self._ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerMetadataResponse(
+            name="servekit",
+            version=__version__,
+            extensions=["binary_tensor_data", "model_configuration"],
+        )
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        version = request.version or None
+        ready = self._ready() and await self.models.is_ready(request.name, version)
+        return service_pb2.ModelReadyResponse(ready=ready)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        try:
+            model = await self.models.lookup(request.name)
+        except ServekitError as exc:
+            await self._fail(context, exc)
+        lead = [-1] if model.spec.batched else []
+
+        def tensors(items: Any) -> list[Any]:
+            return [
+                service_pb2.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.dtype.datatype, shape=lead + list(t.shape)
+                )
+                for t in items
+            ]
+
+        return service_pb2.ModelMetadataResponse(
+            name=request.name,
+            versions=["1"],
+            platform="servekit",
+            inputs=tensors(model.spec.inputs),
+            outputs=tensors(model.spec.outputs),
+        )
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        from ..triton.pbtxt import model_config
+
+        try:
+            model = await self.models.lookup(request.name)
+        except ServekitError as exc:
+            await self._fail(context, exc)
+        policy = model.batcher.policy if model.batcher is not None else None
+        instances = model.batcher.instance_count if model.batcher is not None else 1
+        config = model_config(request.name, model.spec, policy, instance_count=instances)
+        return service_pb2.ModelConfigResponse(config=config)
+
+    def _authenticate(self, context: Any) -> None:
+        if self._token is None:
+            return
+        given = next(
+            (v for k, v in context.invocation_metadata() or () if k.lower() == GRPC_TOKEN_KEY),
+            "",
+        )
+        if not hmac.compare_digest(
+            given.encode() if isinstance(given, str) else given, self._token
+        ):
+            raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} metadata")
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        name = request.model_name
+        try:
+            self._authenticate(context)
+            model = await self.models.lookup(name)
+            if request.model_version not in ("", "1") and not model.versioned:
+                raise ModelNotFound(
+                    f"model {name!r} has no version {request.model_version!r}; it has ['1']"
+                )
+            try:
+                inputs = decode_inputs(request)
+            except InvalidInput:
+                self._on_failure(name)
+                raise
+            outputs = await model.infer(
+                inputs, **_scheduling(request), version=request.model_version
+            )
+            wanted = [o.name for o in request.outputs] or list(outputs)
+            unknown = [n for n in wanted if n not in outputs]
+            if unknown or len(set(wanted)) != len(wanted):
+                raise InvalidInput(
+                    f"requested outputs {wanted}: unknown or repeated; {name} has {sorted(outputs)}"
+                )
+        except Exception as exc:
+            await self._fail(context, exc)
+        response = service_pb2.ModelInferResponse(
+            model_name=name, model_version=request.model_version or "1", id=request.id
+        )
+        for out in wanted:
+            datatype, raw = tensor_to_raw(outputs[out])
+            response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
+            response.raw_output_contents.append(raw)
+        return response
+
+
+def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: int) -> Any:
+    """A ``grpc.aio`` server with the service on ``host:port`` (start it on a running loop)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    address = f"[::]:{port}" if host in ("0.0.0.0", "") else f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"gRPC could not listen on {address}")
+    return server
