@@ -77,9 +77,8 @@ def test_answers_equal_in_process_over_both_protocols(native, tiny_cnn_path, pro
 
 
 def test_typed_contents_and_requested_outputs_over_grpc(native):
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
     import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     channel = grpc.insecure_channel(native.config.server.grpc_url.removeprefix("grpc://"))
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -112,9 +111,8 @@ def test_typed_contents_and_requested_outputs_over_grpc(native):
 def test_bad_grpc_requests_get_a_code_naming_the_problem_and_the_server_lives(
     native, inputs, code, message
 ):
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
     import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     channel = grpc.insecure_channel(native.config.server.grpc_url.removeprefix("grpc://"))
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
