@@ -319,3 +319,51 @@ def test_serve_on_ray_redeploys_on_sighup_and_stops_cleanly_on_sigterm(tmp_path,
         code = stop(proc)
     assert code == 0  # not Ray's abort on SIGTERM (-6)
     assert "reload failed, the serving version stays" in proc.stdout_text
+
+
+def _serve(runtime: str, model: Path, http: int, grpc: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "servekit", "serve", "--runtime", runtime, "--model", str(model),
+         "--name", "tiny", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),
+         "--metrics-port", str(free_port()), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def test_serve_natively_answers_both_protocols_reloads_on_sighup_and_stops_cleanly(
+    tmp_path, tiny_cnn_path
+):
+    http, grpc = free_port(), free_port()
+    model = tmp_path / "tiny.onnx"
+    shutil.copyfile(tiny_cnn_path, model)
+    proc = _serve("native", model, http, grpc)
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "tiny_image", proc)
+        with Client(f"grpc://127.0.0.1:{grpc}") as c:
+            assert len(c.classify([_jpeg()], model="tiny_image")[0]) == 5
+        reload_on_sighup(proc, f"http://127.0.0.1:{http}", "tiny", model)
+    finally:
+        code = stop(proc)
+    assert code == 0
+    assert "tiny: now serving version 2" in proc.stdout_text
+    assert "reload failed, the serving version stays" in proc.stdout_text
+
+
+def test_serve_on_the_triton_backend_renders_the_repository_and_serves_it(tmp_path, tiny_cnn_path):
+    http, grpc = free_port(), free_port()
+    proc = _serve("triton", tiny_cnn_path, http, grpc, "--max-batch-size", "4", "--top-k", "2")
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "tiny_image", proc)
+        x = {"input": np.zeros((2, 3, 32, 32), np.float32)}
+        want = OnnxRuntimeRunner(tiny_cnn_path).infer(x)["logits"]
+        for url in (f"http://127.0.0.1:{http}", f"grpc://127.0.0.1:{grpc}"):
+            with Client(url) as c:
+                np.testing.assert_allclose(c.infer("tiny", x)["logits"], want, rtol=1e-5)
+                assert len(c.classify([_jpeg()], model="tiny_image")[0]) == 2
+        # The front is servekit's: the request that aborts tritonserver's own HTTP is a 400.
+        status, payload = post_json(http, "/v2/models/tiny/infer", HOSTILE)
+        assert status == 400 and "claims" in payload["error"]
+    finally:
+        code = stop(proc)
+    assert code == 0
+    assert proc.stdout_text.count("Failed to set config modification time") <= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -250,7 +251,18 @@ def test_infer_command_sends_images_to_the_server(server, tmp_path):
     path = tmp_path / "a.jpg"
     path.write_bytes(images(1)[0])
     result = CliRunner().invoke(
-        app, ["infer", str(path), "--url", server.server.grpc_url, "--json", "--top-k", "2"]
+        app,
+        [
+            "infer",
+            str(path),
+            "--url",
+            server.server.grpc_url,
+            "--model",
+            "resnet50",
+            "--json",
+            "--top-k",
+            "2",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert len(next(iter(__import__("json").loads(result.output).values()))) == 2
@@ -296,6 +308,7 @@ def test_bench_command_measures_the_served_model(server, tmp_path):
         [
             "bench", "--url", server.server.grpc_url, "--model", "resnet50_image", "--concurrency", "1,2",
             "--window", "0.5", "--warmup", "0.2", "--max-windows", "3", "--stability", "0.5", "--out", str(out),
+            "--server-pid", str(os.getpid()),
         ],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -303,7 +316,17 @@ def test_bench_command_measures_the_served_model(server, tmp_path):
     points = next(iter(data["series"].values()))
     assert [p["level"] for p in points] == [1, 2]
     assert all(p["errors"] == 0 and p["requests"] > 0 for p in points)
+    # The server here is this process's tree (tritonserver and its stubs included).
+    assert all(p["server_cpu_us"] > 0 and p["client_cpu_us"] > 0 for p in points)
     assert out.with_suffix(".png").stat().st_size > 1000 and out.with_suffix(".csv").exists()
+    json_run = CliRunner().invoke(
+        app,
+        [
+            "bench", "--url", server.server.http_url, "--model", "resnet50", "--concurrency", "1",
+            "--window", "0.5", "--warmup", "0.2", "--max-windows", "3", "--stability", "0.5", "--json",
+        ],
+    )  # fmt: skip
+    assert json_run.exit_code == 0, json_run.output
 
 
 def test_bench_command_reports_an_unknown_model(server):

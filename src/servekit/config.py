@@ -254,12 +254,6 @@ class ServeConfig:
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 
-    def model(self, name: str) -> ModelConfig:
-        for m in self.models:
-            if m.name == name:
-                return m
-        raise KeyError(f"no model {name!r} in the config; it has {[m.name for m in self.models]}")
-
     def check(self, runtime: str | None = None) -> ServeConfig:
         """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
         config's) cannot honour; returns self."""

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import PRECISIONS
+
 __all__ = ["CALIBRATION_METHODS", "PRECISIONS", "TARGETS", "calibration_images", "optimize"]
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 TARGETS = ("cpu", "tensorrt")
 

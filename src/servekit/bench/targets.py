@@ -7,6 +7,7 @@ remote errors raise ``ServekitError`` subclasses, so the generator counts them t
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -76,7 +77,7 @@ class RemoteTarget:
     async def check(self) -> None:
         """Fail fast and clearly: the server must answer and know the model."""
         try:
-            await self._client.infer_prepared(self.model, self._prepared)
+            await self.send()  # the very request the measurement sends
         except ModelNotFound:
             raise
         except ModelNotReady as exc:
@@ -93,9 +94,9 @@ class RemoteTarget:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         try:
-            async with self._session.post(
-                self._endpoint, data=self._body, headers=self._headers
-            ) as r:
+            # aiohttp streams a body over 1 MB from a file object (and warns on raw bytes).
+            body = self._body if len(self._body) <= 1 << 20 else io.BytesIO(self._body)
+            async with self._session.post(self._endpoint, data=body, headers=self._headers) as r:
                 payload = await r.read()
                 if r.status != 200:
                     raise from_http_status(r.status, payload[:500].decode("utf-8", "replace"))

@@ -41,6 +41,10 @@ def bench(
     as_json: Annotated[
         bool, typer.Option("--json", help="HTTP: send JSON tensors, not binary.")
     ] = False,
+    server_pid: Annotated[
+        int | None,
+        typer.Option(help="Measure this server process tree's CPU per request (same host)."),
+    ] = None,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
@@ -62,6 +66,7 @@ def bench(
             max_windows=max_windows,
             stability=stability,
             rows_per_request=batch_size,
+            server_pid=server_pid,
         )
         with Client(url) as client:
             inputs = payload_from_metadata(client.metadata(model)["inputs"], batch_size)
@@ -72,7 +77,14 @@ def bench(
         raise typer.Exit(2) from None
 
     async def run() -> list:
-        target = open_target(url, model, inputs)
+        target = open_target(
+            url,
+            model,
+            inputs,
+            shared_memory=shared_memory,
+            access_token=access_token,
+            binary=not as_json,
+        )
         try:
             return await sweep(
                 target, levels, mode, cfg, on_point=lambda p: console.print(table([p]))

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from ..batching import Batcher
-from ..errors import ModelNotFound, ModelNotReady
+from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
+from ..grpc.forward import GrpcForwarder
 from ..spec import ModelSpec, spec_from_config
 from .app import KServeApp
 from .models import StaticModels
@@ -52,20 +53,20 @@ class ForwardedModel:
 
     def __init__(self, name: str, spec: ModelSpec, grpc_url: str, token: str | None = None) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
-        self._client: Any = None
+        self._client: GrpcForwarder | None = None
 
     async def infer(
         self,
         inputs: Mapping[str, np.ndarray],
+        *,
         priority: int = 0,
         timeout_us: int | None = None,
         version: str = "",
     ) -> dict[str, np.ndarray]:
         self.spec.validate_inputs(inputs)
         if self._client is None:  # a gRPC aio channel belongs to the loop that made it
-            from ..client import AsyncClient
-
-            self._client = AsyncClient(self.url, inference_token=self._token)
+            headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
+            self._client = GrpcForwarder(self.url, headers=headers)
         return await self._client.infer(
             self.name, inputs, priority=priority, timeout_us=timeout_us, version=version
         )

@@ -114,10 +114,6 @@ class NativeServer:
         """Read each model's file again and swap it in between batches (no request fails)."""
         return reload_models(self.config, self.models)
 
-    def policy(self, name: str) -> Any:
-        """The batching policy in force for model ``name`` (its Batcher's)."""
-        return self.batchers[name].policy
-
     def _shutdown(self) -> None:
         self._ready = False
         for thread in self._threads:

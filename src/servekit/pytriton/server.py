@@ -10,10 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import shutil
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..config import ServeConfig, ServerConfig
@@ -21,9 +18,9 @@ from ..errors import ModelNotFound
 from ..runners.base import Runner
 from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_models, reload_models
-from ..runtime.processes import kill_leftovers, processes
+from ..runtime.processes import processes
 from ..triton.env import apply_triton_environment, free_port, gpu_present
-from ..triton.logs import LogFollower
+from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
 
 __all__ = ["TritonServer"]
@@ -57,9 +54,8 @@ class TritonServer:
         self.config = serve_config
         """What ``reload`` reads the models' files from (set by ``from_config``)."""
         self._triton: Any = None
-        self._workdir: Path | None = None
+        self._workdir: Workdir | None = None
         self._front: Any = None
-        self._log: LogFollower | None = None
         self._stubs: dict[int, str] = {}
         self.restarts = 0
         """How many times ``serve`` restarted Triton after a model's worker process died."""
@@ -98,9 +94,10 @@ class TritonServer:
         security = TritonSecurityConfig(access_token=c.control_token)
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
-        self._workdir = Path(tempfile.mkdtemp(prefix="servekit-triton-"))
+        self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
+        workdir = self._workdir.path
         triton = Triton(
-            workspace=self._workdir / "workspace",
+            workspace=workdir / "workspace",
             security_config=security,
             config=TritonConfig(
                 http_address="127.0.0.1" if c.front else c.host,
@@ -112,12 +109,10 @@ class TritonServer:
                 metrics_config=["summary_latencies=true"],
                 allow_gpu_metrics=gpu_present(),
                 log_verbose=c.log_verbose,
-                log_file=self._workdir / "tritonserver.log",
+                log_file=self._workdir.log_path,
                 exit_timeout_secs=c.exit_timeout_s,
             ),
         )
-        self._log = LogFollower(self._workdir / "tritonserver.log", verbose=c.log_verbose > 0)
-        self._log.start()
         try:
             for m in self.models:
                 install_error_shim(m.name)
@@ -148,7 +143,8 @@ class TritonServer:
                 self._front.stop()
                 self._front = None
             triton.stop()
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir.close()
+            self._workdir = None
             raise
         self._triton = triton
         self.access_token = security.access_token
@@ -158,7 +154,7 @@ class TritonServer:
         instance = re.compile(rf"^(?:{names})_\d+_\d+$")
         self._stubs = {
             pid: next((a for a in argv if instance.match(a)), argv[0])
-            for pid, argv in processes(str(self._workdir)).items()
+            for pid, argv in processes(str(workdir)).items()
             if argv[0].endswith("triton_python_backend_stub")
         }
         return self
@@ -169,7 +165,7 @@ class TritonServer:
         and PyTriton cannot start a stub again, so ``serve`` restarts Triton."""
         if not self._stubs or self._workdir is None:
             return []
-        alive = processes(str(self._workdir))
+        alive = processes(str(self._workdir.path))
         return sorted(name for pid, name in self._stubs.items() if pid not in alive)
 
     def problem(self) -> str | None:
@@ -237,12 +233,8 @@ class TritonServer:
         if self._triton is not None:
             self._triton.stop()
             self._triton = None
-        if self._log is not None:
-            self._log.stop()
-            self._log = None
         if self._workdir is not None:
-            kill_leftovers(str(self._workdir))
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir.close()
             self._workdir = None
         self._stubs = {}
 

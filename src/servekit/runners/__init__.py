@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..config import ENGINES
 from .base import BaseRunner, FunctionRunner, Runner
 from .onnx import OnnxRuntimeRunner
 
 __all__ = ["ENGINES", "BaseRunner", "FunctionRunner", "OnnxRuntimeRunner", "Runner", "load_runner"]
-
-ENGINES = ("onnxruntime", "tensorrt", "torch")
 
 
 def load_runner(
@@ -27,7 +26,8 @@ def load_runner(
     PyTriton, Ray) goes through, so ``runner``/``precision`` mean the same everywhere.
 
     ONNX Runtime runs the file at the precision it was written in (make INT8/FP16 files
-    with ``servekit optimize``); TensorRT and Torch convert at load. ``device`` is a CUDA
+    with ``servekit optimize``); TensorRT and Torch convert at load. A file that declares
+    a device profile (the zoo's ``sim_t4``) runs on a ``SimulatedDevice``. ``device`` is a CUDA
     ordinal for TensorRT and a torch device (``cuda``, ``cuda:1``, ``cpu``) for Torch.
     """
     if engine == "onnxruntime":
@@ -36,7 +36,11 @@ def load_runner(
                 f"onnxruntime runs the model file as written, so precision must be fp32, got "
                 f"{precision!r}: make an {precision} file with `servekit optimize`"
             )
-        return OnnxRuntimeRunner(model, intra_op_threads=threads, max_batch_size=max_batch_size)
+        runner = OnnxRuntimeRunner(model, intra_op_threads=threads, max_batch_size=max_batch_size)
+        from .simulated import DeviceProfile, SimulatedDevice
+
+        profile = DeviceProfile.from_metadata(runner.metadata)
+        return runner if profile is None else SimulatedDevice(runner, profile)
     if engine == "tensorrt":
         from .tensorrt import TensorRTRunner
 

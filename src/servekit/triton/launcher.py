@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +30,7 @@ from .env import (
     gpu_present,
     triton_environment,
 )
-from .logs import LogFollower
+from .logs import Workdir
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -114,12 +113,11 @@ class TritonProcess:
     def __init__(self, options: TritonOptions) -> None:
         self.options = options
         self._proc: subprocess.Popen[bytes] | None = None
-        self._workdir: Path | None = None
+        self._workdir: Workdir | None = None
         self.restarts = 0
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
         self._front: Any = None
-        self._log: LogFollower | None = None
         # With the front, tritonserver's HTTP endpoint keeps one private port across restarts.
         self.triton_http_url = (
             f"http://127.0.0.1:{free_port()}" if options.front else options.http_url
@@ -161,9 +159,9 @@ class TritonProcess:
         """Start tritonserver (and the front, once) and wait until it is live and has finished
         its initial loads."""
         env = triton_environment()
-        self._workdir = Path(tempfile.mkdtemp(prefix="servekit-tritonserver-"))
-        backends = backend_directory(self._workdir, env)
-        self.log_path = self._workdir / "tritonserver.log"
+        self._workdir = Workdir("servekit-tritonserver-", verbose=self.options.log_verbose > 0)
+        backends = backend_directory(self._workdir.path, env)
+        self.log_path = self._workdir.log_path
         with self.log_path.open("wb") as log:
             proc = self._proc = subprocess.Popen(
                 self.command(backends, env),
@@ -172,7 +170,6 @@ class TritonProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self._log = LogFollower(self.log_path, verbose=self.options.log_verbose > 0).start()
         deadline = time.monotonic() + timeout_s
         while not self._http_ok("/v2/health/live"):
             if proc.poll() is not None:  # died, or stop() was called meanwhile
@@ -263,14 +260,8 @@ class TritonProcess:
                     self._proc.wait()
             code = self._proc.returncode
             self._proc = None
-        if self._log is not None:  # after the server's last words
-            self._log.stop()
-            self._log = None
         if self._workdir is not None:
-            from ..runtime.processes import kill_leftovers
-
-            kill_leftovers(str(self._workdir))
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir.close()
             self._workdir = None
         return code
 

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["HARMLESS", "LogFollower", "filter_line"]
+__all__ = ["HARMLESS", "LogFollower", "Workdir", "filter_line"]
 
 log = logging.getLogger("servekit.tritonserver")
 
@@ -103,3 +103,25 @@ class LogFollower:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+
+
+class Workdir:
+    """A tritonserver's private folder: its log (followed to the console, filtered) and its
+    processes (found by their executable's path under it). ``close`` stops following,
+    kills what outlived the server there, and removes the folder."""
+
+    def __init__(self, prefix: str, *, verbose: bool = False) -> None:
+        import tempfile
+
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        self.log_path = self.path / "tritonserver.log"
+        self._follower = LogFollower(self.log_path, verbose=verbose).start()
+
+    def close(self) -> None:
+        import shutil
+
+        from ..runtime.processes import kill_leftovers
+
+        self._follower.stop()  # after the server's last words
+        kill_leftovers(str(self.path))
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -7,7 +7,7 @@ import onnx
 
 from ._onnx import FLOAT, GraphBuilder
 
-__all__ = ["build_add_sub", "build_tiny_cnn"]
+__all__ = ["SIM_T4", "build_add_sub", "build_sim_t4", "build_tiny_cnn"]
 
 
 def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
@@ -43,3 +43,32 @@ def build_add_sub(width: int = 16) -> onnx.ModelProto:
         [("INPUT0", FLOAT, io), ("INPUT1", FLOAT, io)],
         [("OUTPUT0", FLOAT, io), ("OUTPUT1", FLOAT, io)],
     )
+
+
+SIM_T4 = (1000.0, 200.0)
+"""ResNet-50 INT8 on a T4, as a line: about 1 ms a batch plus 0.2 ms an image, so 833
+images/s at batch 1 and 4,300-4,800 at batch 32-128 (the "roughly 4-6k images/s" Triton
+reaches there at INT8); an approximation for simulation, not a measurement."""
+
+
+def build_sim_t4(scale: float = 8.0, seed: int = 0) -> onnx.ModelProto:
+    """A simulated T4 running ResNet-50 INT8, ``scale`` times slower so two CPU cores can
+    keep it busy: ``input`` [N,64,64,3] (NHWC, so it is served as a tensor model and the
+    load measures the serving path, not JPEG decoding) -> ``logits`` [N,1000]; each batch
+    takes the device's time (``SimulatedDevice``), the graph itself never runs."""
+    from ..runners.simulated import DeviceProfile
+
+    rng = np.random.default_rng(seed)
+    g = GraphBuilder()
+    g.const("fc.weight", rng.standard_normal((1000, 64)).astype(np.float32))
+    g.const("fc.bias", np.zeros(1000, np.float32))
+    t = g.node("GlobalAveragePool", ["input"], "pool")
+    t = g.node("Flatten", [t], "flatten", axis=1)
+    g.node("Gemm", [t, "fc.weight", "fc.bias"], "logits", transB=1)
+    model = g.model(
+        "sim_t4", [("input", FLOAT, ["batch", 64, 64, 3])], [("logits", FLOAT, ["batch", 1000])]
+    )
+    fixed, per_row = SIM_T4
+    profile = DeviceProfile(f"t4-int8-x{scale:g}", fixed * scale, per_row * scale)
+    onnx.helper.set_model_props(model, profile.to_metadata())
+    return model

@@ -1,0 +1,174 @@
+"""Serving cost per request on every runtime and protocol (issue: the serving path's cost).
+
+Each runtime is started as ``servekit serve --config`` in its own process on loopback
+with the same trivial model (``add_sub``: two FP32 [16] inputs), then driven closed loop
+at one concurrency over HTTP JSON, HTTP binary tensors and gRPC (where the port offers
+it). Reported per request: the server's CPU (its whole process tree: tritonserver and
+its stubs, Ray's processes) and the client's, beside throughput and latency. Peers:
+tritonserver's own ports (``front = false``) and a plain Ray Serve app
+(bench/plain_ray_app.py, HTTP JSON).
+
+    python bench/serving_cost.py --out bench/results/serving_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from servekit import BatchingPolicy, Client, ModelConfig, ServeConfig, ServerConfig, zoo
+from servekit.bench import MeasureConfig
+from servekit.bench.compare import ServerProcess, Setup
+from servekit.bench.loadgen import closed_loop
+from servekit.bench.targets import open_target
+from servekit.config import RayOptions
+from servekit.endpoints import free_port
+
+PROTOCOLS = ("http-json", "http-binary", "grpc")
+
+RUNS = [
+    # (row name, runtime, front, protocols)
+    ("native", "native", True, PROTOCOLS),
+    ("pytriton (front)", "pytriton", True, PROTOCOLS),
+    ("pytriton --no-front (Triton's own ports)", "pytriton", False, PROTOCOLS),
+    ("triton (front)", "triton", True, PROTOCOLS),
+    ("triton --no-front (tritonserver's own ports)", "triton", False, PROTOCOLS),
+    ("ray", "ray", True, ("http-json", "http-binary")),
+]
+
+
+@contextlib.contextmanager
+def plain_ray(model: Path, name: str, max_batch_size: int) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    script = Path(__file__).with_name("plain_ray_app.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--model", str(model), "--name", name,
+         "--port", str(port), "--max-batch-size", str(max_batch_size)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(Exception), Client(url) as c:
+                if c.is_ready(name):
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the plain Ray app did not start")
+            time.sleep(0.5)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def measure(url: str, model: str, payload, protocol: str, cfg: MeasureConfig, level: int):
+    if protocol == "grpc":
+        url = url.replace("http://", "grpc://")
+
+    async def run():
+        target = open_target(url, model, payload, binary=protocol != "http-json")
+        try:
+            return await closed_loop(target, level, cfg)
+        finally:
+            await target.close()
+
+    return asyncio.run(run())
+
+
+def row(name: str, protocol: str, point) -> dict:
+    s = point.stats
+    return {
+        "runtime": name,
+        "protocol": protocol,
+        "requests_per_s": s.throughput,
+        "p50_ms": s.p50_ms,
+        "p99_ms": s.p99_ms,
+        "errors": s.errors,
+        "server_cpu_us": point.server_cpu_us,
+        "client_cpu_us": point.client_cpu_us,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="add_sub")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--only", default="", help="Comma-separated row names to run (default all).")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serving_cost"))
+    args = ap.parse_args()
+
+    path = zoo.resolve(args.model)
+    model = ModelConfig(str(path), batching=BatchingPolicy(max_batch_size=args.max_batch_size))
+    setup = Setup.of(model)
+    cfg = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=5, stability=0.15)
+    rows = []
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    for name, runtime, front, protocols in RUNS:
+        if only and runtime not in only and name not in only:
+            continue
+        config = ServeConfig(
+            (model,),
+            ServerConfig(front=front, exit_timeout_s=2),
+            runtime=runtime,
+            ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
+        ).on_loopback()
+        print(f"starting {name}", flush=True)
+        with ServerProcess(config) as server:
+            server.wait_ready([setup.target])
+            for protocol in protocols:
+                url = config.server.http_url if protocol != "grpc" else config.server.grpc_url
+                point = measure(
+                    url, setup.target, setup.payload, protocol,
+                    dataclasses.replace(cfg, server_pid=server.pid), args.concurrency,
+                )  # fmt: skip
+                rows.append(row(name, protocol, point))
+                print(json.dumps(rows[-1]), flush=True)
+    if not only or "plain-ray" in only:
+        print("starting the plain Ray Serve app", flush=True)
+        with plain_ray(path, setup.target, args.max_batch_size) as (url, pid):
+            point = measure(
+                url, setup.target, setup.payload, "http-json",
+                MeasureConfig(**{**dataclasses.asdict(cfg), "server_pid": pid}), args.concurrency,
+            )  # fmt: skip
+            rows.append(row("plain Ray Serve app (@serve.batch, JSON)", "http-json", point))
+            print(json.dumps(rows[-1]), flush=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    command = "python " + " ".join(sys.argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"command": command, "machine": machine, "rows": rows}, indent=2)
+    )
+    lines = [
+        f"`{command}` on {machine}: `{setup.target}`, closed loop at concurrency "
+        f"{args.concurrency}, max_batch_size {args.max_batch_size}.",
+        "",
+        "| runtime | protocol | requests/s | p50 ms | p99 ms | errors | server CPU us/request | client CPU us/request |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['runtime']} | {r['protocol']} | {r['requests_per_s']:.0f} | {r['p50_ms']:.2f} | "
+            f"{r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_us']:.0f} | {r['client_cpu_us']:.0f} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

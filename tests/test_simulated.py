@@ -1,0 +1,71 @@
+"""The simulated accelerator: batch times follow the device profile, one batch at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from servekit import ModelConfig, ServeConfig, zoo
+from servekit.runners import load_runner
+from servekit.runners.simulated import DeviceProfile, SimulatedDevice
+from servekit.zoo.tiny import SIM_T4
+
+
+@pytest.fixture(scope="module")
+def sim_path(model_cache):
+    return zoo.build("sim_t4", model_cache)
+
+
+def test_a_file_with_a_device_profile_runs_on_the_simulated_device(sim_path):
+    runner = load_runner(sim_path)
+    try:
+        assert isinstance(runner, SimulatedDevice)
+        fixed, per_row = SIM_T4
+        assert runner.profile == DeviceProfile("t4-int8-x8", fixed * 8, per_row * 8)
+        assert runner.profile.ceiling(32) == pytest.approx(32 / (0.008 + 32 * 0.0016))
+        out = runner.infer({"input": np.zeros((3, 64, 64, 3), np.float32)})
+        assert out["logits"].shape == (3, 1000) and out["logits"].dtype == np.float32
+    finally:
+        runner.close()
+
+
+def test_a_batch_takes_at_least_the_profiles_time(sim_path):
+    runner = load_runner(sim_path)
+    try:
+        for rows in (1, 8):
+            start = time.perf_counter()
+            runner.infer({"input": np.zeros((rows, 64, 64, 3), np.float32)})
+            assert time.perf_counter() - start >= runner.profile.batch_s(rows)
+    finally:
+        runner.close()
+
+
+def test_batches_from_several_runners_share_one_device(sim_path):
+    """Two instances (as Triton's would be) never compute at the same time."""
+    runners = [load_runner(sim_path) for _ in range(2)]
+    x = {"input": np.zeros((4, 64, 64, 3), np.float32)}
+    start = time.perf_counter()
+    threads = [threading.Thread(target=r.infer, args=(x,)) for r in runners for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - start >= 4 * runners[0].profile.batch_s(4)
+    for r in runners:
+        r.close()
+
+
+def test_every_runtime_can_load_it(sim_path):
+    for runtime in ("native", "pytriton", "triton", "ray"):
+        ServeConfig((ModelConfig(str(sim_path)),), runtime=runtime).check()
+
+
+def test_it_is_served_as_a_tensor_model(sim_path):
+    from servekit.pipeline import is_image_classifier
+
+    runner = load_runner(sim_path)
+    assert not is_image_classifier(runner.spec)
+    runner.close()
