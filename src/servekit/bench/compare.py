@@ -169,13 +169,14 @@ class ServerProcess:
 
 
 def pipeline_ceiling(setup: Setup, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
-    """The in-process model's best rows/s over batch sizes 1, 8 and 16 (those the model
-    takes; no server at all):
+    """The in-process model's best rows/s over batch sizes 1, 8, 16 (those the model
+    takes) and its max batch size (no server at all):
     the Pipeline for a classifier, the runner otherwise."""
     local = setup.local()
     by_batch: dict[int, float] = {}
     try:
-        for batch in [b for b in (1, 8, 16) if b <= max(local.spec.max_batch_size, 1)]:
+        most = max(local.spec.max_batch_size, 1)
+        for batch in sorted({b for b in (1, 8, 16) if b <= most} | {most}):
             rows = {k: np.concatenate([v] * batch) for k, v in setup.payload.items()}
             by_batch[batch] = rows_per_s(lambda: local.infer(rows), batch, seconds)  # noqa: B023 - called before the loop moves on
     finally:
@@ -259,7 +260,7 @@ def compare(
     setup = Setup.of(model)
     result = ComparisonResult({}, {}, workload=_workload(setup))
     if ceiling_seconds > 0:
-        on_event("measuring the raw ceiling (in-process, batch 1/8/16)")
+        on_event("measuring the raw ceiling (in-process, batch 1/8/16/max)")
         result.ceiling, result.ceiling_by_batch = pipeline_ceiling(setup, ceiling_seconds)
     for name in runtimes:
         try:

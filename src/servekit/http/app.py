@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..metrics import CONTENT_TYPE, Metrics
 from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata
-from .models import FrontModel, ModelRegistry, as_registry
+from .models import FrontModel, ModelRegistry, PassThrough, as_registry
 
 __all__ = ["KServeApp", "serve_http"]
 
@@ -199,9 +199,11 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
-        outputs = await model.infer(
-            request.inputs, **_scheduling(request.parameters), version=version
-        )
+        scheduling = _scheduling(request.parameters)
+        if isinstance(model, PassThrough):  # checked here; Triton gets the same bytes
+            model.spec.validate_inputs(request.inputs)
+            return await model.forward(body, int(raw) if raw else None, version)
+        outputs = await model.infer(request.inputs, **scheduling, version=version)
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers
 

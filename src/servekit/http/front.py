@@ -5,10 +5,11 @@ claims more elements than memory holds, and answers malformed ``data`` with 500s
 ``ServerConfig(front=True)`` (the default) Triton's HTTP endpoint moves
 to loopback on a private port and the public HTTP port is servekit's ``KServeApp``: it
 decodes and checks every request against the model's spec before anything is
-allocated (the same code as the Ray front), then forwards the tensors to Triton over
-gRPC on loopback, which refuses the same hostile requests cleanly, so gRPC stays
-public. What the front does not carry (shared-memory registration, repository and
-statistics APIs) remains on Triton's gRPC port.
+allocated (the same code as the native runtime and the Ray ingress), then passes the
+request's bytes on untouched to Triton's HTTP port on loopback (``HttpForwarder``: a
+pooled keep-alive connection) and Triton's answer back as it is. Triton's gRPC port
+refuses the same hostile requests cleanly, so it stays public, with what the front does
+not carry (shared-memory registration, repository and statistics APIs).
 
 PyTriton's models are known up front (``Front(models=...)``); a model repository's come
 and go (explicit loads, polling), so ``servekit triton`` gives the front a
@@ -35,6 +36,8 @@ from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
 from ..grpc.forward import GrpcForwarder
 from ..spec import ModelSpec, spec_from_config
 from .app import KServeApp
+from .forward import HttpForwarder
+from .kserve import HEADER_LENGTH
 from .models import StaticModels
 from .server import AsgiThread
 
@@ -44,16 +47,47 @@ log = logging.getLogger(__name__)
 
 
 class ForwardedModel:
-    """A model Triton serves, as the front sees it: the spec, and ``infer`` over gRPC."""
+    """A model Triton serves, as the front sees it: the spec, checked requests passed on to
+    Triton's HTTP port (``forward``), and ``infer`` with tensors over gRPC."""
 
     batcher: Batcher | None = None
     """Triton batches; its own metrics port exports the counters."""
     versioned = True
     """The front passes ``/versions/<v>/`` through; Triton answers for the versions it has."""
 
-    def __init__(self, name: str, spec: ModelSpec, grpc_url: str, token: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: ModelSpec,
+        grpc_url: str,
+        token: str | None = None,
+        *,
+        http_url: str | None = None,
+    ) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
+        self.http_url = http_url
         self._client: GrpcForwarder | None = None
+        self._http: HttpForwarder | None = None
+        quoted = urllib.parse.quote(name, safe="")
+        self._paths = (f"/v2/models/{quoted}/infer", f"/v2/models/{quoted}/versions/{{}}/infer")
+
+    async def forward(
+        self, body: bytes, header_length: int | None, version: str
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """The checked request to Triton's own HTTP port, the same bytes, on a pooled
+        keep-alive loopback connection; Triton's answer as it is (``PassThrough``)."""
+        if self._http is None:  # connections belong to the loop that made them
+            if self.http_url is None:
+                raise ModelNotReady(f"{self.name}: no HTTP endpoint to forward to")
+            headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
+            self._http = HttpForwarder(self.http_url, headers=headers)
+        path = (
+            self._paths[1].format(urllib.parse.quote(version, safe=""))
+            if version
+            else self._paths[0]
+        )
+        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else {}
+        return await self._http.post(path, body, extra)
 
     async def infer(
         self,
@@ -75,6 +109,9 @@ class ForwardedModel:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
 
 class TritonModels(Mapping[str, ForwardedModel]):
@@ -118,7 +155,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         model = (
             cached[1]
             if cached is not None and cached[1].spec == spec
-            else ForwardedModel(name, spec, self.grpc_url, self._token)
+            else ForwardedModel(name, spec, self.grpc_url, self._token, http_url=self.http_url)
         )
         self._cache[name] = (now, model)
         return model
@@ -177,13 +214,14 @@ class Front:
         ready: Callable[[], bool],
         max_body_bytes: int = 64 * 1024 * 1024,
         inference_token: str | None = None,
+        http_url: str | None = None,
     ) -> None:
         self.registry = (
             models
             if isinstance(models, TritonModels)
             else StaticModels(
                 {
-                    name: ForwardedModel(name, spec, grpc_url, inference_token)
+                    name: ForwardedModel(name, spec, grpc_url, inference_token, http_url=http_url)
                     for name, spec in models.items()
                 }
             )

@@ -2,7 +2,8 @@
 
 A ``FrontModel`` is one served model as the front sees it: its signature, whether it
 has versions of its own, the ``Batcher`` behind it (for metrics and scheduling) and
-``infer`` with Triton's scheduling parameters. A ``ModelRegistry`` finds models by name
+``infer`` with Triton's scheduling parameters; a ``PassThrough`` one also takes checked
+request bodies on to the server behind it untouched. A ``ModelRegistry`` finds models by name
 and answers their readiness. ``as_registry`` turns what app code has (Runners,
 Batchers, a mapping of them) into these once, at construction.
 """
@@ -49,6 +50,18 @@ class FrontModel(Protocol):
         timeout_us: int | None = None,
         version: str = "",
     ) -> dict[str, np.ndarray]: ...
+
+
+@runtime_checkable
+class PassThrough(Protocol):
+    """A front model served by another server: once the front has checked a request, its
+    body goes on to that server as it came, and the answer comes back as it is."""
+
+    async def forward(
+        self, body: bytes, header_length: int | None, version: str
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """(status, body, headers) of the other server's answer."""
+        ...
 
 
 @runtime_checkable

@@ -94,6 +94,7 @@ class TritonServer:
         security = TritonSecurityConfig(access_token=c.control_token)
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
+        triton_http_port = free_port() if c.front else c.http_port
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
         workdir = self._workdir.path
         triton = Triton(
@@ -101,7 +102,7 @@ class TritonServer:
             security_config=security,
             config=TritonConfig(
                 http_address="127.0.0.1" if c.front else c.host,
-                http_port=free_port() if c.front else c.http_port,
+                http_port=triton_http_port,
                 grpc_address=c.host,
                 grpc_port=c.grpc_port,
                 metrics_address=c.host,
@@ -137,6 +138,7 @@ class TritonServer:
                     port=c.http_port,
                     ready=self.is_healthy,
                     max_body_bytes=c.max_body_bytes,
+                    http_url=f"http://127.0.0.1:{triton_http_port}",
                 ).start()
         except BaseException:
             if self._front is not None:
