@@ -72,6 +72,15 @@ def slow_server():
 
 
 CFG = MeasureConfig(window_s=1.0, warmup_s=0.3, max_windows=6)
+OVERHEAD = 1.12
+"""Latency over loopback on a shared 2-core VM: the service time plus up to 12 %."""
+
+
+def served_within_overhead(p50_ms: float) -> bool:
+    """A latency is never below the server's service time, and the loopback adds little."""
+    return SERVICE_S * 1e3 <= p50_ms <= SERVICE_S * 1e3 * OVERHEAD
+
+
 X = {"x": np.zeros((1, 1), np.float32)}
 
 
@@ -89,8 +98,9 @@ def test_closed_loop_recovers_throughput_and_latency(slow_server):
 
     p = run(main())
     assert p.stats.errors == 0
-    assert p.stats.p50_ms == pytest.approx(SERVICE_S * 1e3, rel=0.06)
-    assert p.stats.throughput == pytest.approx(4 / SERVICE_S, rel=0.06)
+    assert served_within_overhead(p.stats.p50_ms)
+    # Four workers each waiting for one answer: at most 4 / service time, less the overhead.
+    assert 4 / (SERVICE_S * OVERHEAD) <= p.stats.throughput <= 4 / SERVICE_S * 1.02
     assert p.stable
 
 
@@ -109,7 +119,7 @@ def test_open_loop_holds_its_rate_and_measures_the_service_time(slow_server):
     p = run(main())
     assert p.achieved_rate == pytest.approx(60, rel=0.15)
     assert p.stats.throughput == pytest.approx(60, rel=0.2)
-    assert p.stats.p50_ms == pytest.approx(SERVICE_S * 1e3, rel=0.06)
+    assert served_within_overhead(p.stats.p50_ms)
     assert not p.client_bound
 
 
