@@ -24,9 +24,9 @@ from servekit import BatchingPolicy, zoo
 from servekit.bench.loadgen import MeasureConfig, sweep
 from servekit.bench.targets import open_target
 from servekit.config import ModelConfig, RayOptions, ServeConfig
+from servekit.endpoints import free_port
 from servekit.ray import build_app
 from servekit.stages import synthetic_image
-from servekit.triton.env import free_port
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:

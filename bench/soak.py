@@ -48,7 +48,7 @@ import numpy as np
 import psutil
 
 from servekit import BatchingPolicy, OnnxRuntimeRunner, QueuePolicy
-from servekit.triton.env import free_port
+from servekit.endpoints import free_port
 from servekit.triton.repo import build_repository, runner_model
 from servekit.zoo.tiny import build_tiny_cnn
 

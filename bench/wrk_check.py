@@ -26,7 +26,7 @@ import numpy as np
 
 from servekit.bench import MeasureConfig, closed_loop, open_target
 from servekit.client import Client
-from servekit.triton.env import free_port
+from servekit.endpoints import free_port
 
 LUA = """
 wrk.method = "POST"

@@ -34,7 +34,7 @@ def add_sub_path(model_cache: Path) -> Path:
 
 def free_port() -> int:
     """A loopback port nothing listens on (re-exported for the test modules)."""
-    from servekit.triton.env import free_port as _free
+    from servekit.endpoints import free_port as _free
 
     return _free()
 

@@ -58,9 +58,19 @@ def test_batches_from_several_runners_share_one_device(sim_path):
         r.close()
 
 
-def test_every_runtime_can_load_it(sim_path):
-    for runtime in ("native", "pytriton", "triton", "ray"):
-        ServeConfig((ModelConfig(str(sim_path)),), runtime=runtime).check()
+def test_a_runtime_serves_it_through_load_runner(sim_path):
+    """Served (native, over gRPC), a batch still takes at least the device's time."""
+    from servekit import Client
+    from servekit.native import NativeServer
+
+    config = ServeConfig((ModelConfig(str(sim_path)),), runtime="native").on_loopback()
+    with NativeServer(config) as server, Client(config.server.grpc_url) as c:
+        runner = server.models[0].runner.runner
+        assert isinstance(runner, SimulatedDevice)
+        start = time.perf_counter()
+        out = c.infer("sim_t4", {"input": np.ones((2, 64, 64, 3), np.float32)})
+        assert time.perf_counter() - start >= runner.profile.batch_s(2)
+        assert out["logits"].shape == (2, 1000)
 
 
 def test_it_is_served_as_a_tensor_model(sim_path):

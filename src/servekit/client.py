@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .errors import (
+    GRPC_HEADER_PREFIX,
     INFERENCE_TOKEN_HEADER,
     ModelNotReady,
     ServekitError,
@@ -76,7 +77,7 @@ def _predictions(out: Mapping[str, np.ndarray]) -> list[list[Prediction]]:
     ]
 
 
-GRPC_PREFIX = "triton-grpc-protocol-"
+GRPC_PREFIX = GRPC_HEADER_PREFIX
 TOKEN_HEADERS = {"http": "triton-access-token", "grpc": GRPC_PREFIX + "triton-access-token"}
 """Header carrying the token for Triton's restricted APIs, per protocol."""
 

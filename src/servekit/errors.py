@@ -42,6 +42,8 @@ __all__ = [
 INFERENCE_TOKEN_HEADER = "servekit-inference-token"
 """Header (HTTP) or metadata key (gRPC) carrying the inference access token."""
 CONTROL_TOKEN_HEADER = "servekit-control-token"
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+"""Where Triton reads a restricted gRPC protocol's header: metadata key = prefix + header."""
 """Header carrying the model-control token (Triton's repository and shared-memory APIs)."""
 
 

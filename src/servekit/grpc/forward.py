@@ -15,12 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelNotReady, from_grpc_code
+from ..errors import GRPC_HEADER_PREFIX, ModelNotReady, from_grpc_code
 from ..http.kserve import tensor_from_raw, tensor_to_raw
 
 __all__ = ["GrpcForwarder"]
-
-GRPC_PREFIX = "triton-grpc-protocol-"
 
 
 class GrpcForwarder:
@@ -34,7 +32,7 @@ class GrpcForwarder:
         max_message_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.url = url.removeprefix("grpc://")
-        self._metadata = tuple((GRPC_PREFIX + k, v) for k, v in (headers or {}).items())
+        self._metadata = tuple((GRPC_HEADER_PREFIX + k, v) for k, v in (headers or {}).items())
         self._max = max_message_bytes
         self._channel: Any = None
         self._stub: Any = None

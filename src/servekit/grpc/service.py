@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import __version__
 from ..errors import (
+    GRPC_HEADER_PREFIX,
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
     ModelNotFound,
@@ -31,7 +32,13 @@ from ..errors import (
     Unauthenticated,
     grpc_code,
 )
-from ..http.kserve import element_count, tensor_from_raw, tensor_to_raw
+from ..http.kserve import (
+    check_datatype,
+    element_count,
+    scheduling,
+    tensor_from_raw,
+    tensor_to_raw,
+)
 from ..http.models import ModelRegistry
 from ..spec import as_dtype
 
@@ -39,7 +46,7 @@ __all__ = ["GrpcService", "grpc_server"]
 
 log = logging.getLogger(__name__)
 
-GRPC_TOKEN_KEY = "triton-grpc-protocol-" + INFERENCE_TOKEN_HEADER
+GRPC_TOKEN_KEY = GRPC_HEADER_PREFIX + INFERENCE_TOKEN_HEADER
 """Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
 
 _CONTENTS = {
@@ -64,17 +71,9 @@ def _parameter(value: Any) -> Any:
     return getattr(value, kind) if kind else None
 
 
-def _scheduling(request: Any) -> dict[str, int]:
-    out = {}
-    for key, arg in (("priority", "priority"), ("timeout", "timeout_us")):
-        if key in request.parameters:
-            value = _parameter(request.parameters[key])
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidInput(
-                    f"parameter {key!r}: expected a non-negative integer, got {value!r}"
-                )
-            out[arg] = value
-    return out
+def _parameters(request: Any) -> dict[str, Any]:
+    """The request's ``parameters`` map as plain values (what the HTTP JSON carries)."""
+    return {key: _parameter(value) for key, value in request.parameters.items()}
 
 
 def decode_inputs(request: Any) -> dict[str, np.ndarray]:
@@ -92,10 +91,7 @@ def decode_inputs(request: Any) -> dict[str, np.ndarray]:
             raise InvalidInput(f"inputs[{i}] needs a name")
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
-        try:
-            as_dtype(datatype)
-        except (KeyError, TypeError, ValueError):
-            raise InvalidInput(f"input {name!r}: unknown datatype {datatype!r}") from None
+        check_datatype(name, datatype)
         if any(d < 0 for d in shape):
             raise InvalidInput(f"input {name!r}: shape {shape} has a negative dimension")
         count = element_count(shape, name, available)
@@ -220,7 +216,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 self._on_failure(name)
                 raise
             outputs = await model.infer(
-                inputs, **_scheduling(request), version=request.model_version
+                inputs, **scheduling(_parameters(request)), version=request.model_version
             )
             wanted = [o.name for o in request.outputs] or list(outputs)
             unknown = [n for n in wanted if n not in outputs]

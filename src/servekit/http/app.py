@@ -27,7 +27,7 @@ from ..errors import (
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
-from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata
+from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata, scheduling
 from .models import FrontModel, ModelRegistry, PassThrough, as_registry
 
 __all__ = ["KServeApp", "serve_http"]
@@ -199,27 +199,13 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
-        scheduling = _scheduling(request.parameters)
+        params = scheduling(request.parameters)
         if isinstance(model, PassThrough):  # checked here; Triton gets the same bytes
             model.spec.validate_inputs(request.inputs)
             return await model.forward(body, int(raw) if raw else None, version)
-        outputs = await model.infer(request.inputs, **scheduling, version=version)
+        outputs = await model.infer(request.inputs, **params, version=version)
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers
-
-
-def _scheduling(parameters: Mapping[str, Any]) -> dict[str, int]:
-    """Triton's request parameters ``priority`` and ``timeout`` (microseconds), checked."""
-    out = {}
-    for key, arg in (("priority", "priority"), ("timeout", "timeout_us")):
-        if key in parameters:
-            value = parameters[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidInput(
-                    f"parameter {key!r}: expected a non-negative integer, got {value!r}"
-                )
-            out[arg] = value
-    return out
 
 
 class _TooLarge(Exception):

@@ -77,7 +77,10 @@ class HttpForwarder:
         status_line = await reader.readline()
         if not status_line:
             raise ConnectionResetError("closed before answering")
-        status = int(status_line.split(b" ", 2)[1])
+        try:
+            status = int(status_line.split(b" ", 2)[1])
+        except (IndexError, ValueError):
+            raise ConnectionResetError(f"not an HTTP answer: {status_line[:80]!r}") from None
         answer: dict[str, str] = {}
         while True:
             line = await reader.readline()

@@ -24,10 +24,12 @@ from ..spec import DTYPES, ModelSpec, as_dtype
 
 __all__ = [
     "DecodedRequest",
+    "check_datatype",
     "decode_request",
     "element_count",
     "encode_response",
     "metadata",
+    "scheduling",
     "tensor_from_raw",
     "tensor_to_raw",
 ]
@@ -98,6 +100,30 @@ def tensor_to_raw(array: np.ndarray) -> tuple[str, bytes]:
     if datatype == "BYTES":
         return datatype, _bytes_to_binary(array)
     return datatype, np.ascontiguousarray(array).tobytes()
+
+
+def scheduling(parameters: Mapping[str, Any]) -> dict[str, int]:
+    """Triton's request parameters ``priority`` and ``timeout`` (microseconds), checked,
+    as ``Batcher.infer`` keywords (HTTP and gRPC alike)."""
+    out = {}
+    for key, arg in (("priority", "priority"), ("timeout", "timeout_us")):
+        if key in parameters:
+            value = parameters[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(
+                    f"parameter {key!r}: expected a non-negative integer, got {value!r}"
+                )
+            out[arg] = value
+    return out
+
+
+def check_datatype(name: str, datatype: object) -> str:
+    """A KServe datatype name, or ``InvalidInput`` naming the tensor and the known ones."""
+    if not isinstance(datatype, str) or datatype not in _DATATYPES:
+        raise InvalidInput(
+            f"input {name!r}: unknown datatype {datatype!r}; expected one of {sorted(_DATATYPES)}"
+        )
+    return datatype
 
 
 def element_count(shape: list[int], name: str, available: int) -> int:
@@ -187,10 +213,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"inputs[{i}] needs a 'name'")
-        if not isinstance(datatype, str) or datatype not in _DATATYPES:
-            raise InvalidInput(
-                f"input {name!r}: unknown datatype {datatype!r}; expected one of {sorted(_DATATYPES)}"
-            )
+        datatype = check_datatype(name, datatype)
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise InvalidInput(
                 f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import ServeConfig, ServerConfig
+from ..endpoints import free_port
 from ..errors import ModelNotFound
 from ..runners.base import Runner
 from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_models, reload_models
 from ..runtime.processes import processes
-from ..triton.env import apply_triton_environment, free_port, gpu_present
+from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
 

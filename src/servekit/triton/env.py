@@ -16,14 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..endpoints import Endpoints, free_port
-
 __all__ = [
-    "Endpoints",
     "TritonEnvironment",
     "TritonSetupError",
     "apply_triton_environment",
-    "free_port",
     "gpu_present",
     "triton_environment",
 ]

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..endpoints import Endpoints, free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from .env import (
-    Endpoints,
     TritonEnvironment,
     TritonSetupError,
-    free_port,
     gpu_present,
     triton_environment,
 )
