@@ -32,7 +32,15 @@ from .loadgen import MeasureConfig, Point, sweep
 from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
-__all__ = ["RUNTIMES", "ComparisonResult", "ServerProcess", "Setup", "compare", "markdown_report"]
+__all__ = [
+    "RUNTIMES",
+    "ComparisonResult",
+    "ServerProcess",
+    "Setup",
+    "compare",
+    "markdown_report",
+    "target_url",
+]
 
 
 @dataclass(frozen=True)
@@ -104,12 +112,17 @@ def _served(runtime: str) -> Callable[[Setup], Any]:
             runtime=runtime,
             ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
         ).on_loopback()
-        url = config.server.http_url if runtime == "ray" else config.server.grpc_url
+        url = target_url(config)
         with ServerProcess(config) as server:
             server.wait_ready([setup.target])
             yield (lambda: open_target(url, setup.target, setup.payload)), server.pid
 
     return served
+
+
+def target_url(config: ServeConfig) -> str:
+    """Where the load goes: the runtime's gRPC port, or HTTP for Ray (its only one)."""
+    return config.server.http_url if config.runtime == "ray" else config.server.grpc_url
 
 
 class ServerProcess:

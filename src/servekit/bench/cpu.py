@@ -1,4 +1,4 @@
-"""CPU time of a process tree (Linux ``/proc``): what a server spends per request.
+"""CPU time and memory of a process tree (Linux ``/proc``): what a server spends per request.
 
 A server is a tree of processes (tritonserver and its Python backend stubs, Ray's GCS,
 raylet and workers); its cost is the CPU time of the whole tree over a measurement
@@ -8,10 +8,12 @@ than throughput does.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
-__all__ = ["TreeCpu", "descendants", "tree_cpu_s"]
+__all__ = ["PeakRss", "TreeCpu", "descendants", "tree_cpu_s", "tree_rss_bytes"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -63,3 +65,38 @@ class TreeCpu:
         now = tree_cpu_s(self.pid)
         used, self._last = now - self._last, now
         return used
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid``'s live tree (shared pages count once per process)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for p in descendants(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # exited meanwhile
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * page
+    return total
+
+
+class PeakRss:
+    """The highest ``tree_rss_bytes(pid)`` seen while in the ``with`` block, sampled
+    every ``interval_s`` on a thread of its own."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -10,6 +10,7 @@ from .infer import demo, infer
 from .models import models_app, repo_app
 from .precision import accuracy, optimize
 from .serve import serve, triton
+from .tune import tune
 
 __all__ = ["app", "main"]
 
@@ -22,7 +23,7 @@ app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 app.add_typer(repo_app, name="repo")
-for command in (infer, serve, bench, compare, optimize, accuracy, batch, demo):
+for command in (infer, serve, bench, compare, tune, optimize, accuracy, batch, demo):
     app.command()(command)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(triton)
 

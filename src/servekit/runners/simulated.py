@@ -12,6 +12,7 @@ every process on the machine (a file lock, as on one GPU shared by Triton's inst
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -36,11 +37,13 @@ _DEVICES: dict[str, threading.Lock] = {}
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """How long the device takes for a batch: ``fixed_us + per_row_us * rows``."""
+    """How long the device takes for a batch: ``fixed_us + per_row_us * rows``, and how
+    many rows fit its memory (``max_rows``, 0 = any number)."""
 
     name: str
     fixed_us: float
     per_row_us: float
+    max_rows: int = 0
 
     def batch_s(self, rows: int) -> float:
         return (self.fixed_us + self.per_row_us * rows) / 1e6
@@ -54,14 +57,15 @@ class DeviceProfile:
         if PROFILE_KEY not in metadata:
             return None
         data = json.loads(metadata[PROFILE_KEY])
-        return cls(str(data["name"]), float(data["fixed_us"]), float(data["per_row_us"]))
+        return cls(
+            str(data["name"]),
+            float(data["fixed_us"]),
+            float(data["per_row_us"]),
+            int(data.get("max_rows", 0)),
+        )
 
     def to_metadata(self) -> dict[str, str]:
-        return {
-            PROFILE_KEY: json.dumps(
-                {"name": self.name, "fixed_us": self.fixed_us, "per_row_us": self.per_row_us}
-            )
-        }
+        return {PROFILE_KEY: json.dumps(dataclasses.asdict(self))}
 
 
 class SimulatedDevice(BaseRunner):
@@ -70,6 +74,12 @@ class SimulatedDevice(BaseRunner):
     spend the CPU a real accelerator does not."""
 
     def __init__(self, runner: Runner, profile: DeviceProfile) -> None:
+        if profile.max_rows and runner.spec.max_batch_size > profile.max_rows:
+            runner.close()
+            raise ValueError(
+                f"max_batch_size {runner.spec.max_batch_size} does not fit device "
+                f"{profile.name!r}: its memory holds batches of at most {profile.max_rows} rows"
+            )
         self.profile = profile
         self._spec = runner.spec
         self.metadata = dict(getattr(runner, "metadata", None) or {})

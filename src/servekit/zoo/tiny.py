@@ -7,7 +7,7 @@ import onnx
 
 from ._onnx import FLOAT, GraphBuilder
 
-__all__ = ["SIM_T4", "build_add_sub", "build_sim_t4", "build_tiny_cnn"]
+__all__ = ["SIM_T4", "build_add_sub", "build_sim_t4", "build_simulated", "build_tiny_cnn"]
 
 
 def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
@@ -71,4 +71,24 @@ def build_sim_t4(scale: float = 8.0, seed: int = 0) -> onnx.ModelProto:
     fixed, per_row = SIM_T4
     profile = DeviceProfile(f"t4-int8-x{scale:g}", fixed * scale, per_row * scale)
     onnx.helper.set_model_props(model, profile.to_metadata())
+    return model
+
+
+def build_simulated(
+    name: str, fixed_us: float, per_row_us: float, width: int = 16, max_rows: int = 0
+) -> onnx.ModelProto:
+    """A simulated device of any profile: ``INPUT0`` [N,width] -> ``OUTPUT0`` [N,width],
+    each batch ``fixed_us + per_row_us * rows`` on device ``name`` (``SimulatedDevice``),
+    refusing to load with a max batch size over ``max_rows`` (0: none): a batch function
+    of known cost, for tests of batching and tuning."""
+    from ..runners.simulated import DeviceProfile
+
+    g = GraphBuilder()
+    g.node("Identity", ["INPUT0"], "OUTPUT0")
+    model = g.model(
+        name, [("INPUT0", FLOAT, ["batch", width])], [("OUTPUT0", FLOAT, ["batch", width])]
+    )
+    onnx.helper.set_model_props(
+        model, DeviceProfile(name, fixed_us, per_row_us, max_rows).to_metadata()
+    )
     return model

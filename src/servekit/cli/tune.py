@@ -1,0 +1,182 @@
+"""``servekit tune``: the best configuration of a model on each runtime, under constraints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import RUNTIMES
+from .common import CacheDir, ConfigFile, console, fail, serve_config, zoo_model
+
+__all__ = ["tune"]
+
+
+def _values(text: str, option: str, *, allow_default: bool = False) -> tuple[int | None, ...]:
+    out: list[int | None] = []
+    for item in text.replace(" ", "").split(","):
+        if allow_default and item == "default":
+            out.append(None)
+            continue
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise typer.BadParameter(
+                f"expected comma-separated integers{' or default' if allow_default else ''}, "
+                f"got {text!r}",
+                param_hint=option,
+            ) from None
+    return tuple(out)
+
+
+def tune(
+    model: Annotated[str | None, typer.Option(help="Zoo model or ONNX file (or --config).")] = None,
+    config: ConfigFile = None,
+    runtime: Annotated[
+        str | None,
+        typer.Option(help="native, pytriton, triton, ray or all (default: the config's)."),
+    ] = None,
+    latency_budget_ms: Annotated[
+        float | None, typer.Option(min=0.001, help="p99 budget in milliseconds.")
+    ] = None,
+    min_throughput: Annotated[
+        float | None, typer.Option(min=0.001, help="Rows per second a candidate must reach.")
+    ] = None,
+    objective: Annotated[str, typer.Option(help="throughput or latency (p99).")] = "throughput",
+    search: Annotated[
+        str, typer.Option(help="quick (hill climb) or brute (every point).")
+    ] = "quick",
+    max_batch_sizes: Annotated[str, typer.Option(help="Values to try.")] = "1,4,8,16",
+    instances: Annotated[str, typer.Option(help="Values to try.")] = "1,2",
+    max_queue_delay_us: Annotated[str, typer.Option(help="Values to try.")] = "0,500,2000",
+    threads: Annotated[
+        str, typer.Option(help="ONNX Runtime threads per instance to try ('default' = ORT's).")
+    ] = "1",
+    concurrency: Annotated[
+        str, typer.Option(help="Client concurrency levels each candidate is swept over.")
+    ] = "1,2,4,8,16,32",
+    window: Annotated[float, typer.Option(help="Measurement window, seconds.")] = 2.0,
+    warmup: Annotated[float, typer.Option(help="Warm-up before each level, seconds.")] = 1.0,
+    max_windows: Annotated[int, typer.Option(min=3)] = 6,
+    baseline: Annotated[
+        bool, typer.Option(help="Also measure the configuration's own knobs, for comparison.")
+    ] = True,
+    out: Annotated[
+        Path, typer.Option(help="Writes best.toml, report.md, trials.json and plots here.")
+    ] = Path("tune"),
+    cache_dir: CacheDir = None,
+) -> None:
+    """Search max batch size, instances, queue delay and threads (Model Analyzer's knobs)
+    for the configuration with the best throughput (or p99) under a p99 budget and/or a
+    minimum throughput: each candidate is served on loopback, swept over client
+    concurrency and stopped. Writes OUT/best.toml for `servekit serve --config`, the
+    config.pbtxt it implies (Triton runtimes), report.md and plots; --runtime all tunes
+    each runtime and reports them side by side. Ctrl-C writes the report so far."""
+    import os
+    import platform
+    import shlex
+    import sys
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from ..bench import MeasureConfig, parse_levels
+    from ..tune import (
+        Constraints,
+        Knobs,
+        Measurement,
+        SearchSpace,
+        Trial,
+        TuneResult,
+        for_runtime,
+        write_outputs,
+    )
+    from ..tune import tune as run_tune
+
+    if (model is None) == (config is None):
+        raise typer.BadParameter("give exactly one of --model or --config")
+    runtimes = list(RUNTIMES) if runtime == "all" else [runtime] if runtime else []
+    if any(r not in RUNTIMES for r in runtimes):
+        raise typer.BadParameter(
+            f"must be one of {[*RUNTIMES, 'all']}, got {runtime!r}", param_hint="--runtime"
+        )
+    base = serve_config(
+        config, models=[str(zoo_model(model, cache_dir))] if model else None, cache_dir=cache_dir
+    )
+    if len(base.models) != 1:
+        raise typer.BadParameter(f"tune takes one model; the config has {len(base.models)}")
+    try:
+        space = SearchSpace(
+            _values(max_batch_sizes, "--max-batch-sizes"),  # type: ignore[arg-type]
+            _values(instances, "--instances"),  # type: ignore[arg-type]
+            _values(max_queue_delay_us, "--max-queue-delay-us"),  # type: ignore[arg-type]
+            _values(threads, "--threads", allow_default=True),
+        )
+        constraints = Constraints(latency_budget_ms, min_throughput, objective)
+        how = Measurement(
+            tuple(int(c) for c in parse_levels(concurrency)),
+            MeasureConfig(window_s=window, warmup_s=warmup, max_windows=max_windows),
+        )
+        configs = [for_runtime(base, r) for r in runtimes or [base.runtime]]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+    results: list[TuneResult] = []
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("starting", total=None)
+        for cfg in configs:
+            rt = cfg.runtime
+
+            def started(label: str, knobs: Knobs, rt: str = rt) -> None:
+                progress.update(task, description=f"{rt}: measuring {label} {knobs.label()}")
+
+            def finished(result: TuneResult, trial: Trial, rt: str = rt) -> None:
+                p = trial.best
+                figures = (
+                    f"{p.stats.inferences_per_s:.1f} rows/s at concurrency {p.level:g}, "
+                    f"p99 {p.stats.p99_ms:.1f} ms"
+                    if p
+                    else trial.reason
+                )
+                best = result.best
+                so_far = (
+                    f"best so far: {best.knobs.label()}"
+                    f" ({best.best.stats.inferences_per_s:.1f} rows/s)"  # type: ignore[union-attr]
+                    if best
+                    else "no candidate meets the constraints yet"
+                )
+                progress.console.print(f"{rt}: {trial.knobs.label()}: {trial.status}, {figures}")
+                progress.update(task, description=f"{rt}: {so_far}")
+
+            result = run_tune(
+                cfg,
+                space,
+                constraints,
+                how,
+                search=search,
+                baseline=baseline,
+                on_start=started,
+                on_trial=finished,
+            )
+            results.append(result)
+            if result.interrupted:
+                break
+    command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    write_outputs(results, out, command, machine)
+    for r in results:
+        best = r.best
+        where = out / r.runtime if len(results) > 1 else out
+        console.print(
+            f"{r.runtime}: "
+            + (
+                f"best {best.knobs.label()} -> {where / 'best.toml'}"
+                if best
+                else "no candidate met the constraints"
+            )
+        )
+    console.print(f"wrote {out / 'report.md'}")
+    if results and results[-1].interrupted:
+        raise fail("interrupted; the report holds the trials finished so far", 130)

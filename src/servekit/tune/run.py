@@ -1,0 +1,137 @@
+"""``tune``: search one runtime's configurations for one model under constraints.
+
+Every candidate is recorded as it finishes, so Ctrl-C (which stops the running server)
+still leaves every finished trial to report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..bench.compare import Setup
+from ..config import RayOptions, ServeConfig
+from .measure import Measurement, measure
+from .search import Constraints, Trial, best_trial, brute, quick
+from .space import Knobs, SearchSpace
+
+__all__ = ["SEARCHES", "TuneResult", "as_dict", "baseline_knobs", "for_runtime", "tune"]
+
+SEARCHES = ("quick", "brute")
+
+
+@dataclass
+class TuneResult:
+    """What one runtime's search measured, and what it found."""
+
+    base: ServeConfig
+    space: SearchSpace
+    constraints: Constraints
+    search: str
+    trials: list[Trial] = field(default_factory=list)
+    baseline: Trial | None = None
+    """The base configuration's own knobs, measured first for comparison."""
+    interrupted: bool = False
+
+    @property
+    def runtime(self) -> str:
+        return self.base.runtime
+
+    @property
+    def best(self) -> Trial | None:
+        return best_trial(self.trials, self.constraints)
+
+    def best_config(self) -> ServeConfig | None:
+        """The base config with the best trial's knobs: what ``best.toml`` holds."""
+        best = self.best
+        return None if best is None else self.space.config(self.base, best.knobs)
+
+
+def baseline_knobs(base: ServeConfig) -> Knobs:
+    """The knobs ``base`` sets itself (max batch size 0 = the model's own)."""
+    (model,) = base.models
+    return Knobs(
+        model.batching.max_batch_size,
+        model.instances,
+        model.batching.max_queue_delay_us,
+        model.threads,
+    )
+
+
+def for_runtime(base: ServeConfig, runtime: str) -> ServeConfig:
+    """``base`` for ``runtime``; on Ray with default options, half a CPU per model replica
+    so two replicas and the stages fit a 2-CPU machine, as ``servekit compare`` runs it."""
+    config = base.replace(runtime=runtime)
+    if runtime == "ray" and config.ray == RayOptions():
+        config = config.replace(ray=RayOptions(model_cpus=0.5))
+    if runtime != "ray":
+        config = config.replace(ray=RayOptions())
+    return config.check()
+
+
+def tune(
+    base: ServeConfig,
+    space: SearchSpace,
+    constraints: Constraints,
+    how: Measurement,
+    *,
+    search: str = "quick",
+    baseline: bool = True,
+    on_start: Callable[[str, Knobs], None] = lambda _label, _knobs: None,
+    on_trial: Callable[[TuneResult, Trial], None] = lambda _result, _trial: None,
+) -> TuneResult:
+    """Search ``space`` for ``base``'s one model on ``base.runtime``; with ``baseline``,
+    first measure ``base``'s own knobs. Ctrl-C ends the search with ``interrupted`` set."""
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {list(SEARCHES)}, got {search!r}")
+    if len(base.models) != 1:
+        raise ValueError(f"tune takes one model, got {len(base.models)}")
+    result = TuneResult(base, space, constraints, search)
+    setup = Setup.of(base.models[0])
+
+    def evaluate(knobs: Knobs) -> Trial:
+        on_start("candidate", knobs)
+        trial = measure(space.config(base, knobs), knobs, setup, how, constraints)
+        result.trials.append(trial)
+        on_trial(result, trial)
+        return trial
+
+    try:
+        if baseline:
+            knobs = baseline_knobs(base)
+            on_start("baseline", knobs)
+            result.baseline = measure(base, knobs, setup, how, constraints)
+            on_trial(result, result.baseline)
+        if search == "brute":
+            brute(space, evaluate)
+        else:
+            quick(space, evaluate, constraints)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    return result
+
+
+def as_dict(result: TuneResult) -> dict[str, object]:
+    """The result as plain data (the report's JSON)."""
+
+    def trial(t: Trial) -> dict[str, object]:
+        return {
+            "knobs": dataclasses.asdict(t.knobs),
+            "status": t.status,
+            "reason": t.reason,
+            "peak_rss_mb": t.peak_rss_mb,
+            "seconds": t.seconds,
+            "best": t.best.as_dict() if t.best else None,
+            "points": [p.as_dict() for p in t.points],
+        }
+
+    return {
+        "runtime": result.runtime,
+        "search": result.search,
+        "space": dataclasses.asdict(result.space),
+        "constraints": dataclasses.asdict(result.constraints),
+        "interrupted": result.interrupted,
+        "baseline": trial(result.baseline) if result.baseline else None,
+        "trials": [trial(t) for t in result.trials],
+    }
