@@ -34,12 +34,14 @@ from ..errors import (
 )
 from ..http.kserve import (
     check_datatype,
+    classify,
     element_count,
     scheduling,
     tensor_from_raw,
     tensor_to_raw,
 )
 from ..http.models import ModelRegistry
+from ..http.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
 
 __all__ = ["GrpcService", "grpc_server"]
@@ -146,7 +148,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return service_pb2.ServerMetadataResponse(
             name="servekit",
             version=__version__,
-            extensions=["binary_tensor_data", "model_configuration"],
+            extensions=[e for e in EXTENSIONS if e != "classification"],
         )
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
@@ -178,16 +180,30 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         )
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        from ..triton.pbtxt import model_config
-
         try:
             model = await self.models.lookup(request.name)
         except ServekitError as exc:
             await self._fail(context, exc)
-        policy = model.batcher.policy if model.batcher is not None else None
-        instances = model.batcher.instance_count if model.batcher is not None else 1
-        config = model_config(request.name, model.spec, policy, instance_count=instances)
-        return service_pb2.ModelConfigResponse(config=config)
+        return service_pb2.ModelConfigResponse(config=model_config(request.name, model))
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        from google.protobuf import json_format
+
+        try:
+            models = (
+                {request.name: await self.models.lookup(request.name)}
+                if request.name
+                else dict(self.models.loaded())
+            )
+        except ServekitError as exc:
+            await self._fail(context, exc)
+        return json_format.ParseDict(statistics(models), service_pb2.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        index = service_pb2.RepositoryIndexResponse()
+        for entry in repository_index(self.models.loaded()):
+            index.models.add(**entry)
+        return index
 
     def _authenticate(self, context: Any) -> None:
         if self._token is None:
@@ -224,6 +240,14 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 raise InvalidInput(
                     f"requested outputs {wanted}: unknown or repeated; {name} has {sorted(outputs)}"
                 )
+            for o in request.outputs:  # Triton's classification extension
+                k = (
+                    _parameter(o.parameters["classification"])
+                    if "classification" in o.parameters
+                    else 0
+                )
+                if k:
+                    outputs[o.name] = classify(outputs[o.name], int(k), o.name)
         except Exception as exc:
             await self._fail(context, exc)
         response = service_pb2.ModelInferResponse(
@@ -234,6 +258,12 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
             response.raw_output_contents.append(raw)
         return response
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return service_pb2.SystemSharedMemoryStatusResponse()  # the service takes no regions
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryStatusResponse()
 
 
 def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: int) -> Any:

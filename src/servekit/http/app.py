@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,16 +28,30 @@ from ..errors import (
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
-from .kserve import HEADER_LENGTH, decode_request, encode_response, metadata, scheduling
-from .models import FrontModel, ModelRegistry, PassThrough, as_registry
+from .kserve import (
+    HEADER_LENGTH,
+    decode_request,
+    encode_response,
+    metadata,
+    raw_binary_request,
+    scheduling,
+)
+from .models import FrontModel, ModelRegistry, PassThrough, PassThroughRegistry, as_registry
+from .surface import NOT_SERVED, model_config_json, repository_index, server_metadata, statistics
 
 __all__ = ["KServeApp", "serve_http"]
 
 log = logging.getLogger(__name__)
 
 _MODEL = re.compile(
-    r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<rest>/ready|/infer)?$"
+    r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+    r"(?P<rest>/ready|/infer|/config|/stats)?$"
 )
+_NOT_SERVED = re.compile(
+    r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
+)
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""Content-Encoding -> zlib's wbits (tritonclient's deflate is zlib-wrapped)."""
 
 
 class KServeApp:
@@ -130,23 +145,50 @@ class KServeApp:
         if method == "GET" and path == "/metrics":
             return 200, self.metrics.render().encode(), {"content-type": CONTENT_TYPE}
         if method == "GET" and path == "/v2":
-            return self._json(200, {"name": "servekit", "extensions": ["binary_tensor_data"]})
+            return self._json(200, server_metadata())
+        behind = self.models if isinstance(self.models, PassThroughRegistry) else None
+        if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
+            if behind is not None:
+                return await behind.fetch(method, path)
+            loaded = self.models.loaded()
+            if path.endswith("index"):
+                return self._json(200, repository_index(loaded))
+            return self._json(200, statistics(loaded))
+        if method == "GET" and path in (
+            "/v2/systemsharedmemory/status",
+            "/v2/cudasharedmemory/status",
+        ):
+            return self._json(200, [])  # nothing registered: the front takes no regions
+        if _NOT_SERVED.match(path):
+            return self._json(403, {"error": f"{method} {scope['path']} {NOT_SERVED}"})
         m = _MODEL.match(path)
         if m is None:
             return self._json(404, {"error": f"no route {method} {scope['path']}"})
         model = await self.models.lookup(m["name"])
-        if m["version"] not in (None, "1") and not model.versioned:
-            raise ModelNotFound(
-                f"model {m['name']!r} has no version {m['version']!r}; it has ['1']"
-            )
+        version = m["version"]
+        if version not in (None, "1") and not model.versioned:
+            raise ModelNotFound(f"model {m['name']!r} has no version {version!r}; it has ['1']")
+        if m["rest"] in ("/config", "/stats") and method == "GET":
+            if behind is not None:
+                return await behind.fetch(method, path)
+            if m["rest"] == "/config":
+                return self._json(200, model_config_json(m["name"], model))
+            return self._json(200, statistics({m["name"]: model}))
+        if (
+            model.versioned
+            and version
+            and m["rest"] is None
+            and not await self.models.is_ready(m["name"], version)
+        ):
+            raise ModelNotFound(f"model {m['name']!r} has no version {version!r} ready")
         if m["rest"] is None and method == "GET":
             return self._json(200, metadata(m["name"], model.spec))
         if m["rest"] == "/ready" and method == "GET":
-            ready = self._ready() and await self.models.is_ready(m["name"], m["version"])
+            ready = self._ready() and await self.models.is_ready(m["name"], version)
             return (200 if ready else 503), b"", {}
         if m["rest"] == "/infer" and method == "POST":
             self._authenticate(scope)
-            version = m["version"] if model.versioned and m["version"] else ""
+            version = version if model.versioned and version else ""
             return await self._infer(m["name"], model, scope, receive, version)
         return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
 
@@ -159,9 +201,16 @@ class KServeApp:
             raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
+        """The body, decompressed (gzip/deflate); the size limit holds for what it
+        decompresses to as for what came over the wire."""
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("identity", "", *_ENCODINGS):
+            raise _Unsupported(
+                f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
+            )
         declared = int(headers.get("content-length", "0") or 0)
         if declared > self.max_body_bytes:
             raise _TooLarge(declared, self.max_body_bytes)
@@ -174,7 +223,20 @@ class KServeApp:
                 raise _TooLarge(size, self.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body"):
-                return b"".join(chunks)
+                break
+        body = b"".join(chunks)
+        if encoding not in _ENCODINGS:
+            return body
+        inflate = zlib.decompressobj(_ENCODINGS[encoding])
+        try:
+            plain = inflate.decompress(body, self.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise InvalidInput(f"request body is not valid {encoding}: {exc}") from None
+        if len(plain) > self.max_body_bytes:
+            raise _TooLarge(len(plain), self.max_body_bytes, "decompressed ")
+        if not inflate.eof:
+            raise InvalidInput(f"request body is not valid {encoding}: it ends early")
+        return plain
 
     async def _infer(
         self,
@@ -188,6 +250,8 @@ class KServeApp:
             body = await self._read_body(scope, receive)
         except _TooLarge as exc:
             return self._json(413, {"error": str(exc)})
+        except _Unsupported as exc:
+            return self._json(415, {"error": str(exc)})
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
@@ -195,7 +259,10 @@ class KServeApp:
         try:
             if raw and not (raw.isascii() and raw.isdigit()):
                 raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
-            request = decode_request(body, int(raw) if raw else None)
+            if raw and int(raw) == 0:  # the whole body is the one input
+                request = raw_binary_request(model.spec, body)
+            else:
+                request = decode_request(body, int(raw) if raw else None)
         except InvalidInput:
             self.metrics.failed(name)  # never reached the model's Batcher
             raise
@@ -209,8 +276,12 @@ class KServeApp:
 
 
 class _TooLarge(Exception):
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of {size} bytes exceeds the limit of {limit}")
+    def __init__(self, size: int, limit: int, what: str = "") -> None:
+        super().__init__(f"{what}request body of {size} bytes exceeds the limit of {limit}")
+
+
+class _Unsupported(Exception):
+    """A Content-Encoding the front cannot decode (415)."""
 
 
 def serve_http(

@@ -147,6 +147,26 @@ class TritonModels(Mapping[str, ForwardedModel]):
         except (urllib.error.URLError, OSError) as exc:
             raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
 
+    async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
+        """Triton's own answer on its private HTTP port (``PassThroughRegistry``)."""
+
+        def call() -> tuple[int, bytes, dict[str, str]]:
+            request = urllib.request.Request(
+                f"{self.http_url}{path}",
+                method=method,
+                headers=self._headers,
+                data=b"{}" if method == "POST" else None,
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as r:
+                    return r.status, r.read(), {"content-type": "application/json"}
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read(), {"content-type": "application/json"}
+            except (urllib.error.URLError, OSError) as exc:
+                raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
+
+        return await asyncio.to_thread(call)
+
     def _fetch(self, name: str) -> ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")
         spec = spec_from_config(self._get(f"/v2/models/{quoted}/config"))

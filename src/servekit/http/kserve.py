@@ -14,7 +14,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,10 +25,12 @@ from ..spec import DTYPES, ModelSpec, as_dtype
 __all__ = [
     "DecodedRequest",
     "check_datatype",
+    "classify",
     "decode_request",
     "element_count",
     "encode_response",
     "metadata",
+    "raw_binary_request",
     "scheduling",
     "tensor_from_raw",
     "tensor_to_raw",
@@ -36,6 +38,8 @@ __all__ = [
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
+MAX_RANK = 32
+"""Dimensions a tensor may have (numpy's limit)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,14 @@ class DecodedRequest:
     outputs: tuple[str, ...] | None
     """Requested output names, or None for all."""
     binary_outputs: frozenset[str]
+    """Outputs answered as binary; ``*`` for every output not in ``json_outputs``."""
     id: str | None
     parameters: Mapping[str, Any]
+    json_outputs: frozenset[str] = frozenset()
+    """Outputs whose own ``binary_data: false`` overrides ``binary_data_output``."""
+    classification: Mapping[str, int] = field(default_factory=dict)
+    """Output name -> k: answer the top k classes instead of the tensor (Triton's
+    classification extension)."""
 
 
 def _bytes_from_binary(raw: memoryview, count: int, name: str) -> np.ndarray:
@@ -144,30 +154,43 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
     return count
 
 
+def _flatten(data: list[Any], limit: int, name: str) -> list[Any]:
+    """The values of a nested list, level by level (no recursion, no numpy dimension
+    limit); nesting deeper than ``limit`` is refused."""
+    flat, depth = data, 1
+    while any(isinstance(v, list) for v in flat):
+        depth += 1
+        if depth > limit:
+            raise InvalidInput(
+                f"input {name!r}: 'data' is nested deeper than its shape's rank ({limit})"
+            )
+        flat = [x for v in flat for x in (v if isinstance(v, list) else (v,))]
+    return flat
+
+
 def _json_data(data: Any, datatype: str, shape: list[int], name: str, available: int) -> np.ndarray:
     count = _element_count(shape, name, available)
-    if isinstance(data, list) and _depth(data) > len(shape) + 1:
-        raise InvalidInput(f"input {name!r}: 'data' is nested deeper than shape {shape}")
-    try:
-        flat = np.asarray(data, dtype=object).reshape(-1) if isinstance(data, list) else None
-    except (ValueError, RecursionError) as exc:
-        raise InvalidInput(f"input {name!r}: 'data' is not a regular array: {exc}") from None
-    if flat is None:
+    if not isinstance(data, list):
         raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
-    if flat.size != count:
+    flat = _flatten(data, max(len(shape), 1), name)  # flat, or nested up to the rank
+    if len(flat) != count:
         raise InvalidInput(
-            f"input {name!r}: shape {shape} needs {count} values, 'data' has {flat.size}"
+            f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
         )
     if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise InvalidInput(f"input {name!r}: BYTES 'data' must hold strings")
         out = np.empty(count, dtype=object)
-        out[:] = [
-            v.encode() if isinstance(v, str) else bytes(v) if isinstance(v, list) else v
-            for v in flat
-        ]
+        out[:] = [v.encode() for v in flat]
         return out.reshape(shape)
+    if any(v is None or isinstance(v, str | dict) for v in flat):
+        bad = next(v for v in flat if v is None or isinstance(v, str | dict))
+        raise InvalidInput(
+            f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not a number"
+        )
     try:
-        return np.asarray(flat.tolist(), dtype=as_dtype(datatype).numpy).reshape(shape)
-    except (TypeError, ValueError) as exc:
+        return np.asarray(flat, dtype=as_dtype(datatype).numpy).reshape(shape)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
 
 
@@ -178,15 +201,6 @@ def _parameters(obj: Mapping[str, Any], what: str) -> Mapping[str, Any]:
     if not isinstance(params, dict):
         raise InvalidInput(f"{what}: 'parameters' must be an object, got {type(params).__name__}")
     return params
-
-
-def _depth(data: Any, limit: int = 64) -> int:
-    """Nesting depth of a JSON list, scanning only first elements (cheap); ``limit`` caps it."""
-    depth = 0
-    while isinstance(data, list) and depth <= limit:
-        depth += 1
-        data = data[0] if data else None
-    return depth
 
 
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
@@ -218,6 +232,10 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             raise InvalidInput(
                 f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
             )
+        if len(shape) > MAX_RANK:
+            raise InvalidInput(
+                f"input {name!r}: shape has {len(shape)} dimensions; at most {MAX_RANK} are supported"
+            )
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
         size = _parameters(item, f"input {name!r}").get("binary_data_size")
@@ -235,28 +253,82 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
     if pos != len(binary):
         raise InvalidInput(f"{len(binary) - pos} binary bytes after the last input")
+    parameters = _parameters(header, "request")
+    reserved = sorted(k for k in parameters if k.startswith("triton_"))
+    if reserved:
+        raise InvalidInput(f"request parameters {reserved} are reserved (triton_*)")
     requested = header.get("outputs")
     names: tuple[str, ...] | None = None
-    binary_out: set[str] = set()
-    all_binary = bool(_parameters(header, "request").get("binary_data_output", False))
+    binary_out: set[str] = {"*"} if parameters.get("binary_data_output", False) else set()
+    json_out: set[str] = set()
+    classification: dict[str, int] = {}
     if requested is not None:
         if not isinstance(requested, list) or not all(
             isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
         ):
             raise InvalidInput("'outputs' must be a list of objects with a 'name' string")
         names = tuple(o["name"] for o in requested)
-        binary_out = {
-            o["name"]
-            for o in requested
-            if _parameters(o, f"output {o['name']!r}").get("binary_data")
-        }
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise InvalidInput(f"output(s) {twice} requested more than once")
+        for o in requested:
+            params = _parameters(o, f"output {o['name']!r}")
+            if "binary_data" in params:  # an output's own choice wins over the request's
+                (binary_out if params["binary_data"] else json_out).add(o["name"])
+            k = params.get("classification")
+            if k is not None:
+                if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                    raise InvalidInput(
+                        f"output {o['name']!r}: classification expects a count >= 1, got {k!r}"
+                    )
+                classification[o["name"]] = k
     return DecodedRequest(
         inputs,
         names,
-        frozenset(binary_out) | (frozenset(["*"]) if all_binary else frozenset()),
+        frozenset(binary_out),
         header.get("id"),
-        header.get("parameters") or {},
+        parameters,
+        frozenset(json_out),
+        classification,
     )
+
+
+def raw_binary_request(spec: ModelSpec, body: bytes) -> DecodedRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the body is
+    the raw bytes of the model's only input, whose shape comes from the model (rows of
+    it, for a batched model; one element, for BYTES)."""
+    if len(spec.inputs) != 1:
+        raise InvalidInput(
+            f"a raw binary request needs a model with one input; this one has "
+            f"{[t.name for t in spec.inputs]}"
+        )
+    (tensor,) = spec.inputs
+    lead = [1] if spec.batched else []
+    if tensor.dtype.datatype == "BYTES":
+        if math.prod(tensor.shape) != 1:
+            raise InvalidInput(
+                f"input {tensor.name!r}: a raw BYTES body is one element; the input takes "
+                f"shape {list(tensor.shape)}"
+            )
+        array = np.empty([*lead, *(1 for _ in tensor.shape)], dtype=object)
+        array.reshape(-1)[0] = bytes(body)
+        return DecodedRequest({tensor.name: array}, None, frozenset(), None, {})
+    if any(d < 0 for d in tensor.shape):
+        raise InvalidInput(
+            f"input {tensor.name!r}: a raw binary request needs a fixed shape, the input has "
+            f"{list(tensor.shape)}"
+        )
+    row = math.prod(tensor.shape) * tensor.dtype.numpy.itemsize
+    rows = len(body) // row if spec.batched and row else 1
+    if rows < 1 or rows * row != len(body):
+        raise InvalidInput(
+            f"input {tensor.name!r}: a raw body of {len(body)} bytes is not "
+            f"{'a whole number of rows' if spec.batched else 'one tensor'} of "
+            f"{list(tensor.shape)} {tensor.dtype.datatype} ({row} bytes each)"
+        )
+    shape = [rows, *tensor.shape] if spec.batched else list(tensor.shape)
+    array = np.frombuffer(body, dtype=tensor.dtype.numpy).reshape(shape)
+    return DecodedRequest({tensor.name: array}, None, frozenset(), None, {})
 
 
 def encode_response(
@@ -270,9 +342,14 @@ def encode_response(
     entries, tails = [], []
     for name in wanted:
         array = outputs[name]
+        if name in request.classification:
+            array = classify(array, request.classification[name], name)
         datatype = as_dtype(array.dtype).datatype
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if "*" in request.binary_outputs or name in request.binary_outputs:
+        binary = name in request.binary_outputs or (
+            "*" in request.binary_outputs and name not in request.json_outputs
+        )
+        if binary:
             _, raw = tensor_to_raw(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             tails.append(raw)
@@ -294,6 +371,20 @@ def encode_response(
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(header)),
     }
+
+
+def classify(array: np.ndarray, k: int, name: str) -> np.ndarray:
+    """Triton's classification extension: the top ``k`` of each row's last axis as BYTES
+    ``"<value>:<index>"``, highest first ([batch, k] for [batch, classes])."""
+    if array.dtype == object or array.ndim == 0:
+        raise InvalidInput(f"output {name!r}: classification needs a numeric tensor")
+    scores = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1)
+    k = min(k, scores.shape[1])
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    out = np.empty((scores.shape[0], k), dtype=object)
+    for r, row in enumerate(top):
+        out[r] = [f"{float(scores[r, i]):f}:{int(i)}".encode() for i in row]
+    return out.reshape((*array.shape[:-1], k)) if array.ndim > 1 else out.reshape(k)
 
 
 def metadata(

@@ -25,6 +25,8 @@ __all__ = [
     "BatchedModel",
     "FrontModel",
     "ModelRegistry",
+    "PassThrough",
+    "PassThroughRegistry",
     "RunnerModel",
     "StaticModels",
     "as_registry",
@@ -61,6 +63,17 @@ class PassThrough(Protocol):
         self, body: bytes, header_length: int | None, version: str
     ) -> tuple[int, bytes, dict[str, str]]:
         """(status, body, headers) of the other server's answer."""
+        ...
+
+
+@runtime_checkable
+class PassThroughRegistry(Protocol):
+    """A registry whose models another server serves (tritonserver): the front's Triton
+    extension endpoints (model configuration, statistics, repository index) are answered
+    by that server, as it has them."""
+
+    async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
+        """(status, body, headers) of the other server's answer to a bodiless request."""
         ...
 
 

@@ -1,0 +1,115 @@
+"""Triton's extensions as servekit's front answers them, from what a ``FrontModel``
+declares: the model configuration in force, statistics from its ``Batcher``'s counters,
+the repository index, server metadata. HTTP and gRPC both answer from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .. import __version__
+from .models import FrontModel
+
+__all__ = [
+    "EXTENSIONS",
+    "NOT_SERVED",
+    "model_config",
+    "repository_index",
+    "server_metadata",
+    "statistics",
+]
+
+EXTENSIONS = (
+    "classification",
+    "binary_tensor_data",
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "model_repository",
+)
+"""What the front implements (``model_repository``: the index only; loading and
+unloading are Triton's control APIs, see ``NOT_SERVED``)."""
+
+NOT_SERVED = (
+    "is not served by servekit's front: model control, shared-memory registration, trace "
+    "and logging are Triton's control APIs, served on the gRPC port of the triton and "
+    "pytriton runtimes with the servekit-control-token; the native and ray runtimes do "
+    "not offer them"
+)
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "servekit", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def model_config(name: str, model: FrontModel) -> Any:
+    """Triton's ``ModelConfig`` message for ``model`` as served: its signature, and the
+    batching policy and instance count of its ``Batcher`` (none: no dynamic batching)."""
+    from ..triton.pbtxt import model_config as render
+
+    batcher = model.batcher
+    policy = batcher.policy if batcher is not None else None
+    instances = batcher.instance_count if batcher is not None else 1
+    config = render(name, model.spec, policy, instance_count=instances)
+    if batcher is None:
+        config.ClearField("dynamic_batching")
+    return config
+
+
+def model_config_json(name: str, model: FrontModel) -> dict[str, Any]:
+    """``GET /v2/models/{name}/config``: the message as Triton's HTTP API writes it."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(model_config(name, model), preserving_proto_field_name=True)
+
+
+def _duration(count: int, us: float) -> dict[str, int]:
+    return {"count": int(count), "ns": int(us * 1000)}
+
+
+def statistics(models: Mapping[str, FrontModel]) -> dict[str, Any]:
+    """Triton's statistics JSON (``model_stats``) from each model's ``Batcher`` counters;
+    a model without a Batcher reports zeros."""
+    out = []
+    for name, model in models.items():
+        s = model.batcher.stats.snapshot() if model.batcher is not None else None
+        ok = s.request_success if s else 0
+        failed = (s.request_failure + s.request_invalid) if s else 0
+        queue_us = s.queue_us if s else 0.0
+        compute_us = s.compute_us if s else 0.0
+        executions = s.execution_count if s else 0
+        out.append(
+            {
+                "name": name,
+                "version": "1",
+                "last_inference": 0,
+                "inference_count": s.inference_count if s else 0,
+                "execution_count": executions,
+                "inference_stats": {
+                    "success": _duration(ok, queue_us + compute_us),
+                    "fail": _duration(failed, 0),
+                    "queue": _duration(ok, queue_us),
+                    "compute_input": _duration(executions, 0),
+                    "compute_infer": _duration(executions, compute_us),
+                    "compute_output": _duration(executions, 0),
+                    "cache_hit": _duration(0, 0),
+                    "cache_miss": _duration(0, 0),
+                },
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": _duration(n, 0),
+                        "compute_infer": _duration(n, 0),
+                        "compute_output": _duration(n, 0),
+                    }
+                    for size, n in sorted((s.batch_rows if s else {}).items())
+                ],
+            }
+        )
+    return {"model_stats": out}
+
+
+def repository_index(models: Mapping[str, FrontModel]) -> list[dict[str, str]]:
+    """``POST /v2/repository/index``: every model served, ready."""
+    return [{"name": n, "version": "1", "state": "READY"} for n in sorted(models)]
