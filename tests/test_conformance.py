@@ -11,9 +11,11 @@ there (strictly: if Triton changes, the table must too).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import http.client
+import importlib
 import json
 import zlib
 from collections.abc import Iterator
@@ -47,10 +49,30 @@ RUNTIMES = [
 """``inprocess``: KServeApp over a Batcher under uvicorn; ``-own``: tritonserver's own
 HTTP port (``front = false``); the others servekit's front on ``servekit serve``."""
 
-OWN = ("pytriton-own", "triton-own")
-DEVIATIONS: dict[str, str] = {}
-"""Case -> why tritonserver's own HTTP port (the ``-own`` runtimes) fails it; README's
-conformance table lists the same."""
+TRITONSERVER = {
+    "invalid json": "tritonserver answers 500 to a body that is not JSON",
+    "shape mismatch": "tritonserver answers 500 when 'data' does not fill the shape",
+    "null data": "tritonserver answers 500 to null in FP32 data",
+    "nested too deep": "tritonserver accepts 'data' nested deeper than the shape (200)",
+    "duplicate outputs": "tritonserver answers an output requested twice, twice (200)",
+    "unknown datatype": "tritonserver's 400 names the input, not the datatype it got",
+    "unsupported encoding": "tritonserver answers 501 to Content-Encoding br",
+    "binary precedence": "tritonserver ignores binary_data_output for an output listed "
+    "without a binary_data of its own",
+}
+PYTRITON_TOKEN = (
+    "PyTriton guards the repository index and shared-memory APIs with its control token (403)"
+)
+DEVIATIONS: dict[str, dict[str, str]] = {
+    "triton-own": TRITONSERVER,
+    "pytriton-own": {
+        **TRITONSERVER,
+        "repository index": PYTRITON_TOKEN,
+        "shared memory status": PYTRITON_TOKEN,
+    },
+}
+"""Runtime -> case -> why tritonserver's own HTTP port fails it; README's conformance
+table says the same (``test_the_readme_lists_every_deviation``)."""
 
 
 @dataclass
@@ -166,9 +188,9 @@ def case(name: str):
 
 @pytest.fixture(autouse=True)
 def _deviation_and_liveness(request, endpoint: Endpoint):
-    name = getattr(request.function, "case", None)
-    if name in DEVIATIONS and endpoint.runtime in OWN:
-        request.applymarker(pytest.mark.xfail(reason=DEVIATIONS[name], strict=True))
+    why = DEVIATIONS.get(endpoint.runtime, {}).get(getattr(request.function, "case", ""))
+    if why:
+        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
     yield
     # Whatever the case did, the server still answers a correct request correctly.
     status, answer = endpoint.infer(well_formed())
@@ -349,8 +371,9 @@ MALFORMED = {
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_requests_get_a_4xx_naming_the_problem(endpoint: Endpoint, name: str, request):
-    if name in DEVIATIONS and endpoint.runtime in OWN:
-        request.applymarker(pytest.mark.xfail(reason=DEVIATIONS[name], strict=True))
+    why = DEVIATIONS.get(endpoint.runtime, {}).get(name)
+    if why:
+        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
     body, needle = MALFORMED[name]
     status, answer = endpoint.infer(body)
     assert 400 <= status < 500, (status, answer)
@@ -406,7 +429,7 @@ def _inputs(module: Any, binary: bool = True) -> list[Any]:
     out = []
     for name, value in (("INPUT0", A), ("INPUT1", B)):
         tensor = module.InferInput(name, [1, 16], "FP32")
-        if module.__name__.endswith("http") or module.__name__.endswith("aio"):
+        if ".http" in module.__name__:
             tensor.set_data_from_numpy(value, binary_data=binary)
         else:
             tensor.set_data_from_numpy(value)
@@ -491,7 +514,37 @@ MATRIX_CALLS = [
     "async_infer",
     "get_system_shared_memory_status",
     "get_model_repository_index",
+    "aio: get_model_config",
+    "aio: get_inference_statistics",
+    "aio: infer",
 ]
+
+
+async def _aio_calls(module: Any, client: Any, http: bool) -> dict[str, str]:
+    """The asyncio clients (``tritonclient.http.aio``, ``tritonclient.grpc.aio``)."""
+
+    async def infer() -> None:
+        result = await client.infer(MODEL, _inputs(module))
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), A - B)
+
+    async def stats() -> None:
+        kw = {} if http else {"as_json": True}
+        assert MODEL in json.dumps(await client.get_inference_statistics(MODEL, **kw))
+
+    calls = {
+        "aio: get_model_config": lambda: client.get_model_config(MODEL),
+        "aio: get_inference_statistics": stats,
+        "aio: infer": infer,
+    }
+    results = {}
+    for call, fn in calls.items():
+        try:
+            await fn()
+            results[call] = "ok"
+        except Exception as exc:  # the matrix records what a user would see
+            results[call] = f"{type(exc).__name__}: {exc}"[:200]
+    await client.close()
+    return results
 
 
 def run_matrix(endpoint: Endpoint) -> dict[tuple[str, str], str]:
@@ -514,22 +567,40 @@ def run_matrix(endpoint: Endpoint) -> dict[tuple[str, str], str]:
                     results[protocol, call] = f"{type(exc).__name__}: {exc}"[:200]
         finally:
             client.close()
+        aio = importlib.import_module(f"{module.__name__}.aio")
+
+        async def run(
+            aio: Any = aio, port: int = port, http: bool = protocol == "HTTP"
+        ) -> dict[str, str]:
+            return await _aio_calls(aio, aio.InferenceServerClient(f"{endpoint.host}:{port}"), http)
+
+        for call, result in asyncio.run(run()).items():
+            results[protocol, call] = result
     return results
+
+
+def readme_table(marker: str) -> list[list[str]]:
+    """The rows (cells stripped) of the README table after ``<!-- marker -->``."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split(f"<!-- {marker} -->")[1].split("<!-- end -->")[0]
+    rows = [r for r in section.strip().splitlines() if r.startswith("|")]
+    return [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
 
 
 def readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
     """README's tritonclient matrix: (protocol, call) -> runtime -> cell."""
-    from pathlib import Path
+    header, _, *rows = readme_table("tritonclient matrix")
+    return {(r[0], r[1]): dict(zip(header[2:], r[2:], strict=True)) for r in rows}
 
-    text = (Path(__file__).parent.parent / "README.md").read_text()
-    section = text.split("<!-- tritonclient matrix -->")[1].split("<!-- end -->")[0]
-    rows = [r for r in section.strip().splitlines() if r.startswith("|")]
-    header = [c.strip() for c in rows[0].strip("|").split("|")]
-    out: dict[tuple[str, str], dict[str, str]] = {}
-    for row in rows[2:]:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        out[cells[0], cells[1]] = dict(zip(header[2:], cells[2:], strict=True))
-    return out
+
+def test_the_readme_lists_every_deviation():
+    """README's deviation table is ``DEVIATIONS``: case, runtimes, reason."""
+    _, _, *rows = readme_table("conformance deviations")
+    listed = {(r[0], rt.strip()): r[2] for r in rows for rt in r[1].replace("`", "").split(",")}
+    expected = {(case, rt): why for rt, cases in DEVIATIONS.items() for case, why in cases.items()}
+    assert listed == expected
 
 
 def test_the_tritonclient_matrix_is_the_readmes(endpoint: Endpoint):

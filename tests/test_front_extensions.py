@@ -150,3 +150,25 @@ def test_control_endpoints_say_where_they_are_served(front, method, path):
     status, body, _ = call(url, method, path, b"{}" if method == "POST" else None)
     assert status == 403
     assert b"gRPC port of the triton and pytriton runtimes" in body
+
+
+def test_a_401_before_the_body_is_read_still_reaches_the_client(add_sub_path):
+    """The token check answers before reading a multi-megabyte body: the client gets the
+    401, and the keep-alive connection serves the next request."""
+    import http.client
+
+    runner = OnnxRuntimeRunner(add_sub_path)
+    try:
+        with serving(KServeApp({"add_sub": runner}, inference_token="s3cret")) as url:
+            host, port = url.removeprefix("http://").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                conn.request("POST", "/v2/models/add_sub/infer", body=b" " * 6_000_000)
+                answer = conn.getresponse()
+                assert answer.status == 401 and b"servekit-inference-token" in answer.read()
+                conn.request("GET", "/v2/health/live")
+                assert conn.getresponse().status == 200
+            finally:
+                conn.close()
+    finally:
+        runner.close()

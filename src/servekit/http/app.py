@@ -32,6 +32,7 @@ from .kserve import (
     HEADER_LENGTH,
     decode_request,
     encode_response,
+    explicit_binary,
     metadata,
     raw_binary_request,
     scheduling,
@@ -269,7 +270,8 @@ class KServeApp:
         params = scheduling(request.parameters)
         if isinstance(model, PassThrough):  # checked here; Triton gets the same bytes
             model.spec.validate_inputs(request.inputs)
-            return await model.forward(body, int(raw) if raw else None, version)
+            body, length = explicit_binary(body, int(raw) if raw else None, request)
+            return await model.forward(body, 0 if raw and int(raw) == 0 else length, version)
         outputs = await model.infer(request.inputs, **params, version=version)
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers

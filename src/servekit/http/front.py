@@ -40,6 +40,7 @@ from .forward import HttpForwarder
 from .kserve import HEADER_LENGTH
 from .models import StaticModels
 from .server import AsgiThread
+from .surface import repository_index
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]
 
@@ -114,6 +115,68 @@ class ForwardedModel:
             self._http = None
 
 
+async def triton_fetch(
+    http_url: str, headers: Mapping[str, str], method: str, path: str
+) -> tuple[int, bytes, dict[str, str]]:
+    """tritonserver's answer to a bodiless request on its private HTTP port, as it is."""
+
+    def call() -> tuple[int, bytes, dict[str, str]]:
+        request = urllib.request.Request(
+            f"{http_url}{path}",
+            method=method,
+            headers=dict(headers),
+            data=b"{}" if method == "POST" else None,
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return r.status, r.read(), {"content-type": "application/json"}
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read(), {"content-type": "application/json"}
+        except (urllib.error.URLError, OSError) as exc:
+            raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
+
+    return await asyncio.to_thread(call)
+
+
+async def triton_ready(http_url: str, name: str, version: str | None) -> bool:
+    """Whether tritonserver has ``name`` (at ``version``) ready."""
+    path = f"/v2/models/{urllib.parse.quote(name, safe='')}"
+    if version:
+        path += f"/versions/{urllib.parse.quote(version, safe='')}"
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{http_url}{path}/ready", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return await asyncio.to_thread(ready)
+
+
+class PyTritonModels(StaticModels):
+    """PyTriton's models (fixed at start) as ``ForwardedModel``s; readiness, configuration,
+    statistics and the repository index come from tritonserver (``PassThroughRegistry``)."""
+
+    def __init__(
+        self, models: Mapping[str, ForwardedModel], http_url: str, headers: Mapping[str, str]
+    ) -> None:
+        super().__init__(models)
+        self.http_url, self._headers = http_url, dict(headers)
+
+    async def is_ready(self, name: str, version: str | None) -> bool:
+        return name in self and await triton_ready(self.http_url, name, version)
+
+    async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
+        if path == "/v2/repository/index":  # PyTriton's models are in no repository Triton indexes
+            return (
+                200,
+                json.dumps(repository_index(self)).encode(),
+                {"content-type": "application/json"},
+            )
+        return await triton_fetch(self.http_url, self._headers, method, path)
+
+
 class TritonModels(Mapping[str, ForwardedModel]):
     """The models a tritonserver has loaded now, for the front: each one's spec is read
     from Triton's model config (private HTTP port) when first asked for and again after
@@ -149,23 +212,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         """Triton's own answer on its private HTTP port (``PassThroughRegistry``)."""
-
-        def call() -> tuple[int, bytes, dict[str, str]]:
-            request = urllib.request.Request(
-                f"{self.http_url}{path}",
-                method=method,
-                headers=self._headers,
-                data=b"{}" if method == "POST" else None,
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=10) as r:
-                    return r.status, r.read(), {"content-type": "application/json"}
-            except urllib.error.HTTPError as exc:
-                return exc.code, exc.read(), {"content-type": "application/json"}
-            except (urllib.error.URLError, OSError) as exc:
-                raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
-
-        return await asyncio.to_thread(call)
+        return await triton_fetch(self.http_url, self._headers, method, path)
 
     def _fetch(self, name: str) -> ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")
@@ -188,18 +235,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         return await asyncio.to_thread(self._fetch, name)
 
     async def is_ready(self, name: str, version: str | None) -> bool:
-        path = f"/v2/models/{urllib.parse.quote(name, safe='')}"
-        if version:
-            path += f"/versions/{urllib.parse.quote(version, safe='')}"
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"{self.http_url}{path}/ready", timeout=5) as r:
-                    return r.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
-
-        return await asyncio.to_thread(ready)
+        return await triton_ready(self.http_url, name, version)
 
     def loaded(self) -> Mapping[str, ForwardedModel]:
         return {name: model for name, (_, model) in self._cache.items()}
@@ -221,7 +257,8 @@ class TritonModels(Mapping[str, ForwardedModel]):
 class Front:
     """``KServeApp`` over ``ForwardedModel``s, served by uvicorn on its own thread.
 
-    ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry.
+    ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry;
+    ``control_headers`` reach tritonserver's restricted APIs (the repository index).
     """
 
     def __init__(
@@ -234,16 +271,19 @@ class Front:
         ready: Callable[[], bool],
         max_body_bytes: int = 64 * 1024 * 1024,
         inference_token: str | None = None,
-        http_url: str | None = None,
+        http_url: str,
+        control_headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.registry = (
+        self.registry: TritonModels | PyTritonModels = (
             models
             if isinstance(models, TritonModels)
-            else StaticModels(
+            else PyTritonModels(
                 {
                     name: ForwardedModel(name, spec, grpc_url, inference_token, http_url=http_url)
                     for name, spec in models.items()
-                }
+                },
+                http_url,
+                control_headers or {},
             )
         )
         self.app = KServeApp(

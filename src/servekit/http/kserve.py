@@ -29,6 +29,7 @@ __all__ = [
     "decode_request",
     "element_count",
     "encode_response",
+    "explicit_binary",
     "metadata",
     "raw_binary_request",
     "scheduling",
@@ -291,6 +292,25 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         frozenset(json_out),
         classification,
     )
+
+
+def explicit_binary(
+    body: bytes, header_length: int | None, request: DecodedRequest
+) -> tuple[bytes, int | None]:
+    """The body with ``binary_data_output`` spelled out per output when an output's own
+    ``binary_data: false`` overrides it, for a server behind that gets the precedence
+    wrong (tritonserver answers such an output binary); otherwise the body as it is."""
+    if not (request.json_outputs and "*" in request.binary_outputs):
+        return body, header_length
+    header = json.loads(body[:header_length] if header_length else body)
+    del header["parameters"]["binary_data_output"]
+    for output in header["outputs"]:
+        params = output.setdefault("parameters", {})
+        params["binary_data"] = output["name"] not in request.json_outputs
+    rewritten = json.dumps(header, separators=(",", ":")).encode()
+    if not header_length:
+        return rewritten, None
+    return rewritten + body[header_length:], len(rewritten)
 
 
 def raw_binary_request(spec: ModelSpec, body: bytes) -> DecodedRequest:

@@ -26,6 +26,11 @@ from .binding import infer_callable, install_error_shim, pytriton_tensors
 
 __all__ = ["TritonServer"]
 
+CONTROL_ENDPOINTS = ("model-repository", "shared-memory", "trace", "logging")
+"""Triton's API categories the control token guards on PyTriton: what changes the server
+(model control, shared-memory registration, trace and log settings). Statistics stay open,
+as on tritonserver by default (PyTriton's own default restricts them too)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -92,7 +97,9 @@ class TritonServer:
         for m in self.models:
             m.runner.warmup()
         c = self.server
-        security = TritonSecurityConfig(access_token=c.control_token)
+        security = TritonSecurityConfig(
+            access_token=c.control_token, restricted_endpoints=list(CONTROL_ENDPOINTS)
+        )
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
         triton_http_port = free_port() if c.front else c.http_port
@@ -140,6 +147,7 @@ class TritonServer:
                     ready=self.is_healthy,
                     max_body_bytes=c.max_body_bytes,
                     http_url=f"http://127.0.0.1:{triton_http_port}",
+                    control_headers={"triton-access-token": security.access_token or ""},
                 ).start()
         except BaseException:
             if self._front is not None:

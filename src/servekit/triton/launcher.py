@@ -203,6 +203,7 @@ class TritonProcess:
             ready=self.is_alive,
             max_body_bytes=o.max_body_bytes,
             inference_token=o.inference_token,
+            http_url=self.triton_http_url,
         ).start()
 
     def _http_ok(self, path: str) -> bool:
