@@ -240,6 +240,21 @@ def test_json_inference_equals_the_model_in_process(endpoint: Endpoint):
     assert answer["id"] == "req-1" and answer["model_name"] == MODEL
 
 
+@case("chunked body")
+def test_a_chunked_request_body_is_read_whole(endpoint: Endpoint):
+    """No Content-Length: Transfer-Encoding chunked, in small pieces."""
+    raw = json.dumps(well_formed()).encode()
+    conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=60)
+    try:
+        pieces = (raw[i : i + 100] for i in range(0, len(raw), 100))
+        conn.request("POST", f"/v2/models/{MODEL}/infer", body=pieces, encode_chunked=True)
+        answer = conn.getresponse()
+        assert answer.status == 200
+        np.testing.assert_allclose(outputs(json.loads(answer.read()))["OUTPUT0"], A + B)
+    finally:
+        conn.close()
+
+
 @case("nested data")
 def test_data_nested_up_to_the_rank_is_accepted(endpoint: Endpoint):
     body = well_formed()

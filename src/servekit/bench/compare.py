@@ -29,6 +29,7 @@ from ..batching import Batcher
 from ..config import ModelConfig, RayOptions, ServeConfig, ServerConfig, image_model_name
 from ..stages import synthetic_image
 from .loadgen import MeasureConfig, Point, sweep
+from .report import markdown_head
 from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
@@ -144,8 +145,13 @@ class ServerProcess:
         path.write_text(self.config.to_toml())
         command = [sys.executable, "-m", "servekit", "serve", "--config", str(path)]
         with self.log.open("wb") as log:
+            # A session of its own: a runtime that signals its process group on the way out
+            # (Ray's node shutdown) must not take the measuring process with it.
             self.proc = subprocess.Popen(
-                [*command, *self.extra_args], stdout=log, stderr=subprocess.STDOUT
+                [*command, *self.extra_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -315,14 +321,7 @@ def markdown_report(result: ComparisonResult, command: str, plot: str | None, ma
     """The comparison as Markdown: the command, the table, shares of raw, skipped runtimes."""
     shares = result.share_of_raw()
     lines = [
-        "# servekit compare",
-        "",
-        f"Machine: {machine}.",
-        "",
-        "```sh",
-        command,
-        "```",
-        "",
+        *markdown_head("servekit compare", machine, command),
         result.workload
         or "Every runtime serves the same model, closed loop, one request at a time per client.",
         "",

@@ -13,7 +13,27 @@ from rich.table import Table
 
 from .loadgen import Point
 
-__all__ = ["plot_latency_vs_throughput", "table", "write_csv", "write_json"]
+__all__ = [
+    "machine",
+    "markdown_head",
+    "plot_latency_vs_throughput",
+    "table",
+    "write_csv",
+    "write_json",
+]
+
+
+def machine() -> str:
+    """This machine in a line, for reports (architecture, CPUs, Python)."""
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def markdown_head(title: str, machine: str, command: str) -> list[str]:
+    """A Markdown report's first lines: the title, the machine and the command that made it."""
+    return [f"# {title}", "", f"Machine: {machine}.", "", "```sh", command, "```", ""]
 
 
 def table(points: Sequence[Point], title: str = "") -> Table:

@@ -136,15 +136,19 @@ def compare(
     """Start each runtime in turn on loopback with the same model and policy, run the same
     sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
     are skipped and named."""
-    import os
-    import platform
     import shlex
     import sys
 
     from ..bench import MeasureConfig, parse_levels
     from ..bench.compare import compare as run_compare
     from ..bench.compare import markdown_report
-    from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
+    from ..bench.report import (
+        machine,
+        plot_latency_vs_throughput,
+        table,
+        write_csv,
+        write_json,
+    )
 
     cfg = serve_config(
         config,
@@ -180,6 +184,5 @@ def compare(
             result.series, out.with_suffix(".png"), title="servekit compare: ResNet-50 on JPEGs"
         )
         plot = out.with_suffix(".png").name
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine))
+    out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine()))
     console.print(f"wrote {out.with_suffix('.md')}")

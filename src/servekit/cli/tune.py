@@ -73,14 +73,13 @@ def tune(
     concurrency and stopped. Writes OUT/best.toml for `servekit serve --config`, the
     config.pbtxt it implies (Triton runtimes), report.md and plots; --runtime all tunes
     each runtime and reports them side by side. Ctrl-C writes the report so far."""
-    import os
-    import platform
     import shlex
     import sys
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ..bench import MeasureConfig, parse_levels
+    from ..bench.report import machine
     from ..tune import (
         Constraints,
         Knobs,
@@ -164,8 +163,7 @@ def tune(
             if result.interrupted:
                 break
     command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    write_outputs(results, out, command, machine)
+    write_outputs(results, out, command, machine())
     for r in results:
         best = r.best
         where = out / r.runtime if len(results) > 1 else out

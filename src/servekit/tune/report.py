@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..bench.loadgen import Point
+from ..bench.report import markdown_head
 from .run import TuneResult, as_dict
 from .search import Trial
 
@@ -203,16 +204,7 @@ def write_outputs(
     """Everything, under ``out`` (one runtime) or ``out/<runtime>/`` each (several), with
     one ``out/report.md``; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"# servekit tune: {results[0].base.models[0].name}",
-        "",
-        f"Machine: {machine}.",
-        "",
-        "```sh",
-        command,
-        "```",
-        "",
-    ]
+    lines = markdown_head(f"servekit tune: {results[0].base.models[0].name}", machine, command)
     c = results[0].constraints
     lines += [
         f"Objective: {c.objective}; constraints: p99 <= {c.p99_ms or '-'} ms, "

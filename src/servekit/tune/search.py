@@ -164,9 +164,10 @@ def quick(
         for axis in range(len(space.shape)):
             for by in (1, -1):
                 moved = False
-                while (nxt := step(current, axis, by)) is not None and better(
-                    measured(nxt), measured(current)
-                ):
+                while (nxt := step(current, axis, by)) is not None:
+                    here = measured(current)  # measured before its neighbour, as reported
+                    if not better(measured(nxt), here):
+                        break
                     current, moved = nxt, True
                 if moved:
                     break
