@@ -196,3 +196,17 @@ def test_the_pareto_front_holds_the_undominated_candidates():
         Trial(Knobs(32, 1, 0, 1), status="failed", reason="did not start"),
     ]
     assert [t.knobs.max_batch_size for t in pareto_front(trials)] == [1, 4, 16]
+
+
+def test_the_baseline_stays_best_when_no_candidate_beats_it():
+    from servekit.tune import TuneResult
+
+    c = Constraints(p99_ms=50)
+    base = ServeConfig((ModelConfig("add_sub", batching=BatchingPolicy(64)),), runtime="native")
+    result = TuneResult(base, SPACE, c, "quick")
+    result.baseline = Trial(Knobs(64, 1, 0, None), [point(500, 20)]).judge(c)
+    result.trials = [Trial(Knobs(8, 1, 0, 1), [point(400, 20)]).judge(c)]
+    assert result.best is result.baseline and result.best_config() == base
+    result.trials.append(Trial(Knobs(16, 2, 0, 1), [point(600, 30)]).judge(c))
+    config = result.best_config()
+    assert config is not None and config.models[0].batching.max_batch_size == 16

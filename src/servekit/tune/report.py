@@ -103,7 +103,9 @@ def _section(result: TuneResult, folder: str) -> list[str]:
             "",
         ]
         base = result.baseline.best if result.baseline else None
-        if base is not None:
+        if best is result.baseline:
+            lines += ["No candidate beat the baseline, the configuration's own knobs.", ""]
+        elif base is not None:
             lines += [
                 f"Baseline (the configuration's own knobs, {result.baseline.knobs.label()}): "  # type: ignore[union-attr]
                 f"{base.stats.inferences_per_s:.1f} rows/s, p99 {base.stats.p99_ms:.1f} ms; "

@@ -40,12 +40,19 @@ class TuneResult:
 
     @property
     def best(self) -> Trial | None:
-        return best_trial(self.trials, self.constraints)
+        """The best trial under the constraints; the baseline counts too, so tuning never
+        recommends less than the configuration it started from (as Model Analyzer keeps
+        the default configuration among its candidates)."""
+        candidates = [*self.trials, *([self.baseline] if self.baseline else [])]
+        return best_trial(candidates, self.constraints)
 
     def best_config(self) -> ServeConfig | None:
-        """The base config with the best trial's knobs: what ``best.toml`` holds."""
+        """What ``best.toml`` holds: the base config with the best trial's knobs (the base
+        itself when the baseline is best)."""
         best = self.best
-        return None if best is None else self.space.config(self.base, best.knobs)
+        if best is None:
+            return None
+        return self.base if best is self.baseline else self.space.config(self.base, best.knobs)
 
 
 def baseline_knobs(base: ServeConfig) -> Knobs:
