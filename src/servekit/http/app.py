@@ -56,7 +56,10 @@ _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 class KServeApp:
-    """ASGI app: ``/v2/health/{live,ready}``, ``/v2``, ``/v2/models/{name}[/versions/{v}][/ready|/infer]``.
+    """ASGI app: ``/v2/health/{live,ready}``, ``/v2``,
+    ``/v2/models/{name}[/versions/{v}][/ready|/infer|/config|/stats]``, ``/v2/models/stats``,
+    ``/v2/repository/index`` and the shared-memory status (``servekit.http.surface``);
+    Triton's control APIs are a 403 saying where they are served.
 
     ``GET /metrics`` is the Prometheus exposition (Triton's ``nv_inference_*`` names) for
     every model with a Batcher behind it.
