@@ -76,7 +76,15 @@ def tune(
     import shlex
     import sys
 
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from ..bench import MeasureConfig, parse_levels
     from ..bench.report import machine
@@ -121,17 +129,38 @@ def tune(
         raise typer.BadParameter(str(exc)) from None
 
     results: list[TuneResult] = []
+    most = space.size + baseline  # quick usually stops well before
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
+        SpinnerColumn(),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
     ) as progress:
-        task = progress.add_task("starting", total=None)
         for cfg in configs:
             rt = cfg.runtime
+            task = progress.add_task(rt, total=most)
+            state: dict[str, str] = {"best": "no candidate yet"}
 
-            def started(label: str, knobs: Knobs, rt: str = rt) -> None:
-                progress.update(task, description=f"{rt}: measuring {label} {knobs.label()}")
+            def started(
+                label: str,
+                knobs: Knobs,
+                rt: str = rt,
+                task: TaskID = task,
+                state: dict[str, str] = state,
+            ) -> None:
+                progress.update(
+                    task, description=f"{rt}: measuring {label} {knobs.label()} | {state['best']}"
+                )
 
-            def finished(result: TuneResult, trial: Trial, rt: str = rt) -> None:
+            def finished(
+                result: TuneResult,
+                trial: Trial,
+                rt: str = rt,
+                task: TaskID = task,
+                state: dict[str, str] = state,
+            ) -> None:
                 p = trial.best
                 figures = (
                     f"{p.stats.inferences_per_s:.1f} rows/s at concurrency {p.level:g}, "
@@ -140,14 +169,14 @@ def tune(
                     else trial.reason
                 )
                 best = result.best
-                so_far = (
+                state["best"] = (
                     f"best so far: {best.knobs.label()}"
                     f" ({best.best.stats.inferences_per_s:.1f} rows/s)"  # type: ignore[union-attr]
                     if best
                     else "no candidate meets the constraints yet"
                 )
                 progress.console.print(f"{rt}: {trial.knobs.label()}: {trial.status}, {figures}")
-                progress.update(task, description=f"{rt}: {so_far}")
+                progress.update(task, advance=1, description=f"{rt}: {state['best']}")
 
             result = run_tune(
                 cfg,
@@ -160,6 +189,7 @@ def tune(
                 on_trial=finished,
             )
             results.append(result)
+            progress.update(task, completed=most)
             if result.interrupted:
                 break
     command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
