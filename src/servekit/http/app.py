@@ -28,8 +28,10 @@ from ..errors import (
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
+from .h1 import BodyTooLarge, Reply
 from .kserve import (
     HEADER_LENGTH,
+    DecodedRequest,
     decode_request,
     encode_response,
     explicit_binary,
@@ -51,6 +53,7 @@ _MODEL = re.compile(
 _NOT_SERVED = re.compile(
     r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
 )
+_IDENTITY = ("", "identity")
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 """Content-Encoding -> zlib's wbits (tritonclient's deflate is zlib-wrapped)."""
 
@@ -90,6 +93,7 @@ class KServeApp:
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
+        self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         for name, model in self.models.loaded().items():
             if model.batcher is not None and (name, "1") not in self.metrics.models:
                 self.metrics.watch(model.batcher, name)
@@ -150,7 +154,7 @@ class KServeApp:
             return 200, self.metrics.render().encode(), {"content-type": CONTENT_TYPE}
         if method == "GET" and path == "/v2":
             return self._json(200, server_metadata())
-        behind = self.models if isinstance(self.models, PassThroughRegistry) else None
+        behind = self._behind
         if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
             if behind is not None:
                 return await behind.fetch(method, path)
@@ -200,9 +204,65 @@ class KServeApp:
         if self._token is None:
             return
         key = INFERENCE_TOKEN_HEADER.encode()
-        given = next((v for k, v in scope.get("headers", []) if k.lower() == key), b"")
-        if not hmac.compare_digest(given, self._token):
+        self._check_token(next((v for k, v in scope.get("headers", []) if k.lower() == key), b""))
+
+    def _check_token(self, given: bytes) -> None:
+        if self._token is not None and not hmac.compare_digest(given, self._token):
             raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
+
+    def forward_now(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes, reply: Reply
+    ) -> bool:
+        """The fast path (``h1.FastPath``): an unversioned infer of a model known to pass
+        through is checked exactly as on the full path, then its bytes go on from
+        callbacks. Anything else (versions, encodings, raw binary, a model not looked
+        up yet) returns False and takes the full path."""
+        behind = self._behind
+        if behind is None or method != "POST" or not path.endswith("/infer"):
+            return False
+        m = _MODEL.match(path)
+        if m is None or m["version"] is not None or m["rest"] != "/infer":
+            return False
+        name = m["name"]
+        model = behind.peek(name)
+        raw = headers.get(HEADER_LENGTH)
+        if (
+            model is None
+            or _whole_body(raw)
+            or headers.get("content-encoding", "") not in _IDENTITY
+        ):
+            return False
+        try:
+            self._check_token(headers.get(INFERENCE_TOKEN_HEADER, "").encode("latin-1"))
+            checked, length = self._pass_through(name, model, body, raw)
+        except ServekitError as exc:
+            reply(*self._error(exc))
+            return True
+
+        def done(answer: tuple[int, bytes, dict[str, str]] | ServekitError) -> None:
+            reply(*(self._error(answer) if isinstance(answer, ServekitError) else answer))
+
+        model.send(checked, length, "", done)
+        return True
+
+    def _decode(self, name: str, body: bytes, raw: str | None) -> DecodedRequest:
+        """The request, checked; a malformed one counts as failed (it never reaches a Batcher)."""
+        try:
+            if raw and not (raw.isascii() and raw.isdigit()):
+                raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
+            return decode_request(body, int(raw) if raw else None)
+        except InvalidInput:
+            self.metrics.failed(name)
+            raise
+
+    def _pass_through(
+        self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None
+    ) -> tuple[bytes, int | None]:
+        """Checked as the model would check it; the bytes to send on (``explicit_binary``)."""
+        request = self._decode(name, body, raw)
+        scheduling(request.parameters)
+        model.spec.validate_inputs(request.inputs)  # type: ignore[union-attr]
+        return explicit_binary(body, int(raw) if raw else None, request)
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
@@ -252,7 +312,7 @@ class KServeApp:
     ) -> tuple[int, bytes, dict[str, str]]:
         try:
             body = await self._read_body(scope, receive)
-        except _TooLarge as exc:
+        except (_TooLarge, BodyTooLarge) as exc:
             return self._json(413, {"error": str(exc)})
         except _Unsupported as exc:
             return self._json(415, {"error": str(exc)})
@@ -260,24 +320,30 @@ class KServeApp:
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
         raw = headers.get(HEADER_LENGTH)
-        try:
-            if raw and not (raw.isascii() and raw.isdigit()):
-                raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
-            if raw and int(raw) == 0:  # the whole body is the one input
+        whole = _whole_body(raw)
+        if isinstance(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
+            body, length = self._pass_through(name, model, body, raw)
+            return await model.forward(body, length, version)
+        if whole:  # the whole body is the one input
+            try:
                 request = raw_binary_request(model.spec, body)
-            else:
-                request = decode_request(body, int(raw) if raw else None)
-        except InvalidInput:
-            self.metrics.failed(name)  # never reached the model's Batcher
-            raise
+            except InvalidInput:
+                self.metrics.failed(name)
+                raise
+            if isinstance(model, PassThrough):
+                model.spec.validate_inputs(request.inputs)
+                return await model.forward(body, 0, version)
+        else:
+            request = self._decode(name, body, raw)
         params = scheduling(request.parameters)
-        if isinstance(model, PassThrough):  # checked here; Triton gets the same bytes
-            model.spec.validate_inputs(request.inputs)
-            body, length = explicit_binary(body, int(raw) if raw else None, request)
-            return await model.forward(body, 0 if raw and int(raw) == 0 else length, version)
         outputs = await model.infer(request.inputs, **params, version=version)
         payload, out_headers = encode_response(name, outputs, request)
         return 200, payload, out_headers
+
+
+def _whole_body(raw: str | None) -> bool:
+    """``Inference-Header-Content-Length: 0``: the body is the model's one input, raw."""
+    return raw is not None and raw.isascii() and raw.isdigit() and int(raw) == 0
 
 
 class _TooLarge(Exception):

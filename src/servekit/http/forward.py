@@ -3,110 +3,160 @@
 servekit's front checks every request before Triton sees it; once checked, the cheapest
 way on is the way it came: the same bytes, over a keep-alive HTTP/1.1 connection on
 loopback, and Triton's answer passed back as it is. No tensors are rebuilt, re-encoded
-or decoded again on the way. Connections are pooled per event loop; a pooled connection
-the server closed meanwhile is replaced once, transparently.
+or decoded again on the way, and no task is made per request: a pooled connection
+takes the bytes and calls back with the answer (``send``); ``post`` awaits the same. A
+reused connection that the server closed meanwhile is replaced once, transparently.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from ..errors import ModelNotReady
+import httptools
 
-__all__ = ["HttpForwarder"]
+from ..errors import ModelNotReady, ServekitError
 
-_PASSED_BACK = ("content-type", "inference-header-content-length", "retry-after")
+__all__ = ["Answer", "Done", "HttpForwarder"]
+
+Answer = tuple[int, bytes, dict[str, str]]
+"""(status, body, headers) of the server's answer; headers are the ones passed back."""
+Done = Callable[[Answer | ServekitError], None]
+
+_PASSED_BACK = frozenset({b"content-type", b"inference-header-content-length", b"retry-after"})
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to the server; one request at a time."""
+
+    def __init__(self, pool: HttpForwarder) -> None:
+        self.pool = pool
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.done: Done | None = None
+        self.request = b""
+        self.answered = False  # some of the answer has arrived: never resend
+        self.retry = False
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, request: bytes, done: Done, *, retry: bool) -> None:
+        assert self.transport is not None
+        self.done, self.request, self.retry, self.answered = done, request, retry, False
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ModelNotReady(f"tritonserver's answer is not HTTP: {exc}"))
+
+    def on_message_begin(self) -> None:
+        self._headers, self._body = {}, []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in _PASSED_BACK:
+            self._headers[name.decode()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        done, self.done = self.done, None
+        answer = (self.parser.get_status_code(), b"".join(self._body), self._headers)
+        if self.parser.should_keep_alive() and self.transport and not self.transport.is_closing():
+            self.pool.idle.append(self)
+        elif self.transport is not None:
+            self.transport.close()
+        if done is not None:
+            done(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.pool.idle:
+            self.pool.idle.remove(self)
+        if self.done is None:
+            return
+        if self.retry and not self.answered:  # closed while idle in the pool: once more, fresh
+            done, self.done = self.done, None
+            self.pool.connect_and_send(self.request, done)
+            return
+        self._fail(ModelNotReady(f"tritonserver dropped the connection: {exc or 'closed'}"))
+
+    def _fail(self, error: ServekitError) -> None:
+        done, self.done = self.done, None
+        if self.transport is not None:
+            self.transport.close()
+        if done is not None:
+            done(error)
 
 
 class HttpForwarder:
-    """POSTs bodies to ``http://host:port`` and returns (status, body, headers)."""
+    """POSTs bodies to ``http://host:port`` on pooled keep-alive connections (one event loop)."""
 
     def __init__(self, url: str, *, headers: Mapping[str, str] | None = None) -> None:
         hostport = url.removeprefix("http://").rstrip("/")
         self.host, _, port = hostport.rpartition(":")
         self.port = int(port)
-        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._host_line = f"Host: {self.host}:{self.port}\r\n{extra}".encode("latin-1")
+        self.idle: list[_Connection] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def post(
-        self, path: str, body: bytes, headers: Mapping[str, str]
-    ) -> tuple[int, bytes, dict[str, str]]:
-        """One request; raises ``ModelNotReady`` when tritonserver cannot be reached."""
-        for attempt in range(2):
-            reused = bool(self._idle)
-            try:
-                reader, writer = (
-                    self._idle.pop()
-                    if reused
-                    else await asyncio.open_connection(self.host, self.port)
-                )
-            except OSError as exc:
-                raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
-            try:
-                result, keep = await self._exchange(reader, writer, path, body, headers)
-            except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
-                writer.close()
-                if reused and attempt == 0:
-                    continue  # the server had closed an idle connection: once more, fresh
-                raise ModelNotReady(f"tritonserver dropped the connection: {exc}") from None
-            if keep:
-                self._idle.append((reader, writer))
-            else:
-                writer.close()
-            return result
-        raise AssertionError("unreachable")
-
-    async def _exchange(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-    ) -> tuple[tuple[int, bytes, dict[str, str]], bool]:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Length: {len(body)}\r\n{self._extra}"
-            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            + "\r\n"
+    def request_bytes(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> bytes:
+        head = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n" % (
+            path.encode("latin-1"),
+            self._host_line,
+            len(body),
         )
-        writer.write(head.encode("latin-1"))
-        writer.write(body)
-        await writer.drain()
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionResetError("closed before answering")
-        try:
-            status = int(status_line.split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            raise ConnectionResetError(f"not an HTTP answer: {status_line[:80]!r}") from None
-        answer: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            key, _, value = line.decode("latin-1").partition(":")
-            answer[key.strip().lower()] = value.strip()
-        if answer.get("transfer-encoding", "").lower() == "chunked":
-            data = await self._chunked(reader)
-        else:
-            data = await reader.readexactly(int(answer.get("content-length", "0")))
-        keep = answer.get("connection", "").lower() != "close"
-        return (status, data, {k: v for k, v in answer.items() if k in _PASSED_BACK}), keep
+        for key, value in (headers or {}).items():
+            head += f"{key}: {value}\r\n".encode("latin-1")
+        return head + b"\r\n" + body
 
-    @staticmethod
-    async def _chunked(reader: asyncio.StreamReader) -> bytes:
-        parts: list[bytes] = []
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                await reader.readline()
-                return b"".join(parts)
-            parts.append(await reader.readexactly(size))
-            await reader.readline()
+    def send(self, request: bytes, done: Done) -> None:
+        """Send a whole request (``request_bytes``); ``done`` gets the answer or a
+        ``ModelNotReady``, on the loop, once."""
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing():
+                conn.send(request, done, retry=True)
+                return
+        self.connect_and_send(request, done)
+
+    def connect_and_send(self, request: bytes, done: Done) -> None:
+        task = asyncio.get_running_loop().create_task(self._connect_and_send(request, done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect_and_send(self, request: bytes, done: Done) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except OSError as exc:
+            done(ModelNotReady(f"tritonserver is not answering: {exc}"))
+            return
+        conn.send(request, done, retry=False)
+
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+        """One request, awaited; raises ``ModelNotReady`` when tritonserver cannot be reached."""
+        future: asyncio.Future[Answer | ServekitError] = asyncio.get_running_loop().create_future()
+        self.send(
+            self.request_bytes(path, body, headers),
+            lambda answer: None if future.done() else future.set_result(answer),
+        )
+        answer = await future
+        if isinstance(answer, ServekitError):
+            raise answer
+        return answer
 
     async def close(self) -> None:
-        while self._idle:
-            _, writer = self._idle.pop()
-            writer.close()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is not None:
+                conn.transport.close()

@@ -36,10 +36,10 @@ from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
 from ..grpc.forward import GrpcForwarder
 from ..spec import ModelSpec, spec_from_config
 from .app import KServeApp
-from .forward import HttpForwarder
+from .forward import Done, HttpForwarder
+from .h1 import H1Server
 from .kserve import HEADER_LENGTH
 from .models import StaticModels
-from .server import AsgiThread
 from .surface import repository_index
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]
@@ -72,23 +72,35 @@ class ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")
         self._paths = (f"/v2/models/{quoted}/infer", f"/v2/models/{quoted}/versions/{{}}/infer")
 
+    def _forwarder(self) -> HttpForwarder:
+        """The pooled connections, made on first use: they belong to the front's loop."""
+        if self.http_url is None:
+            raise ModelNotReady(f"{self.name}: no HTTP endpoint to forward to")
+        headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
+        self._http = HttpForwarder(self.http_url, headers=headers)
+        return self._http
+
+    def _path(self, version: str) -> str:
+        if not version:
+            return self._paths[0]
+        return self._paths[1].format(urllib.parse.quote(version, safe=""))
+
     async def forward(
         self, body: bytes, header_length: int | None, version: str
     ) -> tuple[int, bytes, dict[str, str]]:
         """The checked request to Triton's own HTTP port, the same bytes, on a pooled
         keep-alive loopback connection; Triton's answer as it is (``PassThrough``)."""
-        if self._http is None:  # connections belong to the loop that made them
-            if self.http_url is None:
-                raise ModelNotReady(f"{self.name}: no HTTP endpoint to forward to")
-            headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
-            self._http = HttpForwarder(self.http_url, headers=headers)
-        path = (
-            self._paths[1].format(urllib.parse.quote(version, safe=""))
-            if version
-            else self._paths[0]
-        )
+        http = self._http or self._forwarder()
+        path = self._path(version)
         extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else {}
-        return await self._http.post(path, body, extra)
+        return await http.post(path, body, extra)
+
+    def send(self, body: bytes, header_length: int | None, version: str, done: Done) -> None:
+        """``forward`` from callbacks: no task, no future (the front's fast path)."""
+        http = self._http or self._forwarder()
+        path = self._path(version)
+        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
+        http.send(http.request_bytes(path, body, extra), done)
 
     async def infer(
         self,
@@ -162,10 +174,14 @@ class PyTritonModels(StaticModels):
         self, models: Mapping[str, ForwardedModel], http_url: str, headers: Mapping[str, str]
     ) -> None:
         super().__init__(models)
+        self._forwarded = dict(models)
         self.http_url, self._headers = http_url, dict(headers)
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         return name in self and await triton_ready(self.http_url, name, version)
+
+    def peek(self, name: str) -> ForwardedModel | None:
+        return self._forwarded.get(name)
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         if path == "/v2/repository/index":  # PyTriton's models are in no repository Triton indexes
@@ -237,6 +253,12 @@ class TritonModels(Mapping[str, ForwardedModel]):
     async def is_ready(self, name: str, version: str | None) -> bool:
         return await triton_ready(self.http_url, name, version)
 
+    def peek(self, name: str) -> ForwardedModel | None:
+        cached = self._cache.get(name)
+        if cached is None or time.monotonic() - cached[0] >= self.ttl_s:
+            return None
+        return cached[1]
+
     def loaded(self) -> Mapping[str, ForwardedModel]:
         return {name: model for name, (_, model) in self._cache.items()}
 
@@ -255,7 +277,8 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
 
 class Front:
-    """``KServeApp`` over ``ForwardedModel``s, served by uvicorn on its own thread.
+    """``KServeApp`` over ``ForwardedModel``s, served by ``H1Server`` on its own thread:
+    a checked infer request goes on to Triton from callbacks (``KServeApp.forward_now``).
 
     ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry;
     ``control_headers`` reach tritonserver's restricted APIs (the repository index).
@@ -292,7 +315,15 @@ class Front:
             ready=ready,
             inference_token=inference_token,
         )
-        self._http = AsgiThread(self.app, host, port, name="servekit-front", on_exit=self._close)
+        self._http = H1Server(
+            self.app,
+            host,
+            port,
+            fast=self.app.forward_now,
+            max_body_bytes=max_body_bytes,
+            name="servekit-front",
+            on_exit=self._close,
+        )
 
     def start(self, timeout_s: float = 30.0) -> Front:
         self._http.start(timeout_s)

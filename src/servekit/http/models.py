@@ -11,13 +11,13 @@ Batchers, a mapping of them) into these once, at construction.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..batching import Batcher
-from ..errors import ModelNotFound
+from ..errors import ModelNotFound, ServekitError
 from ..runners.base import Runner
 from ..spec import ModelSpec
 
@@ -65,6 +65,16 @@ class PassThrough(Protocol):
         """(status, body, headers) of the other server's answer."""
         ...
 
+    def send(
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        done: Callable[[tuple[int, bytes, dict[str, str]] | ServekitError], None],
+    ) -> None:
+        """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop."""
+        ...
+
 
 @runtime_checkable
 class PassThroughRegistry(Protocol):
@@ -74,6 +84,11 @@ class PassThroughRegistry(Protocol):
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         """(status, body, headers) of the other server's answer to a bodiless request."""
+        ...
+
+    def peek(self, name: str) -> PassThrough | None:
+        """The model ``name`` if it is known now, without waiting on anything (the front's
+        fast path); None sends the request down the full path, which looks it up."""
         ...
 
 

@@ -1,0 +1,407 @@
+"""servekit's own HTTP/1.1 server: asyncio Protocols, httptools' parser, uvloop when installed.
+
+It serves an ASGI app as uvicorn would, for the fronts whose hot path is a pass-through:
+a request that the app's ``fast`` hook can answer without awaiting anything of its own
+(checked, then handed to a pooled connection that calls back) is answered from
+callbacks, with no task, scope or ASGI messages per request. Everything else runs the
+ASGI app, one task per request. On one connection requests are answered in order
+(pipelining). Bodies over ``max_body_bytes`` are read and dropped, never buffered (the
+app's ``receive`` raises ``BodyTooLarge``: a 413 unless the app answers otherwise);
+headers over ``max_header_bytes`` are refused (431). Idle connections close after ``keep_alive_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import http
+import logging
+import threading
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import httptools
+
+__all__ = ["BodyTooLarge", "FastPath", "H1Server", "Reply"]
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[int, bytes, Mapping[str, str]], None]
+"""Answer the request: status, body, headers (content-length is added)."""
+FastPath = Callable[[str, str, Mapping[str, str], bytes, Reply], bool]
+"""(method, path, headers with lower-case names, body, reply) -> whether it took the
+request; one it takes must be answered through ``reply``, once, on the server's loop."""
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_MAX_PENDING = 16
+"""Pipelined requests queued on one connection before it stops reading."""
+
+
+class BodyTooLarge(Exception):
+    """Raised by ``receive`` for a body over the server's limit (read and dropped, never
+    buffered): the app answers it (a 413) or, routing first, with what it would say anyway."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes exceeds the limit of {limit}")
+
+
+class _Request:
+    __slots__ = ("body", "error", "headers", "keep_alive", "method", "oversize", "target")
+
+    def __init__(
+        self,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        keep_alive: bool,
+        error: tuple[int, str] | None,
+        oversize: int,
+    ) -> None:
+        self.method, self.target, self.headers, self.body = method, target, headers, body
+        self.keep_alive, self.error, self.oversize = keep_alive, error, oversize
+
+
+def _error_body(message: str) -> bytes:
+    import json
+
+    return json.dumps({"error": message}).encode()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse, answer in order, keep alive."""
+
+    def __init__(self, server: H1Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+        self.keep = True
+        self.pending: collections.deque[_Request] = collections.deque()
+        self.paused = False
+        self.discarding = False
+        self.timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.size = 0
+        self.oversize = 0
+        self.header_bytes = 0
+        self.error: tuple[int, str] | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        self._arm_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        if self.timer is not None:
+            self.timer.cancel()
+        self.pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}")
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._reset()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > self.server.max_header_bytes:
+            if self.error is None:
+                self.error = (431, f"request headers exceed {self.server.max_header_bytes} bytes")
+            return
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        expect = False
+        for name, value in self.headers:
+            if name == b"content-length":
+                declared = int(value) if value.isdigit() else 0
+                if declared > self.server.max_body_bytes:
+                    self.oversize = declared
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if self.error is not None:
+            self._refuse_early()
+        elif expect and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.error is not None or self.oversize:
+            return
+        if self.size > self.server.max_body_bytes:
+            self.oversize = self.size
+            self.body.clear()
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.discarding:  # refused already; the client has finished sending it
+            if self.transport is not None:
+                self.transport.close()
+            return
+        request = _Request(
+            self.parser.get_method().decode("latin-1"),
+            self.url,
+            self.headers,
+            b"".join(self.body),
+            self.parser.should_keep_alive(),
+            self.error,
+            self.oversize,
+        )
+        if self.busy:
+            self.pending.append(request)
+            if len(self.pending) >= _MAX_PENDING and self.transport is not None:
+                self.transport.pause_reading()
+                self.paused = True
+        else:
+            self._start(request)
+
+    # answering
+    def _refuse_early(self) -> None:
+        """Answer a refused request before its body has come (the client may read the
+        answer while it sends), then read and drop the body, and close."""
+        if self.busy or self.pending or self.error is None:
+            return  # answered in its turn
+        status, message = self.error
+        self._refuse(status, message, close=False)
+        self.discarding = True
+
+    def _refuse(self, status: int, message: str, *, close: bool = True) -> None:
+        self.keep = False
+        self.busy = True
+        self._reply(status, _error_body(message), {"content-type": "application/json"}, close=close)
+
+    def _start(self, request: _Request) -> None:
+        self.busy = True
+        self.keep = request.keep_alive and not self.server.stopping
+        if request.error is not None:
+            self._refuse(*request.error)
+            return
+        try:
+            url = httptools.parse_url(request.target)
+        except httptools.HttpParserInvalidURLError:
+            self._refuse(400, f"malformed request target {request.target[:200]!r}")
+            return
+        path = urllib.parse.unquote(url.path.decode("latin-1"))
+        fast = self.server.fast
+        if fast is not None and not request.oversize:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+            if fast(request.method, path, headers, request.body, self._reply):
+                return
+        task = self.loop.create_task(self._asgi(request, path, url.query or b""))
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+
+    def _reply(
+        self, status: int, body: bytes, headers: Mapping[str, str], *, close: bool = True
+    ) -> None:
+        transport = self.transport
+        self.busy = False
+        if transport is None or transport.is_closing():
+            return
+        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+        for key, value in headers.items():
+            head += b"%s: %s\r\n" % (key.encode("latin-1"), value.encode("latin-1"))
+        head += b"content-length: %d\r\n" % len(body)
+        if not self.keep:
+            head += b"connection: close\r\n"
+        transport.write(head + b"\r\n" + body)
+        if not self.keep:
+            self.busy = True  # nothing more is answered on this connection
+            if close:
+                transport.close()
+        elif self.pending:
+            if self.paused and len(self.pending) < _MAX_PENDING // 2:
+                transport.resume_reading()
+                self.paused = False
+            self._start(self.pending.popleft())
+        else:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self.server.stopping and self.transport is not None:
+            self.transport.close()
+            return
+        self.timer = self.loop.call_later(self.server.keep_alive_s, self._idle)
+
+    def _idle(self) -> None:
+        self.timer = None
+        if not self.busy and self.transport is not None:
+            self.transport.close()
+
+    async def _asgi(self, request: _Request, path: str, query: bytes) -> None:
+        transport = self.transport
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": request.target.split(b"?", 1)[0],
+            "query_string": query,
+            "root_path": "",
+            "headers": request.headers,
+            "client": transport.get_extra_info("peername") if transport else None,
+            "server": transport.get_extra_info("sockname") if transport else None,
+        }
+        sent = False
+        answer: dict[str, Any] = {"status": 500, "headers": {}, "body": []}
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            if request.oversize:
+                raise BodyTooLarge(request.oversize, self.server.max_body_bytes)
+            return {"type": "http.request", "body": request.body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+                answer["headers"] = {
+                    k.decode("latin-1"): v.decode("latin-1")
+                    for k, v in message.get("headers", [])
+                    if k.lower() != b"content-length"
+                }
+            elif message["type"] == "http.response.body":
+                answer["body"].append(message.get("body", b""))
+                if not message.get("more_body"):
+                    answer["done"] = True
+
+        try:
+            await self.server.app(scope, receive, send)
+        except BodyTooLarge as exc:
+            self._reply(413, _error_body(str(exc)), {"content-type": "application/json"})
+            return
+        except Exception as exc:  # one request's failure never takes the connection's server down
+            log.exception("unexpected error on %s %s", request.method, path)
+            self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
+            return
+        self._reply(answer["status"], b"".join(answer["body"]), answer["headers"])
+
+
+class H1Server:
+    """``app`` (ASGI) on ``host:port`` from a daemon thread with a loop of its own
+    (uvloop when installed); ``start`` returns once it listens, ``stop`` answers the
+    requests in flight (up to ``timeout_s``), then closes every connection and runs
+    ``on_exit`` on the loop."""
+
+    def __init__(
+        self,
+        app: Callable[..., Awaitable[None]],
+        host: str,
+        port: int,
+        *,
+        fast: FastPath | None = None,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        max_header_bytes: int = 64 * 1024,
+        keep_alive_s: float = 5.0,
+        name: str = "servekit-http",
+        on_exit: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.app, self.host, self.port, self.name, self.fast = app, host, port, name, fast
+        self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
+        self.keep_alive_s = keep_alive_s
+        self._on_exit = on_exit
+        self.loop: asyncio.AbstractEventLoop = _new_loop()
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self._listening = threading.Event()
+        self._failed: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._drain_s = 10.0
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 30.0) -> H1Server:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._listening.wait(timeout_s):
+            raise TimeoutError(f"{self.name} did not start within {timeout_s} s")
+        if self._failed is not None:
+            raise OSError(
+                f"{self.name} could not listen on {self.host}:{self.port}: {self._failed}"
+            )
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self.loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            server = await self.loop.create_server(
+                lambda: _Connection(self), self.host, self.port, backlog=2048
+            )
+        except OSError as exc:
+            self._failed = exc
+            self._listening.set()
+            return
+        self._listening.set()
+        try:
+            await self._stop.wait()
+        finally:
+            self.stopping = True
+            server.close()
+            deadline = self.loop.time() + self._drain_s
+            while (
+                any(c.busy for c in self.connections) or self.tasks
+            ) and self.loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            for conn in list(self.connections):
+                if conn.transport is not None:
+                    conn.transport.close()
+            if self._on_exit is not None:
+                with contextlib.suppress(Exception):
+                    await self._on_exit()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._drain_s = max(0.0, timeout_s - 1.0)
+        if self._stop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended already
+                self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
