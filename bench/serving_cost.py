@@ -3,7 +3,8 @@
 Each runtime is started as ``servekit serve --config`` in its own process on loopback
 with the same trivial model (``add_sub``: two FP32 [16] inputs), then driven closed loop
 at one concurrency over HTTP JSON, HTTP binary tensors and gRPC (where the port offers
-it). Reported per request: the server's CPU (its whole process tree: tritonserver and
+it). All servers run at once and the rows are measured in turn, ``--rounds`` times: each
+row is its median round, so the VM's drift falls on every row alike. Reported per request: the server's CPU (its whole process tree: tritonserver and
 its stubs, Ray's processes) and the client's, beside throughput and latency. Peers:
 tritonserver's own ports (``front = false``) and a plain Ray Serve app
 (bench/plain_ray_app.py, HTTP JSON).
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="Rows measured in turn, this many times.")
     ap.add_argument("--only", default="", help="Comma-separated row names to run (default all).")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serving_cost"))
     args = ap.parse_args()
@@ -116,58 +118,76 @@ def main() -> None:
     path = zoo.resolve(args.model)
     model = ModelConfig(str(path), batching=BatchingPolicy(max_batch_size=args.max_batch_size))
     setup = Setup.of(model)
-    cfg = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=5, stability=0.15)
-    rows = []
+    cfg = MeasureConfig(window_s=args.window, warmup_s=1.0, max_windows=4, stability=0.15)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    for name, runtime, front, protocols in RUNS:
-        if only and runtime not in only and name not in only:
-            continue
-        config = ServeConfig(
-            (model,),
-            ServerConfig(front=front, exit_timeout_s=2),
-            runtime=runtime,
-            ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
-        ).on_loopback()
-        print(f"starting {name}", flush=True)
-        with ServerProcess(config) as server:
+    # Every server runs at once and the rows are measured in turn, round after round, so
+    # this VM's drift falls on every row alike; each row reports its median round.
+    targets: list[tuple[str, str, str, int]] = []  # (row, protocol, url, server pid)
+    with contextlib.ExitStack() as stack:
+        for name, runtime, front, protocols in RUNS:
+            if only and runtime not in only and name not in only:
+                continue
+            config = ServeConfig(
+                (model,),
+                ServerConfig(front=front, exit_timeout_s=2),
+                runtime=runtime,
+                ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
+            ).on_loopback()
+            print(f"starting {name}", flush=True)
+            server = stack.enter_context(ServerProcess(config))
             server.wait_ready([setup.target])
             for protocol in protocols:
                 url = config.server.http_url if protocol != "grpc" else config.server.grpc_url
+                targets.append((name, protocol, url, server.pid))
+        if not only or "plain-ray" in only:
+            print("starting the plain Ray Serve app", flush=True)
+            url, pid = stack.enter_context(plain_ray(path, setup.target, args.max_batch_size))
+            targets.append(("plain Ray Serve app (@serve.batch, JSON)", "http-json", url, pid))
+        rounds: dict[tuple[str, str], list[dict]] = {}
+        for r in range(args.rounds):
+            for name, protocol, url, pid in targets:
                 point = measure(
                     url, setup.target, setup.payload, protocol,
-                    dataclasses.replace(cfg, server_pid=server.pid), args.concurrency,
+                    dataclasses.replace(cfg, server_pid=pid), args.concurrency,
                 )  # fmt: skip
-                rows.append(row(name, protocol, point))
-                print(json.dumps(rows[-1]), flush=True)
-    if not only or "plain-ray" in only:
-        print("starting the plain Ray Serve app", flush=True)
-        with plain_ray(path, setup.target, args.max_batch_size) as (url, pid):
-            point = measure(
-                url, setup.target, setup.payload, "http-json",
-                MeasureConfig(**{**dataclasses.asdict(cfg), "server_pid": pid}), args.concurrency,
-            )  # fmt: skip
-            rows.append(row("plain Ray Serve app (@serve.batch, JSON)", "http-json", point))
-            print(json.dumps(rows[-1]), flush=True)
+                rounds.setdefault((name, protocol), []).append(row(name, protocol, point))
+                print(f"round {r + 1}: {json.dumps(rounds[name, protocol][-1])}", flush=True)
+    rows = [median_row(measured) for measured in rounds.values()]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": machine, "rows": rows}, indent=2)
+        json.dumps(
+            {"command": command, "machine": machine, "rows": rows, "rounds": list(rounds.values())},
+            indent=2,
+        )
     )
     lines = [
         f"`{command}` on {machine}: `{setup.target}`, closed loop at concurrency "
-        f"{args.concurrency}, max_batch_size {args.max_batch_size}.",
+        f"{args.concurrency}, max_batch_size {args.max_batch_size}; each row is the median "
+        f"of {args.rounds} rounds (server CPU's range beside it).",
         "",
-        "| runtime | protocol | requests/s | p50 ms | p99 ms | errors | server CPU us/request | client CPU us/request |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| runtime | protocol | requests/s | p50 ms | p99 ms | errors | server CPU us/request | range | client CPU us/request |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['runtime']} | {r['protocol']} | {r['requests_per_s']:.0f} | {r['p50_ms']:.2f} | "
-            f"{r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_us']:.0f} | {r['client_cpu_us']:.0f} |"
+            f"{r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_us']:.0f} | "
+            f"{r['server_cpu_min']:.0f}-{r['server_cpu_max']:.0f} | {r['client_cpu_us']:.0f} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def median_row(measured: list[dict]) -> dict:
+    """The round with the median server CPU per request, with the rounds' range."""
+    ordered = sorted(measured, key=lambda r: r["server_cpu_us"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["server_cpu_min"] = ordered[0]["server_cpu_us"]
+    out["server_cpu_max"] = ordered[-1]["server_cpu_us"]
+    out["errors"] = sum(r["errors"] for r in measured)
+    return out
 
 
 if __name__ == "__main__":

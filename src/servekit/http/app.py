@@ -53,7 +53,8 @@ _MODEL = re.compile(
 _NOT_SERVED = re.compile(
     r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
 )
-_IDENTITY = ("", "identity")
+_HEADER_LENGTH = HEADER_LENGTH.encode()
+_TOKEN = INFERENCE_TOKEN_HEADER.encode()
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 """Content-Encoding -> zlib's wbits (tritonclient's deflate is zlib-wrapped)."""
 
@@ -203,15 +204,21 @@ class KServeApp:
     def _authenticate(self, scope: dict[str, Any]) -> None:
         if self._token is None:
             return
-        key = INFERENCE_TOKEN_HEADER.encode()
-        self._check_token(next((v for k, v in scope.get("headers", []) if k.lower() == key), b""))
+        self._check_token(
+            next((v for k, v in scope.get("headers", []) if k.lower() == _TOKEN), b"")
+        )
 
     def _check_token(self, given: bytes) -> None:
         if self._token is not None and not hmac.compare_digest(given, self._token):
             raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
 
     def forward_now(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes, reply: Reply
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        reply: Reply,
     ) -> bool:
         """The fast path (``h1.FastPath``): an unversioned infer of a model known to pass
         through is checked exactly as on the full path, then its bytes go on from
@@ -223,18 +230,22 @@ class KServeApp:
         m = _MODEL.match(path)
         if m is None or m["version"] is not None or m["rest"] != "/infer":
             return False
-        name = m["name"]
-        model = behind.peek(name)
-        raw = headers.get(HEADER_LENGTH)
-        if (
-            model is None
-            or _whole_body(raw)
-            or headers.get("content-encoding", "") not in _IDENTITY
-        ):
+        model = behind.peek(m["name"])
+        if model is None:
+            return False
+        raw, token = None, b""
+        for key, value in headers:
+            if key == _HEADER_LENGTH:
+                raw = value.decode("latin-1")
+            elif key == _TOKEN:
+                token = value
+            elif key == b"content-encoding" and value.lower() not in (b"", b"identity"):
+                return False
+        if _whole_body(raw):
             return False
         try:
-            self._check_token(headers.get(INFERENCE_TOKEN_HEADER, "").encode("latin-1"))
-            checked, length = self._pass_through(name, model, body, raw)
+            self._check_token(token)
+            checked, length = self._pass_through(m["name"], model, body, raw)
         except ServekitError as exc:
             reply(*self._error(exc))
             return True

@@ -105,19 +105,25 @@ class HttpForwarder:
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._host_line = f"Host: {self.host}:{self.port}\r\n{extra}".encode("latin-1")
         self.idle: list[_Connection] = []
+        self._heads: dict[str, bytes] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def request_bytes(
         self, path: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> bytes:
-        head = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n" % (
-            path.encode("latin-1"),
-            self._host_line,
+        head = self._heads.get(path)
+        if head is None:
+            head = self._heads[path] = b"POST %s HTTP/1.1\r\n%s" % (
+                path.encode("latin-1"),
+                self._host_line,
+            )
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+        return b"%sContent-Length: %d\r\n%s\r\n%s" % (
+            head,
             len(body),
+            extra.encode("latin-1"),
+            body,
         )
-        for key, value in (headers or {}).items():
-            head += f"{key}: {value}\r\n".encode("latin-1")
-        return head + b"\r\n" + body
 
     def send(self, request: bytes, done: Done) -> None:
         """Send a whole request (``request_bytes``); ``done`` gets the answer or a

@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 Reply = Callable[[int, bytes, Mapping[str, str]], None]
 """Answer the request: status, body, headers (content-length is added)."""
-FastPath = Callable[[str, str, Mapping[str, str], bytes, Reply], bool]
-"""(method, path, headers with lower-case names, body, reply) -> whether it took the
-request; one it takes must be answered through ``reply``, once, on the server's loop."""
+FastPath = Callable[[str, str, list[tuple[bytes, bytes]], bytes, Reply], bool]
+"""(method, path, headers as received with lower-case names, body, reply) -> whether it
+took the request; one it takes must be answered through ``reply``, once, on the server's
+loop."""
 
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_PENDING = 16
@@ -83,7 +84,8 @@ class _Connection(asyncio.Protocol):
         self.pending: collections.deque[_Request] = collections.deque()
         self.paused = False
         self.discarding = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.last = self.loop.time()
+        """When the connection last went idle (the server's sweep closes it after keep_alive_s)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -99,19 +101,13 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
-        self._arm_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.transport = None
-        if self.timer is not None:
-            self.timer.cancel()
         self.pending.clear()
 
     def data_received(self, data: bytes) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -201,18 +197,24 @@ class _Connection(asyncio.Protocol):
         if request.error is not None:
             self._refuse(*request.error)
             return
-        try:
-            url = httptools.parse_url(request.target)
-        except httptools.HttpParserInvalidURLError:
-            self._refuse(400, f"malformed request target {request.target[:200]!r}")
-            return
-        path = urllib.parse.unquote(url.path.decode("latin-1"))
-        fast = self.server.fast
-        if fast is not None and not request.oversize:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
-            if fast(request.method, path, headers, request.body, self._reply):
+        target = request.target
+        if b"?" in target or b"%" in target or not target.startswith(b"/"):
+            try:
+                url = httptools.parse_url(target)
+            except httptools.HttpParserInvalidURLError:
+                self._refuse(400, f"malformed request target {target[:200]!r}")
                 return
-        task = self.loop.create_task(self._asgi(request, path, url.query or b""))
+            path, query = urllib.parse.unquote(url.path.decode("latin-1")), url.query or b""
+        else:
+            path, query = target.decode("latin-1"), b""
+        fast = self.server.fast
+        if (
+            fast is not None
+            and not request.oversize
+            and fast(request.method, path, request.headers, request.body, self._reply)
+        ):
+            return
+        task = self.loop.create_task(self._asgi(request, path, query))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
@@ -240,18 +242,9 @@ class _Connection(asyncio.Protocol):
                 self.paused = False
             self._start(self.pending.popleft())
         else:
-            self._arm_timer()
-
-    def _arm_timer(self) -> None:
-        if self.server.stopping and self.transport is not None:
-            self.transport.close()
-            return
-        self.timer = self.loop.call_later(self.server.keep_alive_s, self._idle)
-
-    def _idle(self) -> None:
-        self.timer = None
-        if not self.busy and self.transport is not None:
-            self.transport.close()
+            self.last = self.loop.time()
+            if self.server.stopping:
+                transport.close()
 
     async def _asgi(self, request: _Request, path: str, query: bytes) -> None:
         transport = self.transport
@@ -309,8 +302,9 @@ class _Connection(asyncio.Protocol):
 class H1Server:
     """``app`` (ASGI) on ``host:port`` from a daemon thread with a loop of its own
     (uvloop when installed); ``start`` returns once it listens, ``stop`` answers the
-    requests in flight (up to ``timeout_s``), then closes every connection and runs
-    ``on_exit`` on the loop."""
+    requests in flight (up to ``timeout_s``), then closes every connection. ``on_start``
+    runs on the loop before it listens (another server sharing the loop), ``on_exit``
+    after it stops (closing what belongs to that loop)."""
 
     def __init__(
         self,
@@ -323,12 +317,13 @@ class H1Server:
         max_header_bytes: int = 64 * 1024,
         keep_alive_s: float = 5.0,
         name: str = "servekit-http",
+        on_start: Callable[[], Awaitable[None]] | None = None,
         on_exit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.app, self.host, self.port, self.name, self.fast = app, host, port, name, fast
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
         self.keep_alive_s = keep_alive_s
-        self._on_exit = on_exit
+        self._on_start, self._on_exit = on_start, on_exit
         self.loop: asyncio.AbstractEventLoop = _new_loop()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -363,18 +358,25 @@ class H1Server:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         try:
+            if self._on_start is not None:
+                await self._on_start()
             server = await self.loop.create_server(
                 lambda: _Connection(self), self.host, self.port, backlog=2048
             )
-        except OSError as exc:
+        except Exception as exc:
             self._failed = exc
             self._listening.set()
+            if self._on_exit is not None:
+                with contextlib.suppress(Exception):
+                    await self._on_exit()
             return
         self._listening.set()
+        sweep = self.loop.create_task(self._sweep())
         try:
             await self._stop.wait()
         finally:
             self.stopping = True
+            sweep.cancel()
             server.close()
             deadline = self.loop.time() + self._drain_s
             while (
@@ -387,6 +389,15 @@ class H1Server:
             if self._on_exit is not None:
                 with contextlib.suppress(Exception):
                     await self._on_exit()
+
+    async def _sweep(self) -> None:
+        """Close connections idle for ``keep_alive_s`` (one timer for all, not one a request)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.keep_alive_s / 2))
+            horizon = self.loop.time() - self.keep_alive_s
+            for conn in list(self.connections):
+                if not conn.busy and conn.last < horizon and conn.transport is not None:
+                    conn.transport.close()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._thread is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
@@ -39,6 +40,7 @@ __all__ = [
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
+_NUMBERS = frozenset({int, float, bool})
 MAX_RANK = 32
 """Dimensions a tensor may have (numpy's limit)."""
 
@@ -159,7 +161,7 @@ def _flatten(data: list[Any], limit: int, name: str) -> list[Any]:
     """The values of a nested list, level by level (no recursion, no numpy dimension
     limit); nesting deeper than ``limit`` is refused."""
     flat, depth = data, 1
-    while any(isinstance(v, list) for v in flat):
+    while list in set(map(type, flat)):  # JSON gives exact types: a set of them is C-fast
         depth += 1
         if depth > limit:
             raise InvalidInput(
@@ -178,14 +180,15 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str, available:
         raise InvalidInput(
             f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
         )
+    kinds = set(map(type, flat))
     if datatype == "BYTES":
-        if not all(isinstance(v, str) for v in flat):
+        if not kinds <= {str}:
             raise InvalidInput(f"input {name!r}: BYTES 'data' must hold strings")
         out = np.empty(count, dtype=object)
         out[:] = [v.encode() for v in flat]
         return out.reshape(shape)
-    if any(v is None or isinstance(v, str | dict) for v in flat):
-        bad = next(v for v in flat if v is None or isinstance(v, str | dict))
+    if not kinds <= _NUMBERS:
+        bad = next(v for v in flat if type(v) not in _NUMBERS)
         raise InvalidInput(
             f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not a number"
         )
@@ -212,7 +215,13 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             f"Inference-Header-Content-Length {header_length} does not fit a {len(body)}-byte body"
         )
     try:
-        header = json.loads(header_bytes)
+        header = orjson.loads(header_bytes)
+    except (
+        orjson.JSONDecodeError
+    ):  # NaN, Infinity, deep nesting: Python's json decides, and says why
+        header = None
+    try:
+        header = json.loads(header_bytes) if header is None else header
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"request is not valid JSON: {exc}") from None
     except RecursionError:

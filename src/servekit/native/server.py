@@ -17,6 +17,7 @@ from ..batching import Batcher
 from ..config import ServeConfig
 from ..grpc import GrpcService, grpc_server
 from ..http.app import KServeApp
+from ..http.h1 import H1Server
 from ..http.server import AsgiThread, MetricsApp
 from ..runtime.base import ServedModel, load_models, reload_models
 
@@ -33,7 +34,7 @@ class NativeServer:
         self.models: list[ServedModel] = []
         self.batchers: dict[str, Batcher] = {}
         self.app: KServeApp | None = None
-        self._threads: list[AsgiThread] = []
+        self._threads: list[AsgiThread | H1Server] = []
         self._ready = False
 
     @classmethod
@@ -80,10 +81,11 @@ class NativeServer:
                     await holder["server"].stop(c.server.exit_timeout_s)
 
             self._threads = [
-                AsgiThread(
+                H1Server(
                     app,
                     c.server.host,
                     c.server.http_port,
+                    max_body_bytes=c.server.max_body_bytes,
                     name="servekit-native",
                     on_start=start_grpc,
                     on_exit=stop_grpc,
