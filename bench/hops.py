@@ -42,7 +42,9 @@ HOPS = [
 ]
 
 GROUPS = [
-    # (group, substrings of a frame's file), innermost match wins
+    # (group, substrings of a frame), innermost match wins. A sample whose innermost
+    # Python frame is the loop's run is in C: uvloop, the sockets, grpcio's Cython core.
+    ("event loop in C (uvloop, sockets, grpcio core)", ("H1Server._run", "AsgiThread._run")),
     ("servekit HTTP server, forwarding", ("servekit/http/h1.py", "servekit/http/forward.py")),
     (
         "servekit request check, encode",
@@ -73,7 +75,7 @@ def group_of(stack: str) -> str:
 def sample(pid: int, seconds: float, out: Path) -> collections.Counter[str]:
     subprocess.run(
         [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(pid),
-         "-d", str(seconds), "-r", "200", "--gil", "-f", "raw", "-o", str(out)],
+         "-d", str(round(seconds)), "-r", "200", "--gil", "-f", "raw", "-o", str(out)],
         check=True, capture_output=True,
     )  # fmt: skip
     groups: collections.Counter[str] = collections.Counter()

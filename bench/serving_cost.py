@@ -45,6 +45,7 @@ RUNS = [
     ("triton (front)", "triton", True, PROTOCOLS),
     ("triton --no-front (tritonserver's own ports)", "triton", False, PROTOCOLS),
     ("ray", "ray", True, ("http-json", "http-binary")),
+    ("ray, fused ([ray] fuse = true)", "ray", True, ("http-json", "http-binary")),
 ]
 
 
@@ -131,7 +132,11 @@ def main() -> None:
                 (model,),
                 ServerConfig(front=front, exit_timeout_s=2),
                 runtime=runtime,
-                ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
+                ray=(
+                    RayOptions(model_cpus=0.5, fuse="fuse" in name)
+                    if runtime == "ray"
+                    else RayOptions()
+                ),
             ).on_loopback()
             print(f"starting {name}", flush=True)
             server = stack.enter_context(ServerProcess(config))

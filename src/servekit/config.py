@@ -198,6 +198,11 @@ class RayOptions:
     """Batches the ingress keeps in flight per model; 0 = two per model replica, plus one."""
     autoscaling: Mapping[str, Any] | None = None
     """Ray's ``autoscaling_config`` for the model deployments (replaces ``instances``)."""
+    fuse: bool = False
+    """Serve tensor models inside the ingress replicas: one deployment, no handle call per
+    batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
+    each). Cheaper per request; models no longer scale apart. Image classifiers keep
+    their stage deployments, so they cannot be fused."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -61,6 +61,25 @@ class _Batched:
         }
 
 
+def _fused(config: ServeConfig, ingress: Any) -> Any:
+    """The app as one deployment: the ingress replicas serve the models themselves."""
+    busiest = 16
+    for model in config.models:
+        probe = probe_model(model, config.cache_dir)
+        if probe.image_spec is not None:
+            raise ValueError(
+                f"[ray] fuse: {model.name!r} is an image classifier, whose stages are "
+                "deployments of their own; fuse serves tensor models only"
+            )
+        max_batch = model.batching.effective_max_batch_size(probe.spec.max_batch_size) or 1
+        busiest = max(busiest, 4 * max_batch)
+    return ingress.options(
+        num_replicas=max(m.instances for m in config.models),
+        max_ongoing_requests=config.ray.max_ongoing_requests or busiest,
+        ray_actor_options={"num_cpus": config.ray.model_cpus},
+    ).bind({}, config.models)
+
+
 class _Remote:
     """A ``FrontModel`` (``servekit.http.models``) over a chain of deployment handles.
 
@@ -148,14 +167,26 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
 
     @serve.deployment
     class Ingress:
-        """KServe v2 over HTTP for every model (and every ``<name>_image``)."""
+        """KServe v2 over HTTP for every model (and every ``<name>_image``): over chains
+        of handles, or, fused, over Batchers of the models' runners in this replica."""
 
-        def __init__(self, chains: Mapping[str, tuple[ModelSpec, tuple[Any, ...], Any]]) -> None:
+        def __init__(
+            self,
+            chains: Mapping[str, tuple[ModelSpec, tuple[Any, ...], Any]],
+            fused: tuple[ModelConfig, ...] = (),
+        ) -> None:
+            models: dict[str, Any] = {
+                name: _Remote(name, spec, handles, policy, in_flight)
+                for name, (spec, handles, (policy, in_flight)) in chains.items()
+            }
+            for model in fused:
+                from ..runtime.base import load_model_runner
+
+                runner = load_model_runner(model, config.cache_dir)
+                runner.warmup()
+                models[model.name] = Batcher(runner, model.batching, name=model.name)
             self.app = KServeApp(
-                {
-                    name: _Remote(name, spec, handles, policy, in_flight)
-                    for name, (spec, handles, (policy, in_flight)) in chains.items()
-                },
+                models,
                 max_body_bytes=config.server.max_body_bytes,
                 inference_token=config.server.inference_token,
             )
@@ -177,6 +208,9 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                     k.decode(): v.decode() for k, v in start["headers"] if k != b"content-length"
                 },
             )
+
+    if ray.fuse:
+        return _fused(config, Ingress)
 
     chains: dict[str, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
     busiest = 16

@@ -1,0 +1,81 @@
+"""``[ray] fuse``: tensor models served inside the ingress replicas, one deployment, no
+handle call per batch; the same protocol, batching and errors as the chained app."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the ray extra")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("tritonclient.http")
+
+import tritonclient.http as httpclient  # noqa: E402
+
+from conftest import ray_serve  # noqa: E402
+from servekit import InvalidInput, zoo  # noqa: E402
+from servekit.client import Client  # noqa: E402
+from servekit.ray import build_app  # noqa: E402
+
+CONFIG = {
+    "model": "add_sub",
+    "instances": 2,
+    "batching": {"max_batch_size": 8, "max_queue_delay_us": 500},
+    "ray": {"model_cpus": 0.5, "fuse": True},
+}
+
+
+@pytest.fixture(scope="module")
+def fused_url():
+    with ray_serve() as url:
+        serve.run(build_app(CONFIG), name="servekit", route_prefix="/")
+        with Client(url) as c:
+            c.wait_ready("add_sub", timeout_s=120)
+        yield url
+
+
+def test_the_fused_app_is_one_deployment_of_instances_replicas(fused_url):
+    deployments = serve.status().applications["servekit"].deployments
+    assert list(deployments) == ["Ingress"]
+    assert sum(deployments["Ingress"].replica_states.values()) == 2
+
+
+def test_concurrent_tritonclient_requests_batch_and_answer_right(fused_url):
+    rng = np.random.default_rng(7)
+    rows = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(16)]
+    got: dict[int, dict[str, np.ndarray]] = {}
+
+    def one(i: int) -> None:
+        client = httpclient.InferenceServerClient(fused_url.removeprefix("http://"))
+        inputs = []
+        for name, value in (("INPUT0", rows[i]), ("INPUT1", rows[i] * 2)):
+            tensor = httpclient.InferInput(name, [1, 16], "FP32")
+            tensor.set_data_from_numpy(value, binary_data=i % 2 == 0)
+            inputs.append(tensor)
+        answer = client.infer("add_sub", inputs)
+        got[i] = {n: answer.as_numpy(n) for n in ("OUTPUT0", "OUTPUT1")}
+        client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, x in enumerate(rows):
+        np.testing.assert_allclose(got[i]["OUTPUT0"], x * 3, rtol=1e-6)
+        np.testing.assert_allclose(got[i]["OUTPUT1"], -x, rtol=1e-6)
+
+
+def test_a_bad_tensor_is_a_400_naming_it(fused_url):
+    with Client(fused_url) as c, pytest.raises(InvalidInput, match="INPUT0"):
+        c.infer(
+            "add_sub",
+            {"INPUT0": np.zeros((1, 15), np.float32), "INPUT1": np.zeros((1, 16), np.float32)},
+        )
+
+
+def test_fuse_refuses_an_image_classifier_naming_it():
+    with pytest.raises(ValueError, match="fuse: 'tiny_cnn' is an image classifier"):
+        build_app({"model": str(zoo.resolve("tiny_cnn")), "ray": {"fuse": True}})
