@@ -3,8 +3,9 @@
 Each runtime is started as ``servekit serve --config`` in its own process on loopback
 with the same trivial model (``add_sub``: two FP32 [16] inputs), then driven closed loop
 at one concurrency over HTTP JSON, HTTP binary tensors and gRPC (where the port offers
-it). All servers run at once and the rows are measured in turn, ``--rounds`` times: each
-row is its median round, so the VM's drift falls on every row alike. Reported per request: the server's CPU (its whole process tree: tritonserver and
+it). The servers of a group (Triton, PyTriton and native; the Ray apps) run at once and
+the group's rows are measured in turn, ``--rounds`` times: each row is its median
+round, so the VM's drift falls on every row of a group alike. Reported per request: the server's CPU (its whole process tree: tritonserver and
 its stubs, Ray's processes) and the client's, beside throughput and latency. Peers:
 tritonserver's own ports (``front = false``) and a plain Ray Serve app
 (bench/plain_ray_app.py, HTTP JSON).
@@ -38,7 +39,7 @@ from servekit.endpoints import free_port
 PROTOCOLS = ("http-json", "http-binary", "grpc")
 
 RUNS = [
-    # (row name, runtime, front, protocols)
+    # (row name, runtime, front, protocols); the Ray rows are a group of their own (below)
     ("native", "native", True, PROTOCOLS),
     ("pytriton (front)", "pytriton", True, PROTOCOLS),
     ("pytriton --no-front (Triton's own ports)", "pytriton", False, PROTOCOLS),
@@ -121,42 +122,19 @@ def main() -> None:
     setup = Setup.of(model)
     cfg = MeasureConfig(window_s=args.window, warmup_s=1.0, max_windows=4, stability=0.15)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    # Every server runs at once and the rows are measured in turn, round after round, so
-    # this VM's drift falls on every row alike; each row reports its median round.
-    targets: list[tuple[str, str, str, int]] = []  # (row, protocol, url, server pid)
-    with contextlib.ExitStack() as stack:
-        for name, runtime, front, protocols in RUNS:
-            if only and runtime not in only and name not in only:
-                continue
-            config = ServeConfig(
-                (model,),
-                ServerConfig(front=front, exit_timeout_s=2),
-                runtime=runtime,
-                ray=(
-                    RayOptions(model_cpus=0.5, fuse="fuse" in name)
-                    if runtime == "ray"
-                    else RayOptions()
-                ),
-            ).on_loopback()
-            print(f"starting {name}", flush=True)
-            server = stack.enter_context(ServerProcess(config))
-            server.wait_ready([setup.target])
-            for protocol in protocols:
-                url = config.server.http_url if protocol != "grpc" else config.server.grpc_url
-                targets.append((name, protocol, url, server.pid))
-        if not only or "plain-ray" in only:
-            print("starting the plain Ray Serve app", flush=True)
-            url, pid = stack.enter_context(plain_ray(path, setup.target, args.max_batch_size))
-            targets.append(("plain Ray Serve app (@serve.batch, JSON)", "http-json", url, pid))
-        rounds: dict[tuple[str, str], list[dict]] = {}
-        for r in range(args.rounds):
-            for name, protocol, url, pid in targets:
-                point = measure(
-                    url, setup.target, setup.payload, protocol,
-                    dataclasses.replace(cfg, server_pid=pid), args.concurrency,
-                )  # fmt: skip
-                rounds.setdefault((name, protocol), []).append(row(name, protocol, point))
-                print(f"round {r + 1}: {json.dumps(rounds[name, protocol][-1])}", flush=True)
+    # The servers of a group run at once and its rows are measured in turn, round after
+    # round, so this VM's drift falls on every row alike; each row reports its median
+    # round. Ray's rows are a group of their own: a Ray cluster's background work would
+    # slow every other server on two cores.
+    rounds: dict[tuple[str, str], list[dict]] = {}
+    groups = [
+        [r for r in RUNS if r[1] != "ray"],
+        [r for r in RUNS if r[1] == "ray"] + [("plain-ray", "plain", True, ("http-json",))],
+    ]
+    for group in groups:
+        chosen = [r for r in group if not only or r[1] in only or r[0] in only]
+        if chosen:
+            measure_group(chosen, model, path, setup, cfg, args, rounds)
     rows = [median_row(measured) for measured in rounds.values()]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     command = "python " + " ".join(sys.argv)
@@ -183,6 +161,42 @@ def main() -> None:
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def measure_group(group, model, path, setup, cfg, args, rounds) -> None:
+    """Start every server of ``group``, then measure its rows in turn, ``args.rounds`` times."""
+    targets: list[tuple[str, str, str, int]] = []  # (row, protocol, url, server pid)
+    with contextlib.ExitStack() as stack:
+        for name, runtime, front, protocols in group:
+            if runtime == "plain":
+                print("starting the plain Ray Serve app", flush=True)
+                url, pid = stack.enter_context(plain_ray(path, setup.target, args.max_batch_size))
+                targets.append(("plain Ray Serve app (@serve.batch, JSON)", "http-json", url, pid))
+                continue
+            config = ServeConfig(
+                (model,),
+                ServerConfig(front=front, exit_timeout_s=2),
+                runtime=runtime,
+                ray=(
+                    RayOptions(model_cpus=0.5, fuse="fuse" in name)
+                    if runtime == "ray"
+                    else RayOptions()
+                ),
+            ).on_loopback()
+            print(f"starting {name}", flush=True)
+            server = stack.enter_context(ServerProcess(config))
+            server.wait_ready([setup.target])
+            for protocol in protocols:
+                url = config.server.http_url if protocol != "grpc" else config.server.grpc_url
+                targets.append((name, protocol, url, server.pid))
+        for r in range(args.rounds):
+            for name, protocol, url, pid in targets:
+                point = measure(
+                    url, setup.target, setup.payload, protocol,
+                    dataclasses.replace(cfg, server_pid=pid), args.concurrency,
+                )  # fmt: skip
+                rounds.setdefault((name, protocol), []).append(row(name, protocol, point))
+                print(f"round {r + 1}: {json.dumps(rounds[name, protocol][-1])}", flush=True)
 
 
 def median_row(measured: list[dict]) -> dict:
