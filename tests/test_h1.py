@@ -117,6 +117,13 @@ def test_a_body_over_the_limit_is_a_413_and_the_connection_goes_on(server):
     assert (s3, b3) == (200, b"GET /next? 0")
 
 
+def test_a_request_target_over_the_limit_is_a_414(server):
+    with connect(server) as sock:
+        sock.sendall(get("/" + "a" * 70_000))
+        ((status, body),) = read_answers(sock, 1)
+    assert status == 414 and b"request target exceeds" in body
+
+
 def test_headers_over_the_limit_are_a_431(server):
     with connect(server) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n")

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import http
+import json
 import logging
 import threading
 import urllib.parse
@@ -66,8 +67,6 @@ class _Request:
 
 
 def _error_body(message: str) -> bytes:
-    import json
-
     return json.dumps({"error": message}).encode()
 
 
@@ -120,6 +119,11 @@ class _Connection(asyncio.Protocol):
         self._reset()
 
     def on_url(self, url: bytes) -> None:
+        self.header_bytes += len(url)
+        if self.header_bytes > self.server.max_header_bytes:
+            if self.error is None:
+                self.error = (414, f"request target exceeds {self.server.max_header_bytes} bytes")
+            return
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
