@@ -58,3 +58,18 @@ def test_unavailable_runtimes_are_skipped_with_the_reason(tiny_cnn_path, monkeyp
 def test_unknown_runtimes_are_named(tiny_cnn_path):
     with pytest.raises(ValueError, match=r"unknown runtime\(s\) \['tfserving'\]"):
         compare(ModelConfig(str(tiny_cnn_path)), ["raw", "tfserving"], [1], FAST)
+
+
+@pytest.mark.parametrize("protocol", ["http-json", "http-binary", "grpc"])
+def test_compare_reaches_a_served_runtime_over_each_protocol(add_sub_path, protocol):
+    result = compare(ModelConfig(str(add_sub_path)), ["native"], [2], FAST, protocol=protocol)
+    (point,) = result.series["native"]
+    assert point.stats.errors == 0 and point.stats.requests > 0
+    assert point.server_cpu_us > 0 and point.client_cpu_us > 0
+    over = {"grpc": "over gRPC", "http-binary": "binary tensors", "http-json": "JSON tensors"}
+    assert over[protocol] in result.workload
+
+
+def test_an_unknown_protocol_is_named(add_sub_path):
+    with pytest.raises(ValueError, match="unknown protocol 'http2'"):
+        compare(ModelConfig(str(add_sub_path)), ["native"], [1], FAST, protocol="http2")

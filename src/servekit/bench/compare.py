@@ -37,6 +37,7 @@ __all__ = [
     "RUNTIMES",
     "ComparisonResult",
     "ServerProcess",
+    "PROTOCOLS",
     "Setup",
     "compare",
     "markdown_report",
@@ -52,6 +53,9 @@ class Setup:
     """The served model the load goes to: ``<name>_image`` for an image classifier."""
     payload: dict[str, np.ndarray]
     image: bool
+    protocol: str = "grpc"
+    """How the served runtimes are reached: ``grpc``, ``http-binary`` or ``http-json``
+    (Ray has HTTP only: binary when gRPC is asked for)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> Setup:
@@ -113,17 +117,24 @@ def _served(runtime: str) -> Callable[[Setup], Any]:
             runtime=runtime,
             ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
         ).on_loopback()
-        url = target_url(config)
+        url = target_url(config, setup.protocol)
+        binary = setup.protocol != "http-json"
         with ServerProcess(config) as server:
             server.wait_ready([setup.target])
-            yield (lambda: open_target(url, setup.target, setup.payload)), server.pid
+            yield (lambda: open_target(url, setup.target, setup.payload, binary=binary)), server.pid
 
     return served
 
 
-def target_url(config: ServeConfig) -> str:
-    """Where the load goes: the runtime's gRPC port, or HTTP for Ray (its only one)."""
-    return config.server.http_url if config.runtime == "ray" else config.server.grpc_url
+PROTOCOLS = ("grpc", "http-binary", "http-json")
+
+
+def target_url(config: ServeConfig, protocol: str = "grpc") -> str:
+    """Where the load goes: the runtime's gRPC port (HTTP for Ray, its only one) or its
+    HTTP port."""
+    if protocol == "grpc" and config.runtime != "ray":
+        return config.server.grpc_url
+    return config.server.http_url
 
 
 class ServerProcess:
@@ -269,6 +280,7 @@ def compare(
     *,
     on_event: Callable[[str], None] = lambda _: None,
     ceiling_seconds: float = 0.0,
+    protocol: str = "grpc",
 ) -> ComparisonResult:
     """Run the same closed-loop sweep against each runtime in turn, each serving ``model``
     (an image classifier: its image model takes the load); with ``ceiling_seconds``, first
@@ -276,7 +288,9 @@ def compare(
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
-    setup = Setup.of(model)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose from {list(PROTOCOLS)}")
+    setup = dataclasses.replace(Setup.of(model), protocol=protocol)
     result = ComparisonResult({}, {}, workload=_workload(setup))
     if ceiling_seconds > 0:
         on_event("measuring the raw ceiling (in-process, batch 1/8/16/max)")
@@ -304,6 +318,15 @@ def compare(
 
 
 def _workload(setup: Setup) -> str:
+    over = {
+        "grpc": "Served runtimes are reached over gRPC (Ray over HTTP with binary tensors, its only port).",
+        "http-binary": "Served runtimes are reached over HTTP with binary tensors.",
+        "http-json": "Served runtimes are reached over HTTP with JSON tensors.",
+    }[setup.protocol]
+    return f"{_what(setup)} {over}"
+
+
+def _what(setup: Setup) -> str:
     if setup.image:
         return (
             f"Every runtime classifies the same 320x240 JPEG (decode, resize, crop, normalise, "

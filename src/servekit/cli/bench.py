@@ -132,6 +132,9 @@ def compare(
         "bench/results/compare"
     ),
     cache_dir: CacheDir = None,
+    protocol: Annotated[
+        str, typer.Option(help="grpc, http-binary or http-json (Ray: HTTP only).")
+    ] = "grpc",
 ) -> None:
     """Start each runtime in turn on loopback with the same model and policy, run the same
     sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
@@ -168,6 +171,7 @@ def compare(
             mcfg,
             on_event=console.print,
             ceiling_seconds=ceiling_seconds,
+            protocol=protocol,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
