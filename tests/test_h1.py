@@ -195,3 +195,23 @@ def test_any_bytes_leave_the_server_serving(server, garbage):
     with connect(server) as sock:
         sock.sendall(get("/alive"))
         assert read_answers(sock, 1) == [(200, b"GET /alive? 0")]
+
+
+def test_a_fast_path_error_is_a_500_for_that_request_only():
+    def fast(method, path, headers, body, reply) -> bool:
+        if path == "/fast-boom":
+            raise RuntimeError("boom")
+        if path == "/fast":
+            reply(200, b"fast", {})
+            return True
+        return False
+
+    s = H1Server(echo, "127.0.0.1", free_port(), fast=fast).start()
+    try:
+        with socket.create_connection((s.host, s.port), timeout=10) as sock:
+            sock.sendall(get("/fast-boom") + get("/fast") + get("/slow"))
+            (s1, b1), (s2, b2), (s3, b3) = read_answers(sock, 3)
+        assert s1 == 500 and "RuntimeError" in json.loads(b1)["error"]
+        assert (s2, b2, s3, b3) == (200, b"fast", 200, b"GET /slow? 0")
+    finally:
+        s.stop(5)

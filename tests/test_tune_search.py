@@ -33,7 +33,7 @@ def point(rows_per_s: float, p99_ms: float, level: int = 1, errors: int = 0) -> 
     return Point("concurrency", level, stats, 3, True, 0.1, False, rows_per_s)
 
 
-def landscape(space: SearchSpace, value, p99=lambda k: 10.0):
+def landscape(value, p99=lambda k: 10.0):
     """An ``evaluate`` whose candidate ``k`` measures ``value(k)`` rows/s at ``p99(k)``."""
     calls: list[Knobs] = []
 
@@ -138,7 +138,7 @@ def _separable(k: Knobs) -> float:
 
 def test_brute_and_quick_find_the_known_best_and_quick_needs_a_third_of_the_trials():
     c = Constraints()
-    evaluate, calls = landscape(SPACE, _separable)
+    evaluate, calls = landscape(_separable)
     every = brute(SPACE, lambda k: evaluate(k, c))
     assert len(every) == SPACE.size == 48
     best = best_trial(every, c)
@@ -152,7 +152,6 @@ def test_quick_climbs_out_of_an_infeasible_start():
     """Batch 1 breaks the budget: the climb follows the shortfall to feasible points."""
     c = Constraints(p99_ms=50)
     evaluate, _ = landscape(
-        SPACE,
         lambda k: 100.0 * k.max_batch_size,
         p99=lambda k: 400 / k.max_batch_size + k.instances,
     )
@@ -180,7 +179,7 @@ def test_quick_finds_the_peak_of_any_separable_landscape(peak, weights):
         )
         return 10_000 - sum(w * abs(i - p) for w, i, p in zip(weights, index, peak, strict=True))
 
-    evaluate, calls = landscape(SPACE, value)
+    evaluate, calls = landscape(value)
     found = best_trial(quick(SPACE, lambda k: evaluate(k, c), c, min_gain=0), c)
     assert found is not None and found.knobs == SPACE.knobs(peak)
     assert len(calls) == len(set(calls)) <= SPACE.size

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..config import RUNTIMES
 from .common import CacheDir, ConfigFile, console, fail, serve_config, zoo_model
+
+if TYPE_CHECKING:
+    from ..tune import Knobs, Trial, TuneResult
 
 __all__ = ["tune"]
 
@@ -81,7 +84,6 @@ def tune(
         MofNCompleteColumn,
         Progress,
         SpinnerColumn,
-        TaskID,
         TextColumn,
         TimeElapsedColumn,
     )
@@ -90,11 +92,8 @@ def tune(
     from ..bench.report import machine
     from ..tune import (
         Constraints,
-        Knobs,
         Measurement,
         SearchSpace,
-        Trial,
-        TuneResult,
         for_runtime,
         write_outputs,
     )
@@ -141,42 +140,7 @@ def tune(
         for cfg in configs:
             rt = cfg.runtime
             task = progress.add_task(rt, total=most)
-            state: dict[str, str] = {"best": "no candidate yet"}
-
-            def started(
-                label: str,
-                knobs: Knobs,
-                rt: str = rt,
-                task: TaskID = task,
-                state: dict[str, str] = state,
-            ) -> None:
-                progress.update(
-                    task, description=f"{rt}: measuring {label} {knobs.label()} | {state['best']}"
-                )
-
-            def finished(
-                result: TuneResult,
-                trial: Trial,
-                rt: str = rt,
-                task: TaskID = task,
-                state: dict[str, str] = state,
-            ) -> None:
-                p = trial.best
-                figures = (
-                    f"{p.stats.inferences_per_s:.1f} rows/s at concurrency {p.level:g}, "
-                    f"p99 {p.stats.p99_ms:.1f} ms"
-                    if p
-                    else trial.reason
-                )
-                best = result.best
-                state["best"] = (
-                    f"best so far: {best.knobs.label()}"
-                    f" ({best.best.stats.inferences_per_s:.1f} rows/s)"  # type: ignore[union-attr]
-                    if best
-                    else "no candidate meets the constraints yet"
-                )
-                progress.console.print(f"{rt}: {trial.knobs.label()}: {trial.status}, {figures}")
-                progress.update(task, advance=1, description=f"{rt}: {state['best']}")
+            line = _ProgressLine(progress, task, rt)
 
             result = run_tune(
                 cfg,
@@ -185,8 +149,8 @@ def tune(
                 how,
                 search=search,
                 baseline=baseline,
-                on_start=started,
-                on_trial=finished,
+                on_start=line.started,
+                on_trial=line.finished,
             )
             results.append(result)
             progress.update(task, completed=most)
@@ -208,3 +172,37 @@ def tune(
     console.print(f"wrote {out / 'report.md'}")
     if results and results[-1].interrupted:
         raise fail("interrupted; the report holds the trials finished so far", 130)
+
+
+class _ProgressLine:
+    """One runtime's progress line: the candidate being measured beside the best so far,
+    and each finished trial printed above it."""
+
+    def __init__(self, progress: Any, task: Any, runtime: str) -> None:
+        self.progress, self.task, self.runtime = progress, task, runtime
+        self.best = "no candidate yet"
+
+    def started(self, label: str, knobs: Knobs) -> None:
+        self.progress.update(
+            self.task,
+            description=f"{self.runtime}: measuring {label} {knobs.label()} | {self.best}",
+        )
+
+    def finished(self, result: TuneResult, trial: Trial) -> None:
+        p = trial.best
+        figures = (
+            f"{p.stats.inferences_per_s:.1f} rows/s at concurrency {p.level:g}, "
+            f"p99 {p.stats.p99_ms:.1f} ms"
+            if p
+            else trial.reason
+        )
+        best = result.best
+        self.best = (
+            f"best so far: {best.knobs.label()} ({best.best.stats.inferences_per_s:.1f} rows/s)"  # type: ignore[union-attr]
+            if best
+            else "no candidate meets the constraints yet"
+        )
+        self.progress.console.print(
+            f"{self.runtime}: {trial.knobs.label()}: {trial.status}, {figures}"
+        )
+        self.progress.update(self.task, advance=1, description=f"{self.runtime}: {self.best}")

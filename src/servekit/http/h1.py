@@ -212,12 +212,15 @@ class _Connection(asyncio.Protocol):
         else:
             path, query = target.decode("latin-1"), b""
         fast = self.server.fast
-        if (
-            fast is not None
-            and not request.oversize
-            and fast(request.method, path, request.headers, request.body, self._reply)
-        ):
-            return
+        if fast is not None and not request.oversize:
+            try:
+                if fast(request.method, path, request.headers, request.body, self._reply):
+                    return
+            except Exception as exc:  # a bug on the fast path is that request's 500, as on the slow
+                log.exception("unexpected error on %s %s", request.method, path)
+                if self.busy:
+                    self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
+                return
         task = self.loop.create_task(self._asgi(request, path, query))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
