@@ -204,7 +204,7 @@ def run_batch(
             batch_format="numpy",
             # One block in flight per actor: a block that comes while one actor is busy goes
             # to another (Ray Data otherwise queues it on the least busy actor, the first on
-            # a tie, and a job whose blocks trickle in can run whole on one actor).
+            # a tie). A job whose blocks trickle in can still run whole on one actor.
             compute=(
                 ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1)
                 if isinstance(actors, int)
