@@ -50,7 +50,9 @@ GROUPS = [
         "servekit request check, encode",
         ("servekit/http/kserve.py", "servekit/http/app.py", "servekit/spec.py"),
     ),
+    ("servekit HTTP/2 server, hpack", ("servekit/grpc/h2.py", "hpack/")),
     ("servekit gRPC service", ("servekit/grpc/",)),
+    ("protobuf", ("google/protobuf",)),
     ("servekit Batcher", ("servekit/batching/",)),
     ("model (runner)", ("servekit/runners/", "onnxruntime/")),
     ("servekit PyTriton adapter", ("servekit/pytriton/",)),
@@ -95,6 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/hops"))
+    ap.add_argument("--only", default="", help="Run only the hops whose name contains this.")
     args = ap.parse_args()
     model = ModelConfig(str(zoo.resolve("add_sub")), batching=BatchingPolicy(max_batch_size=8))
     setup = Setup.of(model)
@@ -102,6 +105,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, runtime, front, protocol in HOPS:
+            if args.only not in name:
+                continue
             config = ServeConfig(
                 (model,), ServerConfig(front=front, exit_timeout_s=2), runtime=runtime
             ).on_loopback()

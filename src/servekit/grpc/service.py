@@ -1,5 +1,6 @@
 """Triton's ``GRPCInferenceService`` (from the protocol definitions tritonclient ships) over a
-``ModelRegistry``, on ``grpc.aio``: what the native runtime serves on its gRPC port.
+``ModelRegistry``, on servekit's own HTTP/2 server (``grpc.h2``): what the native
+runtime serves on its gRPC port.
 
 Health, server and model metadata, model readiness, model configuration (Triton's
 ``ModelConfig`` message with the batching policy in force) and inference, with tensors
@@ -43,6 +44,7 @@ from ..http.kserve import (
 from ..http.models import ModelRegistry
 from ..http.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
+from .h2 import GrpcH2Server, unary_methods
 
 __all__ = ["GrpcService", "grpc_server"]
 
@@ -266,15 +268,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return service_pb2.CudaSharedMemoryStatusResponse()
 
 
-def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: int) -> Any:
-    """A ``grpc.aio`` server with the service on ``host:port`` (start it on a running loop)."""
-    options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-    server = grpc.aio.server(options=options)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
-    address = f"[::]:{port}" if host in ("0.0.0.0", "") else f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"gRPC could not listen on {address}")
-    return server
+def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: int) -> GrpcH2Server:
+    """servekit's gRPC server with the service on ``host:port`` (start it on a running loop)."""
+    descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    methods = unary_methods(service, descriptor, service_pb2)
+    return GrpcH2Server(methods, host, port, max_message_bytes)

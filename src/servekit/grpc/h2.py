@@ -1,0 +1,719 @@
+"""servekit's own gRPC server: unary calls over HTTP/2 (h2c) on an asyncio Protocol.
+
+grpc.aio spends about twice the native runtime's whole HTTP path on each call (its
+Cython core drives every call through the event loop); this server reads frames
+itself, decodes headers with ``hpack`` and hands each call's message to the same
+servicer methods ``grpc.aio`` would call, with a context that offers what they use
+(``abort``, ``invocation_metadata``, ``set_code``/``set_details``). A call is one task;
+the response (headers, message, trailers) is one write.
+
+What it serves: unary methods of a protobuf service (streaming ones answer
+UNIMPLEMENTED), identity, gzip or deflate messages, ``grpc-timeout`` (DEADLINE_EXCEEDED),
+RST_STREAM (the call is cancelled), flow control both ways, PING, GOAWAY on stop (calls
+in flight are answered first). Limits: ``max_message_bytes`` per request message
+(RESOURCE_EXHAUSTED; the rest of the stream is dropped, never buffered), 100 concurrent
+calls per connection (REFUSED_STREAM beyond), a 64 KiB header block. A connection that
+breaks HTTP/2 itself (bad preface, frame or header block) gets GOAWAY and is closed;
+every other connection and call goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import hpack
+from google.protobuf.message import DecodeError
+
+__all__ = ["GrpcH2Server", "Method", "unary_methods"]
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
+WINDOW_UPDATE, CONTINUATION = 8, 9
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
+S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE = 1, 3, 4
+S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 5, 6
+
+MAX_WINDOW = 2**31 - 1
+MAX_STREAMS = 100
+MAX_FRAME = 1 << 20
+"""The largest frame this server takes (advertised); it sends at most the peer's."""
+MAX_HEADER_BLOCK = 64 * 1024
+
+OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 2, 3, 4
+RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
+_ENCODINGS = {b"gzip": 31, b"deflate": 15}
+"""grpc-encoding -> zlib's wbits for it."""
+_INDEXED = bytes(range(0x81, 0xFF))
+"""First bytes of HPACK's one-byte indexed fields (index 1-126)."""
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def _int(value: int, bits: int, first: int = 0) -> bytes:
+    """HPACK's integer with a ``bits``-bit prefix (RFC 7541 5.1)."""
+    limit = (1 << bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """A header as a literal never added to the dynamic table: the encoder keeps no state."""
+    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
+
+
+_STATUS_200 = b"\x88"  # :status 200, static table entry 8
+_GRPC_CONTENT = _literal(b"content-type", b"application/grpc")
+_RESPONSE_HEADERS = _STATUS_200 + _GRPC_CONTENT
+_OK_TRAILERS = _literal(b"grpc-status", b"0")
+
+
+def _percent(message: str) -> bytes:
+    """grpc-message's encoding: printable ASCII but '%' as it is, the rest %XX of UTF-8."""
+    return b"".join(
+        bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode()
+    )
+
+
+def _status_block(code: int, message: str) -> bytes:
+    block = _literal(b"grpc-status", str(code).encode())
+    if message:
+        block += _literal(b"grpc-message", _percent(message[:4096]))
+    return block
+
+
+class Method:
+    """One unary method: its request message class and the coroutine that answers it."""
+
+    __slots__ = ("handler", "name", "request_type")
+
+    def __init__(self, name: str, request_type: Any, handler: Any) -> None:
+        self.name, self.request_type, self.handler = name, request_type, handler
+
+
+def unary_methods(servicer: Any, service: Any, messages: Any) -> dict[bytes, Method | None]:
+    """``/package.Service/Method`` -> Method, from a protobuf ``ServiceDescriptor`` whose
+    message classes are in module ``messages``; streaming methods map to None."""
+    table: dict[bytes, Method | None] = {}
+    for m in service.methods:
+        path = f"/{service.full_name}/{m.name}".encode()
+        streaming = m.client_streaming or m.server_streaming
+        table[path] = (
+            None
+            if streaming
+            else Method(m.name, getattr(messages, m.input_type.name), getattr(servicer, m.name))
+        )
+    return table
+
+
+class _Abort(Exception):
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What a servicer method may ask of its call (grpc.aio's ``ServicerContext``, in part)."""
+
+    __slots__ = ("_code", "_details", "_headers")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._headers = headers
+        self._code: int | None = None
+        self._details = ""
+
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        """The call's metadata: its headers but HTTP/2's own, values of -bin keys as bytes."""
+        return [
+            (k.decode("latin-1"), v if k.endswith(b"-bin") else v.decode("latin-1"))
+            for k, v in self._headers
+            if not k.startswith(b":")
+        ]
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        raise _Abort(_code_number(code), details)
+
+    def set_code(self, code: Any) -> None:
+        self._code = _code_number(code)
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+
+def _code_number(code: Any) -> int:
+    """A grpc.StatusCode (whose value is ``(number, name)``) or a plain number."""
+    value = getattr(code, "value", code)
+    return int(value[0] if isinstance(value, tuple) else value)
+
+
+class _Stream:
+    __slots__ = (
+        "chunks",
+        "headers",
+        "out",
+        "send_window",
+        "size",
+        "task",
+        "timer",
+        "trailers",
+    )
+
+    def __init__(self, send_window: int) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.send_window = send_window
+        self.out = b""
+        """Message bytes (framed) waiting for flow-control window."""
+        self.trailers = b""
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames in, calls out, answers back."""
+
+    def __init__(self, server: GrpcH2Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.out: list[bytes] = []
+        """Frames written this turn of the loop: sent together, one system call for all."""
+        self.preface = False
+        self.decoder = hpack.Decoder()
+        self.decoder.max_header_list_size = MAX_HEADER_BLOCK
+        self.decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self.streams: dict[int, _Stream] = {}
+        self.last_stream = 0
+        self.block: bytearray | None = None
+        self.block_stream = 0
+        self.block_ends = False
+        self.send_window = 65535
+        self.peer_window = 65535
+        self.peer_frame = 16384
+        self.recv_window = MAX_WINDOW
+        self.buffered = 0
+        """Bytes of requests still arriving, on all streams (twice the message limit at most)."""
+        self.going_away = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        settings = b"".join(
+            key.to_bytes(2, "big") + value.to_bytes(4, "big")
+            for key, value in (
+                (S_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+                (S_INITIAL_WINDOW_SIZE, MAX_WINDOW),
+                (S_MAX_FRAME_SIZE, MAX_FRAME),
+                (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+            )
+        )
+        self._write(
+            _frame(SETTINGS, 0, 0, settings)
+            + _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - 65535).to_bytes(4, "big"))
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        for stream in self.streams.values():
+            _cancel(stream)
+        self.streams.clear()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        try:
+            self._frames()
+        except _ConnectionError as exc:
+            self.goaway(exc.code, str(exc))
+        except Exception:  # a bug here closes this connection only, never the server
+            log.exception("gRPC connection failed")
+            self.goaway(INTERNAL_ERROR, "internal error")
+
+    def _write(self, data: bytes) -> None:
+        if not self.out:
+            self.server.loop.call_soon(self._send_out)
+        self.out.append(data)
+
+    def _send_out(self) -> None:
+        if self.out and self.transport is not None:
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
+
+    def close(self) -> None:
+        """Send what is written, then close."""
+        self._send_out()
+        if self.transport is not None:
+            self.transport.close()
+
+    def goaway(self, code: int, reason: str = "") -> None:
+        """Tell the peer the last stream this connection took, then close it (on an error)
+        or let the calls in flight finish (``NO_ERROR``, on stop)."""
+        payload = self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big")
+        self._write(_frame(GOAWAY, 0, 0, payload + reason.encode()[:256]))
+        self.going_away = True
+        if code != NO_ERROR:
+            self.close()
+
+    # frames
+    def _frames(self) -> None:
+        buf = self.buffer
+        pos = 0
+        if not self.preface:
+            if len(buf) < len(PREFACE):
+                if not PREFACE.startswith(bytes(buf)):
+                    raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                return
+            if buf[: len(PREFACE)] != PREFACE:
+                raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self.preface = True
+            pos = len(PREFACE)
+        end = len(buf)
+        while end - pos >= 9 and self.transport is not None:
+            length = int.from_bytes(buf[pos : pos + 3], "big")
+            if length > MAX_FRAME:
+                raise _ConnectionError(
+                    FRAME_SIZE_ERROR, f"frame of {length} bytes; the limit is {MAX_FRAME}"
+                )
+            if end - pos < 9 + length:
+                break
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            stream = int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
+            payload = bytes(buf[pos + 9 : pos + 9 + length])
+            pos += 9 + length
+            self._frame(kind, flags, stream, payload)
+        del buf[:pos]
+
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if self.block is not None and (kind != CONTINUATION or sid != self.block_stream):
+            raise _ConnectionError(PROTOCOL_ERROR, "a header block was interrupted")
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            self._headers(flags, sid, payload)
+        elif kind == CONTINUATION:
+            if self.block is None:
+                raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+            self._block(payload, flags)
+        elif kind == SETTINGS:
+            self._settings(flags, sid, payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == PING:
+            if sid != 0 or len(payload) != 8:
+                raise _ConnectionError(PROTOCOL_ERROR, "PING must be 8 bytes on stream 0")
+            if not flags & ACK:
+                self._write(_frame(PING, ACK, 0, payload))
+        elif kind == RST_STREAM:
+            if sid == 0 or len(payload) != 4:
+                raise _ConnectionError(PROTOCOL_ERROR, "malformed RST_STREAM")
+            stream = self.streams.pop(sid, None)
+            if stream is not None:
+                self._release(stream)
+                _cancel(stream)
+        elif kind == GOAWAY:
+            self.going_away = True
+            if not self.streams:
+                self.close()
+        elif kind == PUSH_PROMISE:
+            raise _ConnectionError(PROTOCOL_ERROR, "clients may not push")
+        elif kind == PRIORITY and len(payload) != 5:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "PRIORITY must be 5 bytes")
+        # PRIORITY (advice only) and unknown frame types are ignored, as RFC 9113 asks.
+
+    def _strip_padding(self, flags: int, payload: bytes) -> bytes:
+        if not flags & PADDED:
+            return payload
+        if not payload or payload[0] >= len(payload):
+            raise _ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
+        return payload[1 : len(payload) - payload[0]]
+
+    def _headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or sid % 2 == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        payload = self._strip_padding(flags, payload)
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if sid in self.streams:  # trailers of a request (gRPC clients send none): its end
+            if self.streams[sid].task is not None:
+                raise _ConnectionError(STREAM_CLOSED, f"HEADERS after END_STREAM on stream {sid}")
+            if not flags & END_STREAM:
+                raise _ConnectionError(PROTOCOL_ERROR, "HEADERS again without END_STREAM")
+        elif sid <= self.last_stream:
+            raise _ConnectionError(STREAM_CLOSED, f"HEADERS on closed stream {sid}")
+        self.block = bytearray()
+        self.block_stream, self.block_ends = sid, bool(flags & END_STREAM)
+        self._block(payload, flags)
+
+    def _block(self, payload: bytes, flags: int) -> None:
+        assert self.block is not None
+        self.block += payload
+        if len(self.block) > MAX_HEADER_BLOCK:
+            raise _ConnectionError(PROTOCOL_ERROR, f"header block over {MAX_HEADER_BLOCK} bytes")
+        if not flags & END_HEADERS:
+            return
+        block, sid, ends = bytes(self.block), self.block_stream, self.block_ends
+        self.block = None
+        headers = self._decode(block)
+        stream = self.streams.get(sid)
+        if stream is None:
+            self.last_stream = sid
+            if self.going_away or len(self.streams) >= MAX_STREAMS:
+                self._write(_frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+                return
+            stream = self.streams[sid] = _Stream(self.peer_window)
+            stream.headers = headers
+        if ends:
+            self._dispatch(sid, stream)
+
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        headers = self.decoded.get(block)
+        if headers is not None:
+            return headers
+        try:
+            headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
+        except hpack.HPACKError as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"header block: {exc}") from None
+        # A block of indexed fields only reads the tables without changing them, so it
+        # means the same until a block that may change them: a client repeating its
+        # headers sends the same few bytes each call.
+        if block.translate(None, _INDEXED) or len(self.decoded) >= 64:
+            self.decoded.clear()
+        else:
+            self.decoded[block] = headers
+        return headers
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
+        self.recv_window -= len(payload)
+        if self.recv_window < MAX_WINDOW // 2:
+            self._write(
+                _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - self.recv_window).to_bytes(4, "big"))
+            )
+            self.recv_window = MAX_WINDOW
+        stream = self.streams.get(sid)
+        if stream is None:
+            if sid > self.last_stream:
+                raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            return  # a stream already answered or reset: its data is dropped
+        if stream.task is not None:
+            raise _ConnectionError(STREAM_CLOSED, f"DATA after END_STREAM on stream {sid}")
+        data = self._strip_padding(flags, payload)
+        stream.size += len(data)
+        self.buffered += len(data)
+        limit = self.server.max_message_bytes
+        if stream.size > limit + 5:
+            self._drop(sid, stream, f"request message larger than the limit of {limit} bytes")
+            return
+        if self.buffered > 2 * limit + 10:
+            self._drop(
+                sid,
+                stream,
+                f"unfinished requests on this connection hold over {2 * limit} bytes",
+            )
+            return
+        stream.chunks.append(data)
+        if flags & END_STREAM:
+            self._dispatch(sid, stream)
+
+    def _drop(self, sid: int, stream: _Stream, why: str) -> None:
+        """Refuse a request still arriving: RESOURCE_EXHAUSTED; the rest of it is dropped."""
+        self._release(stream)
+        self._answer(sid, stream, RESOURCE_EXHAUSTED, why, reset=True)
+
+    def _release(self, stream: _Stream) -> None:
+        self.buffered -= stream.size
+        stream.size = 0
+        stream.chunks = []
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            return
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        for i in range(0, len(payload), 6):
+            key = int.from_bytes(payload[i : i + 2], "big")
+            value = int.from_bytes(payload[i + 2 : i + 6], "big")
+            if key == S_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window over 2^31-1")
+                for stream in self.streams.values():
+                    stream.send_window += value - self.peer_window
+                self.peer_window = value
+            elif key == S_MAX_FRAME_SIZE:
+                if not 16384 <= value < 1 << 24:
+                    raise _ConnectionError(PROTOCOL_ERROR, f"max frame size {value}")
+                self.peer_frame = value
+        self._write(_frame(SETTINGS, ACK, 0))
+        self._flush()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
+        increment = int.from_bytes(payload, "big") & MAX_WINDOW
+        if sid == 0:
+            if increment == 0:
+                raise _ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+        else:
+            stream = self.streams.get(sid)
+            if stream is None:
+                return
+            stream.send_window += increment
+            if increment == 0 or stream.send_window > MAX_WINDOW:
+                self.streams.pop(sid)
+                _cancel(stream)
+                code = PROTOCOL_ERROR if increment == 0 else FLOW_CONTROL_ERROR
+                self._write(_frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+                return
+        self._flush()
+
+    # calls
+    def _dispatch(self, sid: int, stream: _Stream) -> None:
+        """The request has ended: check what the headers ask, then run the call."""
+        data = b"".join(stream.chunks)
+        self._release(stream)
+        headers = dict(stream.headers)
+        if headers.get(b":method") != b"POST":
+            self._answer(sid, stream, UNIMPLEMENTED, "gRPC calls are POST requests")
+            return
+        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._answer(sid, stream, UNKNOWN, "content-type must be application/grpc")
+            return
+        path = headers.get(b":path", b"")
+        if path not in self.server.methods:
+            self._answer(
+                sid, stream, UNIMPLEMENTED, f"unknown method {path.decode(errors='replace')}"
+            )
+            return
+        method = self.server.methods[path]
+        if method is None:
+            name = path.rsplit(b"/", 1)[-1].decode()
+            self._answer(sid, stream, UNIMPLEMENTED, f"{name}: streaming calls are not served")
+            return
+        try:
+            message = _message(
+                data,
+                headers.get(b"grpc-encoding"),
+                self.server.max_message_bytes,
+            )
+            timeout = _timeout(headers.get(b"grpc-timeout"))
+        except _Abort as exc:
+            self._answer(sid, stream, exc.code, exc.details)
+            return
+        task = self.server.loop.create_task(self._call(sid, stream, method, message))
+        stream.task = task
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+        if timeout is not None:
+            stream.timer = self.server.loop.call_later(timeout, self._expire, sid, stream)
+
+    def _expire(self, sid: int, stream: _Stream) -> None:
+        if self.streams.get(sid) is stream and stream.task is not None:
+            stream.timer = None
+            stream.task.cancel()
+            self._answer(sid, stream, DEADLINE_EXCEEDED, "deadline exceeded")
+
+    async def _call(self, sid: int, stream: _Stream, method: Method, message: bytes) -> None:
+        context = _Context(stream.headers)
+        try:
+            request = method.request_type.FromString(message)
+        except DecodeError:
+            self._answer(
+                sid,
+                stream,
+                INVALID_ARGUMENT,
+                f"{method.name}: the request is not a {method.request_type.__name__} message",
+            )
+            return
+        try:
+            response = await method.handler(request, context)
+        except _Abort as exc:
+            self._answer(sid, stream, exc.code, exc.details)
+            return
+        except NotImplementedError:
+            self._answer(
+                sid, stream, context._code or UNIMPLEMENTED, context._details or method.name
+            )
+            return
+        except asyncio.CancelledError:
+            return  # reset by the client or past its deadline: answered already, or nobody asks
+        except Exception as exc:
+            log.exception("unexpected error in gRPC call %s", method.name)
+            self._answer(sid, stream, INTERNAL, f"internal error: {type(exc).__name__}")
+            return
+        body = response.SerializeToString()
+        self._answer(sid, stream, OK, "", b"\x00" + len(body).to_bytes(4, "big") + body)
+
+    def _answer(
+        self,
+        sid: int,
+        stream: _Stream,
+        code: int,
+        message: str,
+        body: bytes = b"",
+        *,
+        reset: bool = False,
+    ) -> None:
+        """Headers, the message (if any) and the trailers; one write when the windows allow."""
+        if self.streams.get(sid) is not stream:
+            return  # reset, expired or the connection is gone
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
+        if not body:
+            block = _RESPONSE_HEADERS + _status_block(code, message)
+            tail = _frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")) if reset else b""
+            self._write(_frame(HEADERS, END_HEADERS | END_STREAM, sid, block) + tail)
+            self._close(sid)
+            return
+        self._write(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS))
+        stream.out = body
+        stream.trailers = _OK_TRAILERS if code == OK else _status_block(code, message)
+        self._send(sid, stream)
+
+    def _send(self, sid: int, stream: _Stream) -> None:
+        """As much of the stream's message as the windows allow, then (all sent) its trailers."""
+        out = stream.out
+        frames: list[bytes] = []
+        sent = 0
+        while sent < len(out):
+            n = min(len(out) - sent, self.peer_frame, self.send_window, stream.send_window)
+            if n <= 0:
+                break
+            frames.append(_frame(DATA, 0, sid, out[sent : sent + n]))
+            sent += n
+            self.send_window -= n
+            stream.send_window -= n
+        stream.out = out[sent:]
+        if not stream.out:
+            frames.append(_frame(HEADERS, END_HEADERS | END_STREAM, sid, stream.trailers))
+        self._write(b"".join(frames))
+        if not stream.out:
+            self._close(sid)
+
+    def _flush(self) -> None:
+        for sid, stream in list(self.streams.items()):
+            if stream.out and self.send_window > 0:
+                self._send(sid, stream)
+
+    def _close(self, sid: int) -> None:
+        self.streams.pop(sid, None)
+        if self.going_away and not self.streams:
+            self.close()
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _cancel(stream: _Stream) -> None:
+    if stream.timer is not None:
+        stream.timer.cancel()
+    if stream.task is not None:
+        stream.task.cancel()
+
+
+def _message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
+    """The one message of a unary request, decompressed if it says so."""
+    if len(data) < 5:
+        raise _Abort(INVALID_ARGUMENT, "the request carries no complete gRPC message")
+    length = int.from_bytes(data[1:5], "big")
+    if len(data) != 5 + length:
+        what = "more than one message" if len(data) > 5 + length else "a truncated message"
+        raise _Abort(INVALID_ARGUMENT, f"a unary request carries {what}")
+    if not data[0]:
+        return data[5:]
+    wbits = _ENCODINGS.get(encoding or b"")
+    if wbits is None:
+        raise _Abort(
+            UNIMPLEMENTED, f"message compressed as {encoding!r}; this server takes gzip or deflate"
+        )
+    try:  # never inflates past the limit, whatever the message claims
+        message = zlib.decompressobj(wbits).decompress(data[5:], limit + 1)
+    except zlib.error as exc:
+        raise _Abort(INVALID_ARGUMENT, f"the message does not decompress: {exc}") from None
+    if len(message) > limit:
+        raise _Abort(RESOURCE_EXHAUSTED, f"request message larger than the limit of {limit} bytes")
+    return message
+
+
+def _timeout(value: bytes | None) -> float | None:
+    if value is None:
+        return None
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    if unit is None or not value[:-1].isdigit() or len(value) > 9:
+        raise _Abort(INVALID_ARGUMENT, f"grpc-timeout {value.decode(errors='replace')!r}")
+    return int(value[:-1]) * unit
+
+
+class GrpcH2Server:
+    """Unary gRPC methods (``unary_methods``) on ``host:port``, on the running loop:
+    ``await start()``, ``await stop(grace_s)`` (GOAWAY, answer what is in flight, close)."""
+
+    def __init__(
+        self,
+        methods: Mapping[bytes, Method | None],
+        host: str,
+        port: int,
+        max_message_bytes: int,
+    ) -> None:
+        self.methods, self.host, self.port = methods, host, port
+        self.max_message_bytes = max_message_bytes
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.loop: asyncio.AbstractEventLoop  # the loop start() runs on
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        host: str | None = None if self.host in ("0.0.0.0", "") else self.host
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, self.port, backlog=2048
+        )
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self.connections):
+            conn.goaway(NO_ERROR)
+            if not conn.streams:
+                conn.close()
+        deadline = self.loop.time() + grace_s
+        while self.tasks and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        with contextlib.suppress(Exception):
+            await self._server.wait_closed()
+        self._server = None

@@ -1,0 +1,465 @@
+"""servekit's own gRPC server (``servekit.grpc.h2``) on the native runtime: grpcio's and
+tritonclient's clients unchanged, and HTTP/2 spoken by hand over a raw socket (frames
+built here, headers through the ``hpack`` package) for what a polite client never
+sends. Whatever one connection does, the server and every other connection go on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+grpc = pytest.importorskip("grpc")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+hpack = pytest.importorskip("hpack")
+from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
+
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
+from servekit.native import NativeServer  # noqa: E402
+from servekit.zoo.tiny import build_simulated  # noqa: E402
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    0, 1, 3, 4, 6, 7, 8, 9,
+)  # fmt: skip
+END_STREAM, END_HEADERS = 0x1, 0x4
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+WIDE = 100_000
+"""The wide model's row: 400 KB in and out, more than HTTP/2's default window."""
+LIMIT = 2 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, add_sub_path):
+    folder = tmp_path_factory.mktemp("h2")
+    slow, wide = folder / "slow.onnx", folder / "wide.onnx"
+    onnx.save(build_simulated(f"h2-slow-{os.getpid()}", 1_500_000, 0), slow)
+    identity = build_simulated("wide", 0, 0, width=WIDE)
+    del identity.metadata_props[:]  # no device profile: ONNX Runtime runs its Identity
+    onnx.save(identity, wide)
+    policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=200)
+    config = ServeConfig(
+        (
+            ModelConfig(str(add_sub_path), "adder", batching=policy),
+            ModelConfig(str(slow), "slow", batching=policy),
+            ModelConfig(str(wide), "wide", batching=policy),
+        ),
+        ServerConfig(exit_timeout_s=5, max_body_bytes=LIMIT),
+        runtime="native",
+    ).on_loopback()
+    with NativeServer(config) as native:
+        yield native
+
+
+def address(server) -> str:
+    return server.config.server.grpc_url.removeprefix("grpc://")
+
+
+def adder_request(value: float) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="adder")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(np.full((1, 16), value, np.float32).tobytes())
+    return request
+
+
+def sums(response: service_pb2.ModelInferResponse) -> np.ndarray:
+    index = [o.name for o in response.outputs].index("OUTPUT0")
+    return np.frombuffer(response.raw_output_contents[index], np.float32)
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def grpc_message(body: bytes, compressed: bool = False) -> bytes:
+    return bytes((int(compressed),)) + len(body).to_bytes(4, "big") + body
+
+
+class RawH2:
+    """A hand-driven HTTP/2 client: frames out, frames in, nothing automatic but PING's ACK."""
+
+    def __init__(self, server, settings_payload: bytes = b"", preface: bytes = PREFACE) -> None:
+        host, port = address(server).rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.sendall(preface + frame(SETTINGS, 0, 0, settings_payload))
+        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
+        self.buffer = b""
+
+    def send(self, kind: int, flags: int, stream: int, payload: bytes = b"") -> None:
+        self.sock.sendall(frame(kind, flags, stream, payload))
+
+    def call(
+        self, stream: int, body: bytes, *, path: str = INFER, headers=(), end: bool = True
+    ) -> None:
+        block = self.encoder.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "test"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                *headers,
+            ]
+        )
+        self.send(HEADERS, END_HEADERS, stream, block)
+        self.send(DATA, END_STREAM if end else 0, stream, body)
+
+    def frame(self) -> tuple[int, int, int, bytes] | None:
+        """The next frame, or None once the server has closed the connection."""
+        while len(self.buffer) < 9 or len(self.buffer) < 9 + int.from_bytes(self.buffer[:3], "big"):
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        length = int.from_bytes(self.buffer[:3], "big")
+        kind, flags = self.buffer[3], self.buffer[4]
+        stream = int.from_bytes(self.buffer[5:9], "big")
+        payload, self.buffer = self.buffer[9 : 9 + length], self.buffer[9 + length :]
+        return kind, flags, stream, payload
+
+    def response(self, stream: int, on_data=None) -> tuple[dict, bytes, dict]:
+        """(headers, message bytes, trailers) of one call; ``on_data(frame)`` sees each DATA."""
+        headers: dict = {}
+        body = b""
+        while True:
+            got = self.frame()
+            assert got is not None, "the server closed the connection"
+            kind, flags, sid, payload = got
+            if kind == HEADERS:
+                decoded = dict(self.decoder.decode(payload))
+                if sid == stream and flags & END_STREAM:
+                    return headers, body, decoded
+                if sid == stream:
+                    headers = decoded
+            elif kind == DATA and sid == stream:
+                body += payload
+                if on_data is not None:
+                    on_data(payload)
+            elif kind == PING and not flags & 1:
+                self.send(PING, 1, 0, payload)
+
+    def goaway(self) -> tuple[int, str] | None:
+        """The error code and reason of the server's GOAWAY, once it has closed."""
+        found = None
+        while (got := self.frame()) is not None:
+            if got[0] == GOAWAY:
+                found = int.from_bytes(got[3][4:8], "big"), got[3][8:].decode()
+        return found
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def live(server):
+    """A channel opened before the test and checked after it: the server is still up."""
+    channel = grpc.insecure_channel(address(server))
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    assert sums(stub.ModelInfer(adder_request(1.0), timeout=30))[0] == 2.0
+    yield stub
+    assert sums(stub.ModelInfer(adder_request(2.0), timeout=30))[0] == 4.0
+    channel.close()
+
+
+def test_many_calls_in_flight_on_one_channel_each_get_their_own_answer(live):
+    futures = [live.ModelInfer.future(adder_request(float(i)), timeout=60) for i in range(64)]
+    for i, future in enumerate(futures):
+        assert np.all(sums(future.result()) == 2.0 * i)
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+def test_compressed_requests_are_inflated(server, compression):
+    with grpc.insecure_channel(address(server), compression=compression) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert np.all(sums(stub.ModelInfer(adder_request(3.0), timeout=30)) == 6.0)
+
+
+def test_tensors_larger_than_the_window_travel_both_ways(server):
+    client = grpcclient.InferenceServerClient(address(server))
+    try:
+        data = np.random.default_rng(0).standard_normal((3, WIDE)).astype(np.float32)
+        tensor = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        result = client.infer("wide", [tensor])
+        assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+
+
+def test_the_server_keeps_to_the_clients_flow_control_window(server):
+    # The client's window is 16 KiB: the server sends that much of the 400 KB answer,
+    # then waits for each WINDOW_UPDATE.
+    raw = RawH2(server, settings_payload=(4).to_bytes(2, "big") + (16384).to_bytes(4, "big"))
+    try:
+        data = np.arange(WIDE, dtype=np.float32)[None]
+        request = service_pb2.ModelInferRequest(model_name="wide")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, WIDE])
+        request.raw_input_contents.append(data.tobytes())
+        body = request.SerializeToString()
+        message = grpc_message(body)
+        # 16 KiB frames: the server's frames may be larger, the client's here are not.
+        raw.call(1, message[:16384], end=False)
+        for at in range(16384, len(message), 16384):
+            last = at + 16384 >= len(message)
+            raw.send(DATA, END_STREAM if last else 0, 1, message[at : at + 16384])
+        window = [16384]
+        stalls = [0]
+
+        def on_data(payload: bytes) -> None:
+            window[0] -= len(payload)
+            assert window[0] >= 0, "the server sent past the client's window"
+            if window[0] > 0:
+                return
+            if stalls[0] < 3:  # the window is spent: nothing more comes until it grows
+                stalls[0] += 1
+                raw.sock.settimeout(0.3)
+                try:
+                    got = raw.frame()
+                    assert got is None or got[0] != DATA, "DATA past the client's window"
+                except TimeoutError:
+                    pass
+                finally:
+                    raw.sock.settimeout(10)
+            window[0] = 16384
+            raw.send(WINDOW_UPDATE, 0, 1, (16384).to_bytes(4, "big"))
+            raw.send(WINDOW_UPDATE, 0, 0, (16384).to_bytes(4, "big"))
+
+        headers, answer, trailers = raw.response(1, on_data)
+        assert headers[":status"] == "200" and trailers["grpc-status"] == "0", trailers
+        response = service_pb2.ModelInferResponse.FromString(answer[5:])
+        assert np.array_equal(np.frombuffer(response.raw_output_contents[0], np.float32), data[0])
+        assert stalls[0] == 3
+    finally:
+        raw.close()
+
+
+def test_grpc_timeout_ends_a_call_with_deadline_exceeded(live, server):
+    raw = RawH2(server)
+    try:
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(bytes(64))
+        start = time.monotonic()
+        raw.call(1, grpc_message(request.SerializeToString()), headers=[("grpc-timeout", "200m")])
+        _, _, trailers = raw.response(1)
+        assert trailers["grpc-status"] == "4"  # DEADLINE_EXCEEDED
+        assert time.monotonic() - start < 1.4  # before the slow model's 1.5 s
+        raw.call(3, grpc_message(adder_request(5.0).SerializeToString()))
+        _, answer, trailers = raw.response(3)
+        assert trailers["grpc-status"] == "0"
+        assert sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0] == 10.0
+    finally:
+        raw.close()
+
+
+def test_a_reset_call_is_cancelled_and_the_connection_goes_on(live, server):
+    raw = RawH2(server)
+    try:
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(bytes(64))
+        raw.call(1, grpc_message(request.SerializeToString()))
+        raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # CANCEL
+        raw.send(PING, 0, 0, b"pingpong")
+        raw.call(3, grpc_message(adder_request(1.5).SerializeToString()))
+        _, answer, trailers = raw.response(3)
+        assert trailers["grpc-status"] == "0"
+        assert sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0] == 3.0
+    finally:
+        raw.close()
+
+
+def test_ping_is_answered_with_its_payload(server):
+    raw = RawH2(server)
+    try:
+        raw.send(PING, 0, 0, b"12345678")
+        while (got := raw.frame()) is not None:
+            if got[0] == PING:
+                assert got[1] == 1 and got[3] == b"12345678"
+                break
+        else:
+            pytest.fail("no PING ACK")
+    finally:
+        raw.close()
+
+
+def test_streaming_and_unknown_methods_are_unimplemented(live, server):
+    with grpc.insecure_channel(address(server)) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([adder_request(1.0).SerializeToString()]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "streaming" in info.value.details()
+        for method in ("/inference.GRPCInferenceService/Nope", "/other.Service/ModelInfer"):
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(method)(b"", timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert method in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:  # a method the service does not serve
+            channel.unary_unary("/inference.GRPCInferenceService/RepositoryModelLoad")(
+                b"", timeout=30
+            )
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_message_over_the_limit_is_refused_and_the_channel_goes_on(live):
+    request = adder_request(1.0)
+    request.raw_input_contents[0] = bytes(LIMIT + 1)
+    with pytest.raises(grpc.RpcError) as info:
+        live.ModelInfer(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(LIMIT) in info.value.details()
+
+
+def test_unfinished_requests_on_one_connection_are_bounded(live, server):
+    # Each stream may hold up to the message limit while its request arrives; all of a
+    # connection's together at most twice that: the stream that would pass it is refused.
+    raw = RawH2(server)
+    try:
+        part = bytes(16384)
+        for sid in (1, 3, 5):
+            raw.call(sid, part, end=False)
+            for _ in range(LIMIT * 3 // 4 // len(part)):
+                raw.send(DATA, 0, sid, part)
+        _, _, trailers = raw.response(5)
+        assert trailers["grpc-status"] == "8", trailers  # RESOURCE_EXHAUSTED
+        assert "unfinished requests" in trailers["grpc-message"]
+        raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # frees what stream 1 held
+        raw.call(7, grpc_message(adder_request(1.0).SerializeToString()))
+        assert raw.response(7)[2]["grpc-status"] == "0"
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(
+    "message, headers, code, words",
+    [
+        (grpc_message(b"\xff\xff\xff"), [], "3", "not a ModelInferRequest"),
+        (grpc_message(b"") * 2, [], "3", "more than one message"),
+        (grpc_message(b"")[:3], [], "3", "no complete gRPC message"),
+        (grpc_message(b"abc")[:6], [], "3", "truncated"),
+        (grpc_message(b"x", compressed=True), [("grpc-encoding", "snappy")], "12", "snappy"),
+        (
+            grpc_message(b"not gzip", compressed=True),
+            [("grpc-encoding", "gzip")],
+            "3",
+            "decompress",
+        ),
+        (grpc_message(b""), [("grpc-timeout", "soon")], "3", "grpc-timeout"),
+        (grpc_message(b""), [("content-type", "text/plain")], "2", "application/grpc"),
+    ],
+)
+def test_bad_calls_get_a_status_naming_the_problem(live, server, message, headers, code, words):
+    raw = RawH2(server)
+    try:
+        if headers and headers[0][0] == "content-type":
+            block = raw.encoder.encode(
+                [(":method", "POST"), (":scheme", "http"), (":path", INFER),
+                 (":authority", "test"), *headers]
+            )  # fmt: skip
+            raw.send(HEADERS, END_HEADERS, 1, block)
+            raw.send(DATA, END_STREAM, 1, message)
+        else:
+            raw.call(1, message, headers=headers)
+        _, _, trailers = raw.response(1)
+        assert trailers["grpc-status"] == code, trailers
+        assert words in trailers.get("grpc-message", ""), trailers
+        raw.call(3, grpc_message(adder_request(2.5).SerializeToString()))  # same connection
+        assert raw.response(3)[2]["grpc-status"] == "0"
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(
+    "send, code",
+    [
+        (lambda raw: None, None),  # the preface itself is wrong: see the parameter below
+        (lambda raw: raw.sock.sendall(frame(DATA, 0, 0, b"x")), 1),
+        (lambda raw: raw.sock.sendall((1 << 21).to_bytes(3, "big") + bytes(6)), 6),
+        (
+            lambda raw: raw.sock.sendall(
+                frame(HEADERS, 0, 1, raw.encoder.encode([(":method", "POST")]))
+                + frame(PING, 0, 0, bytes(8))
+            ),
+            1,
+        ),
+        (lambda raw: raw.sock.sendall(frame(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff")), 9),
+        (lambda raw: raw.sock.sendall(frame(SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff")), 3),
+        (lambda raw: raw.sock.sendall(frame(CONTINUATION, END_HEADERS, 1, b"")), 1),
+    ],
+    ids=["preface", "data-on-0", "huge-frame", "interrupted-headers", "hpack", "window", "cont"],
+)
+def test_broken_http2_gets_goaway_and_closes_that_connection_only(live, server, send, code):
+    preface = b"GET / HTTP/1.1\r\n\r\n" + bytes(6) if code is None else PREFACE
+    raw = RawH2(server, preface=preface)
+    try:
+        send(raw)
+        got = raw.goaway()
+        assert got is not None and got[0] == (1 if code is None else code), got
+    finally:
+        raw.close()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_after_the_preface_never_stop_the_server(live, server, junk):
+    raw = RawH2(server)
+    try:
+        raw.sock.sendall(junk)
+        raw.sock.settimeout(0.2)
+        try:
+            while raw.frame() is not None:
+                pass
+        except TimeoutError:
+            pass
+    finally:
+        raw.close()
+    assert sums(live.ModelInfer(adder_request(4.0), timeout=30))[0] == 8.0
+
+
+def test_stop_answers_the_calls_in_flight(tmp_path):
+    slow = tmp_path / "slow.onnx"
+    onnx.save(build_simulated(f"h2-stop-{os.getpid()}", 800_000, 0), slow)
+    config = ServeConfig(
+        (ModelConfig(str(slow), "slow", batching=BatchingPolicy(max_batch_size=4)),),
+        ServerConfig(exit_timeout_s=5),
+        runtime="native",
+    ).on_loopback()
+    native = NativeServer(config).start()
+    answers: list[object] = []
+
+    def call() -> None:
+        client = grpcclient.InferenceServerClient(address(native))
+        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        try:
+            answers.append(client.infer("slow", [tensor]).as_numpy("OUTPUT0"))
+        except Exception as exc:
+            answers.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.4)
+    finally:
+        native.stop()
+    for t in threads:
+        t.join(30)
+    assert len(answers) == 3
+    assert all(isinstance(a, np.ndarray) and a.shape == (1, 16) for a in answers), answers
