@@ -75,6 +75,13 @@ def sums(response: service_pb2.ModelInferResponse) -> np.ndarray:
     return np.frombuffer(response.raw_output_contents[index], np.float32)
 
 
+def slow_request() -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="slow")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(bytes(64))
+    return request
+
+
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return (
         len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
@@ -114,6 +121,13 @@ class RawH2:
         )
         self.send(HEADERS, END_HEADERS, stream, block)
         self.send(DATA, END_STREAM if end else 0, stream, body)
+
+    def add(self, stream: int, value: float) -> float:
+        """An adder call on this connection: the sum it answers (its status must be OK)."""
+        self.call(stream, grpc_message(adder_request(value).SerializeToString()))
+        _, answer, trailers = self.response(stream)
+        assert trailers["grpc-status"] == "0", trailers
+        return float(sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0])
 
     def frame(self) -> tuple[int, int, int, bytes] | None:
         """The next frame, or None once the server has closed the connection."""
@@ -247,18 +261,13 @@ def test_the_server_keeps_to_the_clients_flow_control_window(server):
 def test_grpc_timeout_ends_a_call_with_deadline_exceeded(live, server):
     raw = RawH2(server)
     try:
-        request = service_pb2.ModelInferRequest(model_name="slow")
-        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
-        request.raw_input_contents.append(bytes(64))
+        request = slow_request()
         start = time.monotonic()
         raw.call(1, grpc_message(request.SerializeToString()), headers=[("grpc-timeout", "200m")])
         _, _, trailers = raw.response(1)
         assert trailers["grpc-status"] == "4"  # DEADLINE_EXCEEDED
         assert time.monotonic() - start < 1.4  # before the slow model's 1.5 s
-        raw.call(3, grpc_message(adder_request(5.0).SerializeToString()))
-        _, answer, trailers = raw.response(3)
-        assert trailers["grpc-status"] == "0"
-        assert sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0] == 10.0
+        assert raw.add(3, 5.0) == 10.0
     finally:
         raw.close()
 
@@ -266,16 +275,11 @@ def test_grpc_timeout_ends_a_call_with_deadline_exceeded(live, server):
 def test_a_reset_call_is_cancelled_and_the_connection_goes_on(live, server):
     raw = RawH2(server)
     try:
-        request = service_pb2.ModelInferRequest(model_name="slow")
-        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
-        request.raw_input_contents.append(bytes(64))
+        request = slow_request()
         raw.call(1, grpc_message(request.SerializeToString()))
         raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # CANCEL
         raw.send(PING, 0, 0, b"pingpong")
-        raw.call(3, grpc_message(adder_request(1.5).SerializeToString()))
-        _, answer, trailers = raw.response(3)
-        assert trailers["grpc-status"] == "0"
-        assert sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0] == 3.0
+        assert raw.add(3, 1.5) == 3.0
     finally:
         raw.close()
 
@@ -336,8 +340,7 @@ def test_unfinished_requests_on_one_connection_are_bounded(live, server):
         assert trailers["grpc-status"] == "8", trailers  # RESOURCE_EXHAUSTED
         assert "unfinished requests" in trailers["grpc-message"]
         raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # frees what stream 1 held
-        raw.call(7, grpc_message(adder_request(1.0).SerializeToString()))
-        assert raw.response(7)[2]["grpc-status"] == "0"
+        assert raw.add(7, 1.0) == 2.0
     finally:
         raw.close()
 
@@ -375,8 +378,7 @@ def test_bad_calls_get_a_status_naming_the_problem(live, server, message, header
         _, _, trailers = raw.response(1)
         assert trailers["grpc-status"] == code, trailers
         assert words in trailers.get("grpc-message", ""), trailers
-        raw.call(3, grpc_message(adder_request(2.5).SerializeToString()))  # same connection
-        assert raw.response(3)[2]["grpc-status"] == "0"
+        assert raw.add(3, 2.5) == 5.0  # the same connection goes on
     finally:
         raw.close()
 

@@ -5,14 +5,16 @@ Cython core drives every call through the event loop); this server reads frames
 itself, decodes headers with ``hpack`` and hands each call's message to the same
 servicer methods ``grpc.aio`` would call, with a context that offers what they use
 (``abort``, ``invocation_metadata``, ``set_code``/``set_details``). A call is one task;
-the response (headers, message, trailers) is one write.
+the frames a connection writes in one turn of the loop (every answer of a batch) go
+out in one system call.
 
 What it serves: unary methods of a protobuf service (streaming ones answer
 UNIMPLEMENTED), identity, gzip or deflate messages, ``grpc-timeout`` (DEADLINE_EXCEEDED),
 RST_STREAM (the call is cancelled), flow control both ways, PING, GOAWAY on stop (calls
 in flight are answered first). Limits: ``max_message_bytes`` per request message
-(RESOURCE_EXHAUSTED; the rest of the stream is dropped, never buffered), 100 concurrent
-calls per connection (REFUSED_STREAM beyond), a 64 KiB header block. A connection that
+(RESOURCE_EXHAUSTED; the rest of the stream is dropped, never buffered), twice that for
+all the requests still arriving on one connection, 100 concurrent calls per connection
+(REFUSED_STREAM beyond), a 64 KiB header block. A connection that
 breaks HTTP/2 itself (bad preface, frame or header block) gets GOAWAY and is closed;
 every other connection and call goes on.
 """
