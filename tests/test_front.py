@@ -101,6 +101,30 @@ def test_valid_requests_answer_as_in_process_over_http_and_grpc(server, tiny_cnn
     np.testing.assert_allclose(payload["outputs"][0]["data"], want[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_forwarded_model_infers_with_tensors_over_tritons_grpc(server, tiny_cnn_path):
+    # ForwardedModel.infer: tensors from Python code (the HTTP fast path passes bytes on).
+    import asyncio
+
+    from servekit.http.front import ForwardedModel
+
+    runner = OnnxRuntimeRunner(tiny_cnn_path)
+    x = np.random.default_rng(4).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    model = ForwardedModel("tiny", runner.spec, server.server.grpc_url)
+
+    async def infer_then_bad_dtype() -> dict[str, np.ndarray]:
+        try:
+            out = await model.infer({"input": x})
+            with pytest.raises(InvalidInput, match="input"):
+                await model.infer({"input": x.astype(np.float64)})
+            return out
+        finally:
+            await model.aclose()
+
+    out = asyncio.run(infer_then_bad_dtype())
+    want = runner.infer({"input": x})["logits"]
+    np.testing.assert_allclose(out["logits"], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_wrong_dtype_names_the_tensor_through_the_client(server):
     with Client(server.server.http_url) as c, pytest.raises(InvalidInput, match="input"):
         c.infer("tiny", {"input": np.zeros((1, 3, 32, 32), np.float64)})

@@ -42,7 +42,7 @@ def test_the_fused_app_is_one_deployment_of_instances_replicas(fused_url):
     assert sum(deployments["Ingress"].replica_states.values()) == 2
 
 
-def test_concurrent_tritonclient_requests_batch_and_answer_right(fused_url):
+def test_concurrent_tritonclient_requests_each_get_their_own_answer(fused_url):
     rng = np.random.default_rng(7)
     rows = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(16)]
     got: dict[int, dict[str, np.ndarray]] = {}

@@ -34,10 +34,10 @@ from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
 __all__ = [
+    "PROTOCOLS",
     "RUNTIMES",
     "ComparisonResult",
     "ServerProcess",
-    "PROTOCOLS",
     "Setup",
     "compare",
     "markdown_report",

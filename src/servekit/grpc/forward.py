@@ -1,10 +1,10 @@
 """A lean KServe v2 gRPC caller: ``ModelInfer`` with raw tensor bytes on a ``grpc.aio`` stub.
 
-What servekit's front forwards to tritonserver with. It builds the request message
-directly from numpy arrays (one ``tobytes`` per tensor) and reads outputs straight from
-``raw_output_contents``, where tritonclient's asyncio client builds and parses Python
-objects per tensor and per call: on a trivial model that difference is most of what the
-front costs.
+What ``ForwardedModel.infer`` calls tritonserver with (an infer from Python code with
+tensors in hand; HTTP requests through the front pass their bytes on instead,
+``http.forward``). It builds the request message directly from numpy arrays (one
+``tobytes`` per tensor) and reads outputs straight from ``raw_output_contents``, where
+tritonclient's asyncio client builds and parses Python objects per tensor and per call.
 """
 
 from __future__ import annotations

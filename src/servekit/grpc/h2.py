@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import urllib.parse
 import zlib
 from collections.abc import Mapping
 from typing import Any, cast
@@ -91,17 +92,15 @@ _RESPONSE_HEADERS = _STATUS_200 + _GRPC_CONTENT
 _OK_TRAILERS = _literal(b"grpc-status", b"0")
 
 
-def _percent(message: str) -> bytes:
-    """grpc-message's encoding: printable ASCII but '%' as it is, the rest %XX of UTF-8."""
-    return b"".join(
-        bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode()
-    )
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
+"""grpc-message keeps printable ASCII but '%' as it is; the rest is %XX of UTF-8."""
 
 
 def _status_block(code: int, message: str) -> bytes:
     block = _literal(b"grpc-status", str(code).encode())
     if message:
-        block += _literal(b"grpc-message", _percent(message[:4096]))
+        quoted = urllib.parse.quote(message[:4096], safe=_GRPC_MESSAGE_SAFE)
+        block += _literal(b"grpc-message", quoted.encode())
     return block
 
 

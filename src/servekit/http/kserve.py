@@ -207,6 +207,21 @@ def _parameters(obj: Mapping[str, Any], what: str) -> Mapping[str, Any]:
     return params
 
 
+def _json_header(data: bytes) -> Any:
+    """The request's JSON header: orjson's parse, or, for what orjson refuses (NaN,
+    Infinity, deep nesting, bad JSON), Python's json, which decides and says why."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request JSON is nested too deeply") from None
+
+
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
     """Decode an infer request body (JSON, or JSON header + binary tensors)."""
     header_bytes = body if header_length is None else body[:header_length]
@@ -214,18 +229,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         raise InvalidInput(
             f"Inference-Header-Content-Length {header_length} does not fit a {len(body)}-byte body"
         )
-    try:
-        header = orjson.loads(header_bytes)
-    except (
-        orjson.JSONDecodeError
-    ):  # NaN, Infinity, deep nesting: Python's json decides, and says why
-        header = None
-    try:
-        header = json.loads(header_bytes) if header is None else header
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"request is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidInput("request JSON is nested too deeply") from None
+    header = _json_header(header_bytes)
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InvalidInput("request must be a JSON object with an 'inputs' list")
     binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
