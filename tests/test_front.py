@@ -162,3 +162,63 @@ def test_concurrent_requests_each_get_their_own_answer(server, tiny_cnn_path):
     for i, out in enumerate(got):
         want = runner.infer({"input": np.full((1, 3, 32, 32), i / n, np.float32)})["logits"]
         np.testing.assert_allclose(out["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def post_binary(port: int, model: str, header: dict, tail: bytes) -> tuple[int, dict]:
+    """A request with its tensors in binary after the JSON header; the answer's JSON."""
+    head = json.dumps(header).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(
+            "POST",
+            f"/v2/models/{model}/infer",
+            body=head + tail,
+            headers={"Inference-Header-Content-Length": str(len(head))},
+        )
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else {}
+    finally:
+        conn.close()
+
+
+def test_a_binary_header_seen_before_is_still_checked_against_its_body(server, tiny_cnn_path):
+    # The front remembers a binary request's header that passed, keyed by the body's length.
+    runner = OnnxRuntimeRunner(tiny_cnn_path)
+    header = {
+        "inputs": [
+            {"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32],
+             "parameters": {"binary_data_size": 3072 * 4}}
+        ]
+    }  # fmt: skip
+    port = server.server.http_port
+    for seed in (1, 2):  # the second request's header is remembered: its own tensor is answered
+        x = np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        status, payload = post_binary(port, "tiny", header, x.tobytes())
+        assert status == 200, payload
+        want = runner.infer({"input": x})["logits"]
+        np.testing.assert_allclose(payload["outputs"][0]["data"], want[0], rtol=1e-5, atol=1e-5)
+    x = np.zeros((1, 3, 32, 32), np.float32).tobytes()
+    status, payload = post_binary(port, "tiny", header, x[:-4])
+    assert status == 400 and "binary_data_size 12288 exceeds the 12284" in payload["error"]
+    status, payload = post_binary(port, "tiny", header, x + b"\0\0\0\0")
+    assert status == 400 and "4 binary bytes after the last input" in payload["error"]
+
+
+def test_bytes_tensors_are_checked_on_every_request(server):
+    # A BYTES tensor's framing is in its bytes, so its header alone never clears it.
+    jpeg = synthetic_image(1)
+    header = {
+        "inputs": [
+            {"name": "image", "datatype": "BYTES", "shape": [1, 1],
+             "parameters": {"binary_data_size": 4 + len(jpeg)}}
+        ]
+    }  # fmt: skip
+    good = len(jpeg).to_bytes(4, "little") + jpeg
+    for _ in range(2):
+        status, payload = post_binary(server.server.http_port, "tiny_image", header, good)
+        assert status == 200, payload
+    bad = (len(jpeg) + 1).to_bytes(4, "little") + jpeg  # same header, same length
+    status, payload = post_binary(server.server.http_port, "tiny_image", header, bad)
+    assert status == 400, payload
+    assert f"input 'image': BYTES element 0 claims {len(jpeg) + 1} bytes" in payload["error"]

@@ -28,6 +28,7 @@ from ..errors import (
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
+from ..spec import ModelSpec
 from .h1 import BodyTooLarge, Reply
 from .kserve import (
     HEADER_LENGTH,
@@ -55,6 +56,9 @@ _NOT_SERVED = re.compile(
 )
 _HEADER_LENGTH = HEADER_LENGTH.encode()
 _TOKEN = INFERENCE_TOKEN_HEADER.encode()
+_CHECKED_MAX = 256
+"""Binary requests' headers that passed the check, remembered per app (``_pass_through``)."""
+_CHECKED_HEADER_BYTES = 4096
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 """Content-Encoding -> zlib's wbits (tritonclient's deflate is zlib-wrapped)."""
 
@@ -95,6 +99,7 @@ class KServeApp:
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
+        self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None]] = {}
         for name, model in self.models.loaded().items():
             if model.batcher is not None and (name, "1") not in self.metrics.models:
                 self.metrics.watch(model.batcher, name)
@@ -269,11 +274,33 @@ class KServeApp:
     def _pass_through(
         self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None
     ) -> tuple[bytes, int | None]:
-        """Checked as the model would check it; the bytes to send on (``explicit_binary``)."""
+        """Checked as the model would check it; the bytes to send on (``explicit_binary``).
+
+        A request with its tensors in binary is judged by its JSON header and its length
+        alone (numbers' raw bytes are any bytes): a header that passed is remembered, so
+        a client that repeats it is not decoded again. BYTES tensors are always decoded."""
+        spec = model.spec  # type: ignore[union-attr]
+        key = None
+        if raw and raw.isascii() and raw.isdigit() and 0 < int(raw) <= len(body):
+            length = int(raw)
+            if length <= _CHECKED_HEADER_BYTES:
+                key = (name, body[:length], len(body))
+                hit = self._checked.get(key)
+                if hit is not None and hit[0] is spec:
+                    header = hit[1]
+                    return (
+                        (body, length) if header is None else (header + body[length:], len(header))
+                    )
         request = self._decode(name, body, raw)
         scheduling(request.parameters)
-        model.spec.validate_inputs(request.inputs)  # type: ignore[union-attr]
-        return explicit_binary(body, int(raw) if raw else None, request)
+        spec.validate_inputs(request.inputs)
+        checked, checked_length = explicit_binary(body, int(raw) if raw else None, request)
+        if key is not None and all(a.dtype.kind != "O" for a in request.inputs.values()):
+            if len(self._checked) >= _CHECKED_MAX:
+                self._checked.clear()
+            header = None if checked is body else checked[:checked_length]
+            self._checked[key] = (spec, header)
+        return checked, checked_length
 
     async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
