@@ -40,7 +40,10 @@ __all__ = [
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
+_NUMPY = {d.datatype: d.numpy for d in DTYPES}
 _NUMBERS = frozenset({int, float, bool})
+_DIMENSION_TYPES = frozenset({int, bool})
+"""JSON's types that ``isinstance(d, int)`` accepts."""
 MAX_RANK = 32
 """Dimensions a tensor may have (numpy's limit)."""
 
@@ -98,7 +101,7 @@ def tensor_from_raw(
     BYTES as 4-byte-length-prefixed elements); ``count`` is the checked element count."""
     if datatype == "BYTES":
         return _bytes_from_binary(raw, count, name).reshape(shape)
-    dtype = as_dtype(datatype).numpy
+    dtype = _NUMPY[datatype]
     if len(raw) != count * dtype.itemsize:
         raise InvalidInput(
             f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
@@ -157,30 +160,31 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
     return count
 
 
-def _flatten(data: list[Any], limit: int, name: str) -> list[Any]:
+def _flatten(data: list[Any], limit: int, name: str) -> tuple[list[Any], set[type]]:
     """The values of a nested list, level by level (no recursion, no numpy dimension
-    limit); nesting deeper than ``limit`` is refused."""
+    limit), and their types; nesting deeper than ``limit`` is refused."""
     flat, depth = data, 1
-    while list in set(map(type, flat)):  # JSON gives exact types: a set of them is C-fast
+    kinds = set(map(type, flat))  # JSON gives exact types: a set of them is C-fast
+    while list in kinds:
         depth += 1
         if depth > limit:
             raise InvalidInput(
                 f"input {name!r}: 'data' is nested deeper than its shape's rank ({limit})"
             )
         flat = [x for v in flat for x in (v if isinstance(v, list) else (v,))]
-    return flat
+        kinds = set(map(type, flat))
+    return flat, kinds
 
 
-def _json_data(data: Any, datatype: str, shape: list[int], name: str, available: int) -> np.ndarray:
-    count = _element_count(shape, name, available)
+def _json_data(data: Any, datatype: str, shape: list[int], name: str, count: int) -> np.ndarray:
+    """A JSON input's ``data`` (``count`` values, checked already against the body)."""
     if not isinstance(data, list):
         raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
-    flat = _flatten(data, max(len(shape), 1), name)  # flat, or nested up to the rank
+    flat, kinds = _flatten(data, max(len(shape), 1), name)  # flat, or nested up to the rank
     if len(flat) != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
         )
-    kinds = set(map(type, flat))
     if datatype == "BYTES":
         if not kinds <= {str}:
             raise InvalidInput(f"input {name!r}: BYTES 'data' must hold strings")
@@ -193,7 +197,7 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str, available:
             f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not a number"
         )
     try:
-        return np.asarray(flat, dtype=as_dtype(datatype).numpy).reshape(shape)
+        return np.asarray(flat, dtype=_NUMPY[datatype]).reshape(shape)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
 
@@ -242,7 +246,9 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"inputs[{i}] needs a 'name'")
         datatype = check_datatype(name, datatype)
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not (
+            set(map(type, shape)) <= _DIMENSION_TYPES and min(shape, default=0) >= 0
+        ):
             raise InvalidInput(
                 f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
             )
@@ -262,7 +268,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             inputs[name] = tensor_from_raw(name, datatype, shape, binary[pos : pos + size], count)
             pos += size
         elif "data" in item:
-            inputs[name] = _json_data(item["data"], datatype, shape, name, len(body))
+            inputs[name] = _json_data(item["data"], datatype, shape, name, count)
         else:
             raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
     if pos != len(binary):
