@@ -15,6 +15,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,8 @@ HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
 _NUMPY = {d.datatype: d.numpy for d in DTYPES}
 _NUMBERS = frozenset({int, float, bool})
+_NONE: frozenset[str] = frozenset()
+_NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 _DIMENSION_TYPES = frozenset({int, bool})
 """JSON's types that ``isinstance(d, int)`` accepts."""
 MAX_RANK = 32
@@ -202,12 +205,14 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str, count: int
         raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
 
 
-def _parameters(obj: Mapping[str, Any], what: str) -> Mapping[str, Any]:
+def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> Mapping[str, Any]:
+    """``obj``'s ``parameters`` object; ``what`` (and ``name``) say whose in an error."""
     params = obj.get("parameters")
     if params is None:
-        return {}
+        return _NO_PARAMETERS
     if not isinstance(params, dict):
-        raise InvalidInput(f"{what}: 'parameters' must be an object, got {type(params).__name__}")
+        whose = what if name is None else f"{what} {name!r}"
+        raise InvalidInput(f"{whose}: 'parameters' must be an object, got {type(params).__name__}")
     return params
 
 
@@ -258,7 +263,8 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             )
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
-        size = _parameters(item, f"input {name!r}").get("binary_data_size")
+        params = item.get("parameters")
+        size = None if params is None else _parameters(item, "input", name).get("binary_data_size")
         count = _element_count(shape, name, len(body))
         if size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(binary):
@@ -274,9 +280,10 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     if pos != len(binary):
         raise InvalidInput(f"{len(binary) - pos} binary bytes after the last input")
     parameters = _parameters(header, "request")
-    reserved = sorted(k for k in parameters if k.startswith("triton_"))
-    if reserved:
-        raise InvalidInput(f"request parameters {reserved} are reserved (triton_*)")
+    if parameters:
+        reserved = sorted(k for k in parameters if k.startswith("triton_"))
+        if reserved:
+            raise InvalidInput(f"request parameters {reserved} are reserved (triton_*)")
     requested = header.get("outputs")
     names: tuple[str, ...] | None = None
     binary_out: set[str] = {"*"} if parameters.get("binary_data_output", False) else set()
@@ -292,7 +299,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         if twice:
             raise InvalidInput(f"output(s) {twice} requested more than once")
         for o in requested:
-            params = _parameters(o, f"output {o['name']!r}")
+            params = _parameters(o, "output", o["name"])
             if "binary_data" in params:  # an output's own choice wins over the request's
                 (binary_out if params["binary_data"] else json_out).add(o["name"])
             k = params.get("classification")
@@ -305,10 +312,10 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     return DecodedRequest(
         inputs,
         names,
-        frozenset(binary_out),
+        frozenset(binary_out) if binary_out else _NONE,
         header.get("id"),
         parameters,
-        frozenset(json_out),
+        frozenset(json_out) if json_out else _NONE,
         classification,
     )
 
