@@ -27,7 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -174,14 +174,13 @@ class PyTritonModels(StaticModels):
         self, models: Mapping[str, ForwardedModel], http_url: str, headers: Mapping[str, str]
     ) -> None:
         super().__init__(models)
-        self._forwarded = dict(models)
         self.http_url, self._headers = http_url, dict(headers)
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         return name in self and await triton_ready(self.http_url, name, version)
 
     def peek(self, name: str) -> ForwardedModel | None:
-        return self._forwarded.get(name)
+        return cast("ForwardedModel | None", self._models.get(name))  # only these are listed
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         if path == "/v2/repository/index":  # PyTriton's models are in no repository Triton indexes
