@@ -8,7 +8,9 @@ the group's rows are measured in turn, ``--rounds`` times: each row is its media
 round, so the VM's drift falls on every row of a group alike. Reported per request: the server's CPU (its whole process tree: tritonserver and
 its stubs, Ray's processes) and the client's, beside throughput and latency. Peers:
 tritonserver's own ports (``front = false``) and a plain Ray Serve app
-(bench/plain_ray_app.py, HTTP JSON).
+(bench/plain_ray_app.py, HTTP JSON). With ``--rate`` every row is driven open loop at
+that many requests/s instead: the same load on each, so a server whose cost per request
+depends on how full its batches are is compared at equal batching.
 
     python bench/serving_cost.py --out bench/results/serving_cost
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 from servekit import BatchingPolicy, Client, ModelConfig, ServeConfig, ServerConfig, zoo
 from servekit.bench import MeasureConfig
 from servekit.bench.compare import ServerProcess, Setup
-from servekit.bench.loadgen import closed_loop
+from servekit.bench.loadgen import closed_loop, open_loop
 from servekit.bench.targets import open_target
 from servekit.config import RayOptions
 from servekit.endpoints import free_port
@@ -78,13 +80,19 @@ def plain_ray(model: Path, name: str, max_batch_size: int) -> Iterator[tuple[str
             proc.kill()
 
 
-def measure(url: str, model: str, payload, protocol: str, cfg: MeasureConfig, level: int):
+def measure(
+    url: str, model: str, payload, protocol: str, cfg: MeasureConfig, level: int,
+    rate: float = 0.0,
+):  # fmt: skip
+    """Closed loop at concurrency ``level``, or open loop at ``rate`` requests/s when set."""
     if protocol == "grpc":
         url = url.replace("http://", "grpc://")
 
     async def run():
         target = open_target(url, model, payload, binary=protocol != "http-json")
         try:
+            if rate:
+                return await open_loop(target, rate, cfg)
             return await closed_loop(target, level, cfg)
         finally:
             await target.close()
@@ -110,6 +118,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="add_sub")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument(
+        "--rate", type=float, default=0.0,
+        help="Open loop at this many requests/s instead (every row at the same load).",
+    )  # fmt: skip
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="Rows measured in turn, this many times.")
@@ -146,8 +158,13 @@ def main() -> None:
         )
     )
     lines = [
-        f"`{command}` on {machine}: `{setup.target}`, closed loop at concurrency "
-        f"{args.concurrency}, max_batch_size {args.max_batch_size}; each row is the median "
+        f"`{command}` on {machine}: `{setup.target}`, "
+        + (
+            f"open loop at {args.rate:g} requests/s"
+            if args.rate
+            else f"closed loop at concurrency {args.concurrency}"
+        )
+        + f", max_batch_size {args.max_batch_size}; each row is the median "
         f"of {args.rounds} rounds (server CPU's range beside it).",
         "",
         "| runtime | protocol | requests/s | p50 ms | p99 ms | errors | server CPU us/request | range | client CPU us/request |",
@@ -193,7 +210,7 @@ def measure_group(group, model, path, setup, cfg, args, rounds) -> None:
             for name, protocol, url, pid in targets:
                 point = measure(
                     url, setup.target, setup.payload, protocol,
-                    dataclasses.replace(cfg, server_pid=pid), args.concurrency,
+                    dataclasses.replace(cfg, server_pid=pid), args.concurrency, args.rate,
                 )  # fmt: skip
                 rounds.setdefault((name, protocol), []).append(row(name, protocol, point))
                 print(f"round {r + 1}: {json.dumps(rounds[name, protocol][-1])}", flush=True)
