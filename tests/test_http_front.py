@@ -263,3 +263,23 @@ def test_a_full_queue_answers_503_with_retry_after(front):
     assert 503 in statuses and 200 in statuses
     rejected = next(r for r in results if r[0] == 503)
     assert "queue full" in rejected[1]["error"] and rejected[2].get("retry-after") == "1"
+
+
+def test_a_remembered_binary_header_is_checked_again_when_the_signature_changes():
+    # The front remembers binary headers that passed (KServeApp._pass_through); a model
+    # re-configured behind it (a new spec) must not inherit that verdict.
+    class Behind:
+        spec = ModelSpec(
+            (TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [2]),), 8
+        )
+
+    app, model = KServeApp({}), Behind()
+    header = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}}]}'
+    body = header + np.ones(2, np.float32).tobytes()
+    for _ in range(2):
+        assert app._pass_through("m", model, body, str(len(header))) == (body, len(header))
+    model.spec = ModelSpec(
+        (TensorSpec("x", np.float32, [3]),), (TensorSpec("y", np.float32, [3]),), 8
+    )
+    with pytest.raises(InvalidInput, match="'x'"):
+        app._pass_through("m", model, body, str(len(header)))
