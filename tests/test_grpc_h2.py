@@ -174,6 +174,12 @@ class RawH2:
     def close(self) -> None:
         self.sock.close()
 
+    def __enter__(self) -> RawH2:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def live(server):
@@ -214,8 +220,7 @@ def test_tensors_larger_than_the_window_travel_both_ways(server):
 def test_the_server_keeps_to_the_clients_flow_control_window(server):
     # The client's window is 16 KiB: the server sends that much of the 400 KB answer,
     # then waits for each WINDOW_UPDATE.
-    raw = RawH2(server, settings_payload=(4).to_bytes(2, "big") + (16384).to_bytes(4, "big"))
-    try:
+    with RawH2(server, settings_payload=(4).to_bytes(2, "big") + (16384).to_bytes(4, "big")) as raw:
         data = np.arange(WIDE, dtype=np.float32)[None]
         request = service_pb2.ModelInferRequest(model_name="wide")
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, WIDE])
@@ -254,13 +259,10 @@ def test_the_server_keeps_to_the_clients_flow_control_window(server):
         response = service_pb2.ModelInferResponse.FromString(answer[5:])
         assert np.array_equal(np.frombuffer(response.raw_output_contents[0], np.float32), data[0])
         assert stalls[0] == 3
-    finally:
-        raw.close()
 
 
 def test_grpc_timeout_ends_a_call_with_deadline_exceeded(live, server):
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         request = slow_request()
         start = time.monotonic()
         raw.call(1, grpc_message(request.SerializeToString()), headers=[("grpc-timeout", "200m")])
@@ -268,25 +270,19 @@ def test_grpc_timeout_ends_a_call_with_deadline_exceeded(live, server):
         assert trailers["grpc-status"] == "4"  # DEADLINE_EXCEEDED
         assert time.monotonic() - start < 1.4  # before the slow model's 1.5 s
         assert raw.add(3, 5.0) == 10.0
-    finally:
-        raw.close()
 
 
 def test_a_reset_call_is_cancelled_and_the_connection_goes_on(live, server):
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         request = slow_request()
         raw.call(1, grpc_message(request.SerializeToString()))
         raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # CANCEL
         raw.send(PING, 0, 0, b"pingpong")
         assert raw.add(3, 1.5) == 3.0
-    finally:
-        raw.close()
 
 
 def test_ping_is_answered_with_its_payload(server):
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         raw.send(PING, 0, 0, b"12345678")
         while (got := raw.frame()) is not None:
             if got[0] == PING:
@@ -294,8 +290,6 @@ def test_ping_is_answered_with_its_payload(server):
                 break
         else:
             pytest.fail("no PING ACK")
-    finally:
-        raw.close()
 
 
 def test_streaming_and_unknown_methods_are_unimplemented(live, server):
@@ -329,8 +323,7 @@ def test_a_message_over_the_limit_is_refused_and_the_channel_goes_on(live):
 def test_unfinished_requests_on_one_connection_are_bounded(live, server):
     # Each stream may hold up to the message limit while its request arrives; all of a
     # connection's together at most twice that: the stream that would pass it is refused.
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         part = bytes(16384)
         for sid in (1, 3, 5):
             raw.call(sid, part, end=False)
@@ -341,8 +334,6 @@ def test_unfinished_requests_on_one_connection_are_bounded(live, server):
         assert "unfinished requests" in trailers["grpc-message"]
         raw.send(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))  # frees what stream 1 held
         assert raw.add(7, 1.0) == 2.0
-    finally:
-        raw.close()
 
 
 @pytest.mark.parametrize(
@@ -364,8 +355,7 @@ def test_unfinished_requests_on_one_connection_are_bounded(live, server):
     ],
 )
 def test_bad_calls_get_a_status_naming_the_problem(live, server, message, headers, code, words):
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         if headers and headers[0][0] == "content-type":
             block = raw.encoder.encode(
                 [(":method", "POST"), (":scheme", "http"), (":path", INFER),
@@ -379,8 +369,6 @@ def test_bad_calls_get_a_status_naming_the_problem(live, server, message, header
         assert trailers["grpc-status"] == code, trailers
         assert words in trailers.get("grpc-message", ""), trailers
         assert raw.add(3, 2.5) == 5.0  # the same connection goes on
-    finally:
-        raw.close()
 
 
 @pytest.mark.parametrize(
@@ -404,13 +392,10 @@ def test_bad_calls_get_a_status_naming_the_problem(live, server, message, header
 )
 def test_broken_http2_gets_goaway_and_closes_that_connection_only(live, server, send, code):
     preface = b"GET / HTTP/1.1\r\n\r\n" + bytes(6) if code is None else PREFACE
-    raw = RawH2(server, preface=preface)
-    try:
+    with RawH2(server, preface=preface) as raw:
         send(raw)
         got = raw.goaway()
         assert got is not None and got[0] == (1 if code is None else code), got
-    finally:
-        raw.close()
 
 
 @settings(
@@ -418,8 +403,7 @@ def test_broken_http2_gets_goaway_and_closes_that_connection_only(live, server, 
 )
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_after_the_preface_never_stop_the_server(live, server, junk):
-    raw = RawH2(server)
-    try:
+    with RawH2(server) as raw:
         raw.sock.sendall(junk)
         raw.sock.settimeout(0.2)
         try:
@@ -427,8 +411,6 @@ def test_arbitrary_bytes_after_the_preface_never_stop_the_server(live, server, j
                 pass
         except TimeoutError:
             pass
-    finally:
-        raw.close()
     assert sums(live.ModelInfer(adder_request(4.0), timeout=30))[0] == 8.0
 
 
