@@ -74,8 +74,10 @@ def as_dtype(value: Any) -> DType:
     """
     if isinstance(value, DType):
         return value
-    if isinstance(value, str) and value.upper() in _BY_NAME:
-        return _BY_NAME[value.upper()]
+    if isinstance(value, str):
+        found = _BY_NAME.get(value) or _BY_NAME.get(value.upper())
+        if found is not None:
+            return found
     try:
         np_dtype = np.dtype(value)
     except TypeError:

@@ -41,7 +41,6 @@ __all__ = [
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
-_NUMPY = {d.datatype: d.numpy for d in DTYPES}
 _NUMBERS = frozenset({int, float, bool})
 _NONE: frozenset[str] = frozenset()
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
@@ -104,7 +103,7 @@ def tensor_from_raw(
     BYTES as 4-byte-length-prefixed elements); ``count`` is the checked element count."""
     if datatype == "BYTES":
         return _bytes_from_binary(raw, count, name).reshape(shape)
-    dtype = _NUMPY[datatype]
+    dtype = as_dtype(datatype).numpy
     if len(raw) != count * dtype.itemsize:
         raise InvalidInput(
             f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
@@ -200,7 +199,7 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str, count: int
             f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not a number"
         )
     try:
-        return np.asarray(flat, dtype=_NUMPY[datatype]).reshape(shape)
+        return np.asarray(flat, dtype=as_dtype(datatype).numpy).reshape(shape)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
 
@@ -263,8 +262,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             )
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
-        params = item.get("parameters")
-        size = None if params is None else _parameters(item, "input", name).get("binary_data_size")
+        size = _parameters(item, "input", name).get("binary_data_size")
         count = _element_count(shape, name, len(body))
         if size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(binary):
