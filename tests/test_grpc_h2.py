@@ -5,6 +5,7 @@ sends. Whatever one connection does, the server and every other connection go on
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
 import threading
@@ -349,6 +350,12 @@ def test_unfinished_requests_on_one_connection_are_bounded(live, server):
             [("grpc-encoding", "gzip")],
             "3",
             "decompress",
+        ),
+        (
+            grpc_message(gzip.compress(adder_request(1.0).SerializeToString())[:-8], True),
+            [("grpc-encoding", "gzip")],
+            "3",
+            "ends early",
         ),
         (grpc_message(b""), [("grpc-timeout", "soon")], "3", "grpc-timeout"),
         (grpc_message(b""), [("content-type", "text/plain")], "2", "application/grpc"),

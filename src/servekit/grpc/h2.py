@@ -25,12 +25,14 @@ import asyncio
 import contextlib
 import logging
 import urllib.parse
-import zlib
 from collections.abc import Mapping
 from typing import Any, cast
 
 import hpack
 from google.protobuf.message import DecodeError
+
+from ..compression import ENCODINGS, inflate
+from ..errors import InvalidInput
 
 __all__ = ["GrpcH2Server", "Method", "unary_methods"]
 
@@ -54,8 +56,6 @@ MAX_HEADER_BLOCK = 64 * 1024
 
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 2, 3, 4
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
-_ENCODINGS = {b"gzip": 31, b"deflate": 15}
-"""grpc-encoding -> zlib's wbits for it."""
 _INDEXED = bytes(range(0x81, 0xFF))
 """First bytes of HPACK's one-byte indexed fields (index 1-126)."""
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
@@ -654,15 +654,15 @@ def _message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
         raise _Abort(INVALID_ARGUMENT, f"a unary request carries {what}")
     if not data[0]:
         return data[5:]
-    wbits = _ENCODINGS.get(encoding or b"")
-    if wbits is None:
+    name = (encoding or b"").decode("latin-1")
+    if name not in ENCODINGS:
         raise _Abort(
             UNIMPLEMENTED, f"message compressed as {encoding!r}; this server takes gzip or deflate"
         )
-    try:  # never inflates past the limit, whatever the message claims
-        message = zlib.decompressobj(wbits).decompress(data[5:], limit + 1)
-    except zlib.error as exc:
-        raise _Abort(INVALID_ARGUMENT, f"the message does not decompress: {exc}") from None
+    try:
+        message = inflate(data[5:], name, limit, "the request message")
+    except InvalidInput as exc:
+        raise _Abort(INVALID_ARGUMENT, str(exc)) from None
     if len(message) > limit:
         raise _Abort(RESOURCE_EXHAUSTED, f"request message larger than the limit of {limit} bytes")
     return message

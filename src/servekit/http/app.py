@@ -13,10 +13,10 @@ import hmac
 import json
 import logging
 import re
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..compression import ENCODINGS, inflate
 from ..errors import (
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
@@ -59,8 +59,6 @@ _TOKEN = INFERENCE_TOKEN_HEADER.encode()
 _CHECKED_MAX = 256
 """Binary requests' headers that passed the check, remembered per app (``_pass_through``)."""
 _CHECKED_HEADER_BYTES = 4096
-_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-"""Content-Encoding -> zlib's wbits (tritonclient's deflate is zlib-wrapped)."""
 
 
 class KServeApp:
@@ -309,7 +307,7 @@ class KServeApp:
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
         encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("identity", "", *_ENCODINGS):
+        if encoding not in ("identity", "", *ENCODINGS):
             raise _Unsupported(
                 f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
             )
@@ -327,17 +325,11 @@ class KServeApp:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        if encoding not in _ENCODINGS:
+        if encoding not in ENCODINGS:
             return body
-        inflate = zlib.decompressobj(_ENCODINGS[encoding])
-        try:
-            plain = inflate.decompress(body, self.max_body_bytes + 1)
-        except zlib.error as exc:
-            raise InvalidInput(f"request body is not valid {encoding}: {exc}") from None
+        plain = inflate(body, encoding, self.max_body_bytes, "request body")
         if len(plain) > self.max_body_bytes:
             raise _TooLarge(len(plain), self.max_body_bytes, "decompressed ")
-        if not inflate.eof:
-            raise InvalidInput(f"request body is not valid {encoding}: it ends early")
         return plain
 
     async def _infer(
