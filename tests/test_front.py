@@ -7,6 +7,7 @@ requests, gRPC, and Triton's request parameters still work through it.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import urllib.request
@@ -20,6 +21,7 @@ from conftest import served_models
 from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
 from servekit.client import AsyncClient, Client
 from servekit.config import ServerConfig
+from servekit.http.front import ForwardedModel
 from servekit.pytriton import TritonServer
 from servekit.stages import synthetic_image
 
@@ -103,10 +105,6 @@ def test_valid_requests_answer_as_in_process_over_http_and_grpc(server, tiny_cnn
 
 def test_a_forwarded_model_infers_with_tensors_over_tritons_grpc(server, tiny_cnn_path):
     # ForwardedModel.infer: tensors from Python code (the HTTP fast path passes bytes on).
-    import asyncio
-
-    from servekit.http.front import ForwardedModel
-
     runner = OnnxRuntimeRunner(tiny_cnn_path)
     x = np.random.default_rng(4).standard_normal((3, 3, 32, 32)).astype(np.float32)
     model = ForwardedModel("tiny", runner.spec, server.server.grpc_url)
