@@ -24,7 +24,7 @@ UVLOOP, CHECK = "uvloop" in sys.argv, "check" in sys.argv
 def serve_uvicorn() -> None:
     import uvicorn
 
-    from servekit.http.forward import HttpForwarder
+    from servekit.front.http import HttpForwarder
 
     pool: dict[int, HttpForwarder] = {}
 
@@ -54,7 +54,7 @@ def serve_uvicorn() -> None:
 
 def serve_front() -> None:
     from servekit import zoo
-    from servekit.http.front import Front
+    from servekit.front.front import Front
     from servekit.runners import load_runner
 
     spec = load_runner(str(zoo.resolve("add_sub"))).spec

@@ -15,7 +15,7 @@ from conftest import serving
 from servekit.batching import Batcher, BatchingPolicy
 from servekit.errors import InvalidInput
 from servekit.http.app import KServeApp
-from servekit.http.kserve import classify, decode_request
+from servekit.protocol.kserve import classify, decode_request
 from servekit.runners.onnx import OnnxRuntimeRunner
 
 

@@ -29,7 +29,8 @@ from servekit import (
     image_classifier,
 )
 from servekit.client import Client
-from servekit.http import KServeApp, decode_request, encode_response
+from servekit.http import KServeApp
+from servekit.protocol.kserve import decode_request, encode_response
 from servekit.stages import synthetic_image
 
 

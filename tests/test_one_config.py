@@ -188,7 +188,7 @@ def test_the_triton_backend_runs_the_files_policy_instances_and_threads(
     config_file, tmp_path, model_cache
 ):
     pytest.importorskip("pytriton")
-    from servekit.triton.pbtxt import parse
+    from servekit.protocol.pbtxt import parse
 
     path = config_file("triton")
     want = expected(path)

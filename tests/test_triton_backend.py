@@ -26,7 +26,7 @@ from servekit import (
 from servekit.client import Client
 from servekit.stages import Postprocess, Preprocess, synthetic_image
 from servekit.triton.launcher import TritonOptions, TritonProcess
-from servekit.triton.pbtxt import model_config, parse, render
+from servekit.protocol.pbtxt import model_config, parse, render
 from servekit.triton.repo import build_repository, reference_repository
 from servekit.zoo._onnx import FLOAT, GraphBuilder
 

@@ -21,7 +21,7 @@ from servekit.batching import BatchingPolicy
 from servekit.bench.cpu import descendants
 from servekit.bench.loadgen import MeasureConfig
 from servekit.config import ModelConfig, ServeConfig
-from servekit.triton.pbtxt import parse
+from servekit.protocol.pbtxt import parse
 from servekit.tune import Constraints, Measurement, SearchSpace, tune, write_outputs
 from servekit.zoo.tiny import build_simulated
 

@@ -3,6 +3,7 @@
 The public API is what ``__all__`` lists; everything else is an implementation detail.
 """
 
+from ._version import __version__ as __version__
 from .batching import Batcher, BatcherStats, BatchingPolicy, QueuePolicy, TimeoutAction
 from .client import AsyncClient, Client
 from .config import ModelConfig, RayOptions, ServeConfig, ServerConfig
@@ -19,11 +20,9 @@ from .errors import (
 from .metrics import Metrics
 from .pipeline import ImageClassifier, Pipeline, Prediction, image_classifier
 from .runners import BaseRunner, FunctionRunner, OnnxRuntimeRunner, Runner
-from .runtime import create_runtime, serve
+from .serving import create_runtime, serve
 from .spec import DType, ModelSpec, TensorSpec, as_dtype
 from .stages import Postprocess, Preprocess
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient",

@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batching.policy import BatchingPolicy, check_keys
+from .batching.policy import BatchingPolicy
+from .runners import ENGINES
 from .endpoints import Endpoints
+from .tables import check_keys
 
 __all__ = [
     "ENGINES",
@@ -61,7 +63,6 @@ RUNTIMES = ("pytriton", "triton", "native", "ray")
 """``pytriton``: PyTriton (Triton's C++ batcher, servekit's runners in Python backend stubs);
 ``triton``: tritonserver with servekit's Triton backend on a repository rendered from the
 config; ``native``: servekit's own KServe v2 server in one process; ``ray``: Ray Serve."""
-ENGINES = ("onnxruntime", "tensorrt", "torch")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["BatchingPolicy", "QueuePolicy", "TimeoutAction", "check_keys"]
+from ..tables import check_keys
+
+__all__ = ["BatchingPolicy", "QueuePolicy", "TimeoutAction"]
 
 
 class TimeoutAction(str, Enum):
@@ -365,14 +367,3 @@ def _level(section: str, key: Any) -> int:
         return int(key)
     except (TypeError, ValueError):
         raise ValueError(f"[{section}.priority_queues]: levels are integers, got {key!r}") from None
-
-
-def check_keys(section: str, data: Any, allowed: set[str]) -> None:
-    """Raise ``ValueError`` naming the section, any unknown keys and the known ones."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"[{section}]: expected a table, got {data!r}")
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {unknown} in [{section}]; expected some of {sorted(allowed)}"
-        )

@@ -61,7 +61,7 @@ class Setup:
     def of(cls, model: ModelConfig) -> Setup:
         """An image classifier gets one 320x240 JPEG per request, any other model one row
         of random tensors (``payload_from_metadata``)."""
-        from ..http.kserve import metadata
+        from ..protocol.kserve import metadata
         from ..runtime.base import probe_model
         from .payload import payload_from_metadata
 

@@ -101,7 +101,7 @@ def serve(
     """Serve models over KServe v2 (HTTP, and gRPC on the Triton runtimes): each tensor
     model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
     the model files; SIGINT/SIGTERM stop."""
-    from ..runtime import serve as run
+    from ..serving import serve as run
     from ..triton.env import TritonSetupError
 
     cfg = serve_config(

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .. import __version__
+from .._version import __version__
 from ..errors import (
     GRPC_HEADER_PREFIX,
     INFERENCE_TOKEN_HEADER,
@@ -33,7 +33,7 @@ from ..errors import (
     Unauthenticated,
     grpc_code,
 )
-from ..http.kserve import (
+from ..protocol.kserve import (
     check_datatype,
     classify,
     element_count,
@@ -41,8 +41,8 @@ from ..http.kserve import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from ..http.models import ModelRegistry
-from ..http.surface import EXTENSIONS, model_config, repository_index, statistics
+from ..protocol.models import ModelRegistry
+from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
 from .h2 import GrpcH2Server, unary_methods
 

@@ -1,13 +1,6 @@
-"""The KServe v2 HTTP front: protocol encoding (``kserve``) and an ASGI app (``app``)."""
+"""servekit's KServe v2 HTTP server: the request handler (``app``) and its HTTP/1.1 server
+(``h1``); the protocol itself lives in ``servekit.protocol``."""
 
 from .app import KServeApp, serve_http
-from .kserve import DecodedRequest, decode_request, encode_response, metadata
 
-__all__ = [
-    "DecodedRequest",
-    "KServeApp",
-    "decode_request",
-    "encode_response",
-    "metadata",
-    "serve_http",
-]
+__all__ = ["KServeApp", "serve_http"]

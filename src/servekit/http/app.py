@@ -28,9 +28,7 @@ from ..errors import (
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
-from ..spec import ModelSpec
-from .h1 import BodyTooLarge, Reply
-from .kserve import (
+from ..protocol.kserve import (
     HEADER_LENGTH,
     DecodedRequest,
     decode_request,
@@ -40,8 +38,22 @@ from .kserve import (
     raw_binary_request,
     scheduling,
 )
-from .models import FrontModel, ModelRegistry, PassThrough, PassThroughRegistry, as_registry
-from .surface import NOT_SERVED, model_config_json, repository_index, server_metadata, statistics
+from ..protocol.models import (
+    FrontModel,
+    ModelRegistry,
+    PassThrough,
+    PassThroughRegistry,
+    as_registry,
+)
+from ..protocol.surface import (
+    NOT_SERVED,
+    model_config_json,
+    repository_index,
+    server_metadata,
+    statistics,
+)
+from ..spec import ModelSpec
+from .h1 import BodyTooLarge, Reply
 
 __all__ = ["KServeApp", "serve_http"]
 
@@ -64,7 +76,7 @@ _CHECKED_HEADER_BYTES = 4096
 class KServeApp:
     """ASGI app: ``/v2/health/{live,ready}``, ``/v2``,
     ``/v2/models/{name}[/versions/{v}][/ready|/infer|/config|/stats]``, ``/v2/models/stats``,
-    ``/v2/repository/index`` and the shared-memory status (``servekit.http.surface``);
+    ``/v2/repository/index`` and the shared-memory status (``servekit.protocol.surface``);
     Triton's control APIs are a 403 saying where they are served.
 
     ``GET /metrics`` is the Prometheus exposition (Triton's ``nv_inference_*`` names) for
@@ -73,7 +85,7 @@ class KServeApp:
     Args:
         models: name -> Runner (run on a worker thread), Batcher (awaited) or ``FrontModel``;
             or a ``ModelRegistry`` that finds models as they come and go and answers their
-            readiness (``http.front.TritonModels``). See ``servekit.http.models``.
+            readiness (``http.front.TritonModels``). See ``servekit.protocol.models``.
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).

@@ -137,7 +137,7 @@ class TritonServer:
                 )
             triton.run()
             if c.front:
-                from ..http.front import Front
+                from ..front.front import Front
 
                 self._front = Front(
                     {m.name: m.runner.spec for m in self.models},

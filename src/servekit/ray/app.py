@@ -81,7 +81,7 @@ def _fused(config: ServeConfig, ingress: Any) -> Any:
 
 
 class _Remote:
-    """A ``FrontModel`` (``servekit.http.models``) over a chain of deployment handles.
+    """A ``FrontModel`` (``servekit.protocol.models``) over a chain of deployment handles.
 
     Requests are batched here too, so one handle call carries a whole batch down the
     chain: per-request handle calls cost more CPU than the model on a small machine.

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ..config import ENGINES
 from .base import BaseRunner, FunctionRunner, Runner
 from .onnx import OnnxRuntimeRunner
+
+ENGINES = ("onnxruntime", "tensorrt", "torch")
+"""The engines ``load_runner`` (and ``ModelConfig.engine``) accepts."""
 
 __all__ = ["ENGINES", "BaseRunner", "FunctionRunner", "OnnxRuntimeRunner", "Runner", "load_runner"]
 

@@ -186,7 +186,7 @@ class TritonProcess:
         return self
 
     def _start_front(self) -> None:
-        from ..http.front import Front, TritonModels
+        from ..front.front import Front, TritonModels
 
         o = self.options
         registry = TritonModels(

@@ -21,7 +21,7 @@ from typing import Any
 from ..batching.policy import BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..spec import ModelSpec
-from .pbtxt import EnsembleStep, ensemble_config, model_config, render
+from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
 
 __all__ = [
     "RepositoryModel",

@@ -191,7 +191,7 @@ def write_best(result: TuneResult, folder: Path) -> list[Path]:
     written = [folder / "best.toml"]
     written[0].write_text(config.to_toml())
     if result.runtime in ("triton", "pytriton"):
-        from ..triton.pbtxt import render
+        from ..protocol.pbtxt import render
         from ..triton.repo import model_repository
 
         model = model_repository(config.replace(runtime="triton"))[0]

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from .models import FrontModel
+from .pbtxt import model_config as render
 
 __all__ = [
     "EXTENSIONS",
@@ -46,8 +47,6 @@ def server_metadata() -> dict[str, Any]:
 def model_config(name: str, model: FrontModel) -> Any:
     """Triton's ``ModelConfig`` message for ``model`` as served: its signature, and the
     batching policy and instance count of its ``Batcher`` (none: no dynamic batching)."""
-    from ..triton.pbtxt import model_config as render
-
     batcher = model.batcher
     policy = batcher.policy if batcher is not None else None
     instances = batcher.instance_count if batcher is not None else 1

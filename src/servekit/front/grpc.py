@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GRPC_HEADER_PREFIX, ModelNotReady, from_grpc_code
-from ..http.kserve import tensor_from_raw, tensor_to_raw
+from ..protocol.kserve import tensor_from_raw, tensor_to_raw
 
 __all__ = ["GrpcForwarder"]
 

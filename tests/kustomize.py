@@ -1,4 +1,4 @@
-"""A small kustomize renderer for the manifests in ``k8s/``: CI renders every overlay with it.
+"""A small kustomize renderer for the manifests in ``k8s/``, a test helper: CI renders every overlay with it.
 
 It implements the subset those manifests use, with kustomize's meaning: ``resources``
 (files, or folders holding a ``kustomization.yaml``), ``namespace``, ``images``

@@ -33,14 +33,14 @@ import numpy as np
 
 from ..batching import Batcher
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
-from ..grpc.forward import GrpcForwarder
+from ..http.app import KServeApp
+from ..http.h1 import H1Server
+from ..protocol.kserve import HEADER_LENGTH
+from ..protocol.models import StaticModels
+from ..protocol.surface import repository_index
 from ..spec import ModelSpec, spec_from_config
-from .app import KServeApp
-from .forward import Done, HttpForwarder
-from .h1 import H1Server
-from .kserve import HEADER_LENGTH
-from .models import StaticModels
-from .surface import repository_index
+from .grpc import GrpcForwarder
+from .http import Done, HttpForwarder
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]
 
