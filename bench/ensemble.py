@@ -88,14 +88,11 @@ def main() -> None:
             repo,
             reference_repository(policy=policy, instances=args.instances, threads=args.threads),
         )
-        opts = TritonOptions.on_loopback(
-            model_repository=repo,
-            exit_timeout_s=2,
-        )
+        opts = TritonOptions(repo, ServerConfig.on_loopback(exit_timeout_s=2, front=False))
         with TritonProcess(opts) as triton:
             triton.wait_ready(["preprocess", "resnet50", "postprocess", "resnet50_ensemble"])
             series["Triton ensemble (servekit backend)"] = asyncio.run(
-                measure(opts.grpc_url, "resnet50_ensemble")
+                measure(opts.server.grpc_url, "resnet50_ensemble")
             )
     config = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
     models = load_models(

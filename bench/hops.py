@@ -44,7 +44,7 @@ HOPS = [
 GROUPS = [
     # (group, substrings of a frame), innermost match wins. A sample whose innermost
     # Python frame is the loop's run is in C: uvloop, the sockets, grpcio's Cython core.
-    ("event loop in C (uvloop, sockets, grpcio core)", ("H1Server._run", "AsgiThread._run")),
+    ("event loop in C (uvloop, sockets, grpcio core)", ("H1Server._run",)),
     ("servekit HTTP server, forwarding", ("servekit/http/h1.py", "servekit/http/forward.py")),
     (
         "servekit request check, encode",

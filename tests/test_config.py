@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+import tomllib
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from servekit import (
@@ -98,6 +99,13 @@ def test_to_toml_reads_back_equal(tmp_path):
     assert ServeConfig.load(again) == config
 
 
+@given(token=st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20))
+def test_any_string_a_config_holds_is_written_as_valid_toml(token):
+    """Newlines, quotes, backslashes and control characters too."""
+    config = ServeConfig(server=ServerConfig(control_token=token))
+    assert ServeConfig.from_dict(tomllib.loads(config.to_toml())) == config
+
+
 @given(
     max_batch=st.integers(0, 64),
     delay=st.integers(0, 10_000),
@@ -118,6 +126,7 @@ def test_any_config_round_trips_through_its_dict(
         ),
         instances=instances,
     )
+    assume(front or runtime != "ray")  # Ray's ingress is always the front
     config = ServeConfig((model,), ServerConfig(front=front), runtime=runtime)
     assert ServeConfig.from_dict(config.to_dict()) == config
 
@@ -180,9 +189,12 @@ def test_other_file_types_are_refused(tmp_path):
     ],
 )
 def test_a_knob_a_runtime_cannot_honour_is_an_error_naming_both(runtime, server, ray, message):
-    config = ServeConfig(server=ServerConfig(**server), runtime=runtime, ray=ray or RayOptions())
-    with pytest.raises(ValueError, match=message):
-        config.check()
+    with pytest.raises(ValueError, match=message):  # when the config is made
+        ServeConfig(server=ServerConfig(**server), runtime=runtime, ray=ray or RayOptions())
+    other = "ray" if ray else "pytriton" if runtime != "pytriton" else "native"
+    config = ServeConfig(server=ServerConfig(**server), runtime=other, ray=ray or RayOptions())
+    with pytest.raises(ValueError, match=message):  # or when asked for another runtime
+        config.check(runtime)
 
 
 def test_every_runtime_takes_the_defaults():

@@ -20,20 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servekit.endpoints import free_port
-from servekit.http.h1 import H1Server
+from servekit.http.h1 import Answer, H1Server, HttpRequest
 
 LIMIT = 1000
 
 
-async def echo(scope, receive, send) -> None:
+async def echo(request: HttpRequest) -> Answer:
     """Answers ``<method> <path>?<query> <body length>``; ``/sleep/<ms>`` waits first."""
-    message = await receive()
-    body = message["body"]
-    if scope["path"].startswith("/sleep/"):
-        await asyncio.sleep(int(scope["path"].rsplit("/", 1)[1]) / 1000)
-    text = f"{scope['method']} {scope['path']}?{scope['query_string'].decode()} {len(body)}"
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"x-echo", b"1")]})
-    await send({"type": "http.response.body", "body": text.encode()})
+    body = request.body
+    if request.path.startswith("/sleep/"):
+        await asyncio.sleep(int(request.path.rsplit("/", 1)[1]) / 1000)
+    text = f"{request.method} {request.path}?{request.query.decode()} {len(body)}"
+    return 200, text.encode(), {"x-echo": "1"}
 
 
 @pytest.fixture()
@@ -92,6 +90,20 @@ def test_a_chunked_body_reaches_the_app_whole(server):
             b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
         )
         assert read_answers(sock, 1) == [(200, b"POST /c? 11")]
+
+
+def test_both_content_length_and_transfer_encoding_is_a_400_against_smuggling(server):
+    """The two framings disagree on where the body ends (RFC 9112 6.3): refused, closed."""
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\n\r\n"
+        )
+        answers = read_answers(sock, 2)
+    assert [status for status, _ in answers] == [400]
+    with connect(server) as sock:
+        sock.sendall(get("/alive"))
+        assert read_answers(sock, 1) == [(200, b"GET /alive? 0")]
 
 
 def test_expect_continue_gets_an_interim_answer(server):
@@ -166,10 +178,10 @@ def test_stop_answers_the_requests_in_flight():
 
 
 def test_an_app_error_is_a_500_for_that_request_only():
-    async def app(scope, receive, send) -> None:
-        if scope["path"] == "/boom":
+    async def app(request: HttpRequest) -> Answer:
+        if request.path == "/boom":
             raise RuntimeError("boom")
-        await echo(scope, receive, send)
+        return await echo(request)
 
     s = H1Server(app, "127.0.0.1", free_port()).start()
     try:

@@ -67,6 +67,11 @@ def valid(port: int) -> None:
     assert json.loads(payload)["outputs"][0]["data"] == [2, 4, 6]
 
 
+DATA_101_DEEP: list = [1.0]
+for _ in range(100):
+    DATA_101_DEEP = [DATA_101_DEEP]
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "message"),
     [
@@ -110,9 +115,9 @@ def valid(port: int) -> None:
             "unknown datatype",
         ),
         (
-            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [[[[[1]]]]]}]},
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": DATA_101_DEEP}]},
             {},
-            "nested deeper",
+            "nested more than 100 levels deep",
         ),
         (
             {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "parameters": []}]},

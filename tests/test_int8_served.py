@@ -49,10 +49,12 @@ def test_pytriton_serves_the_int8_model_like_in_process(int8_model):
 def test_the_triton_backend_serves_the_int8_model_like_in_process(int8_model, tmp_path):
     local = OnnxRuntimeRunner(int8_model)
     build_repository(tmp_path / "repo", [runner_model("tiny_int8", int8_model, POLICY)])
-    options = TritonOptions.on_loopback(model_repository=tmp_path / "repo", exit_timeout_s=2)
+    options = TritonOptions(
+        tmp_path / "repo", ServerConfig.on_loopback(exit_timeout_s=2, front=False)
+    )
     with TritonProcess(options) as triton:
         triton.wait_ready(["tiny_int8"])
-        with Client(options.http_url) as c:
+        with Client(options.server.http_url) as c:
             got = c.infer("tiny_int8", {"input": inputs()})["logits"]
     np.testing.assert_allclose(
         got, local.infer({"input": inputs()})["logits"], rtol=1e-5, atol=1e-5

@@ -14,8 +14,8 @@ import yaml
 kv = pytest.importorskip("kubernetes_validate")
 
 from conftest import parse_metrics
-from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
 from kustomize import KustomizeError, render
+from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
 from servekit.metrics import GPU_GAUGES, Metrics
 from servekit.ray.app import ray_config
 from servekit.triton.stub_metrics import FAILURE_METRIC

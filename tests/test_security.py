@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
 from conftest import serving
-from servekit import FunctionRunner, Unauthenticated
+from servekit import FunctionRunner, ServerConfig, Unauthenticated
 from servekit.client import AsyncClient, Client
 from servekit.errors import CONTROL_TOKEN_HEADER
 from servekit.http import KServeApp
@@ -39,14 +39,14 @@ def triton(request, tmp_path_factory, tiny_cnn_path):
     """`servekit triton` with both tokens: HTTP straight on tritonserver, or behind the front."""
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo, [runner_model("tiny", tiny_cnn_path)])
-    options = TritonOptions.on_loopback(
-        model_repository=repo,
-        exit_timeout_s=2, model_control_mode="explicit", load_models=("tiny",),
-        inference_token="infer-secret", control_token="control-secret", front=request.param,
+    server = ServerConfig.on_loopback(
+        exit_timeout_s=2, inference_token="infer-secret", control_token="control-secret",
+        front=request.param,
     )  # fmt: skip
+    options = TritonOptions(repo, server, model_control_mode="explicit", load_models=("tiny",))
     with TritonProcess(options) as process:
         process.wait_ready(["tiny"])
-        yield options
+        yield server
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -20,13 +20,14 @@ from servekit import (
     InvalidInput,
     ModelSpec,
     OnnxRuntimeRunner,
+    ServerConfig,
     TensorSpec,
     image_classifier,
 )
 from servekit.client import Client
+from servekit.protocol.pbtxt import model_config, parse, render
 from servekit.stages import Postprocess, Preprocess, synthetic_image
 from servekit.triton.launcher import TritonOptions, TritonProcess
-from servekit.protocol.pbtxt import model_config, parse, render
 from servekit.triton.repo import build_repository, reference_repository
 from servekit.zoo._onnx import FLOAT, GraphBuilder
 
@@ -75,10 +76,8 @@ def add_version(repo: Path, name: str, version: int) -> None:
 
 
 def options(repo: Path, mode: str = "none", **kw) -> TritonOptions:
-    return TritonOptions.on_loopback(
-        model_repository=repo,
-        model_control_mode=mode, exit_timeout_s=2, **kw,
-    )  # fmt: skip
+    server = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
+    return TritonOptions(repo, server, model_control_mode=mode, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +107,11 @@ def local(resnet50_path):
 
 @pytest.fixture(params=["http", "grpc"])
 def client(request, triton):
-    url = triton.options.http_url if request.param == "http" else triton.options.grpc_url
+    url = (
+        triton.options.server.http_url
+        if request.param == "http"
+        else triton.options.server.grpc_url
+    )
     with Client(url) as c:
         yield c
 
@@ -161,14 +164,14 @@ def test_bad_requests_get_clear_errors_and_others_keep_working(client):
 
 
 def test_one_bad_image_in_a_batch_fails_alone(triton):
-    with Client(triton.options.http_url) as c:
+    with Client(triton.options.server.http_url) as c:
         arr = np.array([[images(1)[0]], [b"junk"]], dtype=object)
         with pytest.raises(InvalidInput, match="row 1"):
             c.infer("preprocess", {"image": arr})  # one request: it is the request that is bad
     results: dict[int, object] = {}
 
     def one(i: int, blob: bytes) -> None:
-        with Client(triton.options.grpc_url) as c:
+        with Client(triton.options.server.grpc_url) as c:
             try:
                 results[i] = c.classify([blob], model="resnet50_ensemble")[0][0].class_id
             except InvalidInput as exc:
@@ -195,11 +198,11 @@ def counter(text: str, name: str, model: str) -> float:
 
 
 def test_dynamic_batching_is_configured_and_visible_in_metrics(triton):
-    before = scrape(triton.options.metrics_url)
+    before = scrape(triton.options.server.metrics_url)
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
 
     def one() -> None:
-        with Client(triton.options.grpc_url) as c:
+        with Client(triton.options.server.grpc_url) as c:
             c.infer("resnet50", {"input": x})
 
     threads = [threading.Thread(target=one) for _ in range(12)]
@@ -209,7 +212,7 @@ def test_dynamic_batching_is_configured_and_visible_in_metrics(triton):
         t.join()
     deadline = time.monotonic() + 10
     while True:
-        after = scrape(triton.options.metrics_url)
+        after = scrape(triton.options.server.metrics_url)
         done = counter(after, "nv_inference_request_success", "resnet50") - counter(
             before, "nv_inference_request_success", "resnet50"
         )
@@ -236,7 +239,7 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
     stop = threading.Event()
 
     def load(mine: list[float]) -> None:
-        with Client(triton.options.http_url) as c:
+        with Client(triton.options.server.http_url) as c:
             while not stop.is_set():
                 try:
                     got = float(c.infer("adder", {"a": a, "b": a})["sum"][0, 0])
@@ -267,7 +270,7 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
         broken.rename(repo / "adder" / "3")
         deadline = time.monotonic() + 30
         while (
-            repository_index(triton.options.http_url).get(("adder", "3"), {}).get("state")
+            repository_index(triton.options.server.http_url).get(("adder", "3"), {}).get("state")
             != "UNAVAILABLE"
         ):
             assert time.monotonic() < deadline, "version 3 was not tried"
@@ -305,13 +308,13 @@ def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(t
     deadline = time.monotonic() + 30
     state = {}
     while time.monotonic() < deadline:
-        state = repository_index(triton.options.http_url).get(("broken", "1"), {})
+        state = repository_index(triton.options.server.http_url).get(("broken", "1"), {})
         if state.get("state") == "UNAVAILABLE" and state.get("reason"):
             break
         time.sleep(0.2)
     assert state.get("state") == "UNAVAILABLE"
     assert "cannot load model.onnx" in state["reason"]
-    with Client(triton.options.http_url) as c:
+    with Client(triton.options.server.http_url) as c:
         assert len(c.classify(images(1), model="resnet50_ensemble")[0]) == 5
 
 
@@ -322,11 +325,11 @@ def test_explicit_load_unload_and_a_specific_version_policy(tmp_path):
     with TritonProcess(options(tmp_path, "explicit")) as process:
         import tritonclient.http as th
 
-        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.http_port}")
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
         try:
             admin.load_model("adder")
             a = np.ones((1, 4), np.float32)
-            with Client(process.options.http_url) as c:
+            with Client(process.options.server.http_url) as c:
                 assert (
                     c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
                 )  # version 1, not the newer 2
@@ -364,7 +367,7 @@ def test_metrics_count_known_traffic_exactly(triton):
     from conftest import scrape as scrape_metrics
 
     def counts() -> dict[tuple[str, str], float]:
-        got = scrape_metrics(triton.options.metrics_url)
+        got = scrape_metrics(triton.options.server.metrics_url)
         return {
             (model, name): sample(got, name, model=model, version="1")
             for model in ("preprocess", "resnet50", "resnet50_ensemble")
@@ -395,7 +398,7 @@ def test_metrics_count_known_traffic_exactly(triton):
         ("resnet50_ensemble", "nv_inference_request_success"): 3,
     }
     before = counts()
-    with Client(triton.options.http_url) as c:
+    with Client(triton.options.server.http_url) as c:
         for i in range(3):
             c.classify(images(1, 60 + i), model="resnet50_ensemble")
         with pytest.raises(InvalidInput):
@@ -435,11 +438,11 @@ def test_fifty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_
         return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
     with TritonProcess(options(tmp_path / "repo", "explicit")) as process:
-        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.http_port}")
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
         pid = process._proc.pid  # type: ignore[union-attr]
         try:
             rss = []
-            with Client(process.options.http_url) as c:
+            with Client(process.options.server.http_url) as c:
                 for _ in range(50):
                     admin.load_model("tiny")
                     assert c.infer("tiny", x)["logits"].shape == (1, 10)

@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from .batching.policy import BatchingPolicy
-from .runners import ENGINES
 from .endpoints import Endpoints
+from .runners import ENGINES
 from .tables import check_keys
 
 __all__ = [
     "ENGINES",
+    "MAX_BODY_BYTES",
     "PRECISIONS",
     "RUNTIMES",
     "ModelConfig",
@@ -64,6 +65,8 @@ RUNTIMES = ("pytriton", "triton", "native", "ray")
 ``triton``: tritonserver with servekit's Triton backend on a repository rendered from the
 config; ``native``: servekit's own KServe v2 server in one process; ``ray``: Ray Serve."""
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The default request size limit (``ServerConfig.max_body_bytes``), for every server."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -163,7 +166,7 @@ class ServerConfig(Endpoints):
     """Triton's ``--log-verbose`` level; for ``native``, > 0 logs at DEBUG."""
     exit_timeout_s: int = 5
     """How long a stopping server waits for requests in flight."""
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies get a 413 from servekit's front before they are read whole."""
 
     def __post_init__(self) -> None:
@@ -259,11 +262,17 @@ class ServeConfig:
             raise ValueError(f"served model names must be unique, got {served}")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        self._check(self.runtime)
 
     def check(self, runtime: str | None = None) -> ServeConfig:
-        """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
-        config's) cannot honour; returns self."""
-        runtime = runtime or self.runtime
+        """Raise ``ValueError`` naming every knob set here that ``runtime`` cannot honour;
+        returns self. A config is checked for its own runtime when it is made, so only
+        another runtime costs anything here."""
+        if runtime is not None and runtime != self.runtime:
+            self._check(runtime)
+        return self
+
+    def _check(self, runtime: str) -> None:
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {runtime!r}")
         default_server, problems = ServerConfig(), []
@@ -275,7 +284,6 @@ class ServeConfig:
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
-        return self
 
     def on_loopback(self) -> ServeConfig:
         """This config on 127.0.0.1 with free ports for the ports its runtime listens on
@@ -341,7 +349,9 @@ class ServeConfig:
 
     def to_toml(self) -> str:
         """The config as a TOML file that ``ServeConfig.load`` reads back equal."""
-        return _toml(self.to_dict())
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
 
     def with_overrides(
         self,
@@ -408,34 +418,3 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
     return data
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} to TOML")
-
-
-def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
-    """A minimal TOML writer for config tables (scalars, lists, tables, lists of tables)."""
-    lines, tables = [], []
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            tables.append((f"{prefix}{key}", value, False))
-        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
-            tables.extend((f"{prefix}{key}", v, True) for v in value)
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for name, table, array in tables:
-        body = _toml(table, f"{name}.")
-        out += f"\n[[{name}]]\n" if array else f"\n[{name}]\n"
-        out += body.lstrip("\n")
-    return out

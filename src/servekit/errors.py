@@ -3,12 +3,18 @@
 ::
 
     ServekitError
-    ├── InvalidInput        the request is wrong: HTTP 400, gRPC INVALID_ARGUMENT
-    ├── ModelNotFound       no such model or version: HTTP 404, gRPC NOT_FOUND
-    ├── ModelNotReady       loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
-    ├── Overloaded          queue full, retry later: HTTP 503, gRPC UNAVAILABLE
-    ├── DeadlineExceeded    the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
-    └── RunnerError         the model itself failed: HTTP 500, gRPC INTERNAL
+    ├── InvalidInput          the request is wrong: HTTP 400, gRPC INVALID_ARGUMENT
+    │   ├── PayloadTooLarge   the body is over the size limit: HTTP 413, gRPC RESOURCE_EXHAUSTED
+    │   └── UnsupportedEncoding  a Content-Encoding the server cannot decode: HTTP 415, gRPC UNIMPLEMENTED
+    ├── Unauthenticated       the access token is missing or wrong: HTTP 401, gRPC UNAUTHENTICATED
+    ├── ModelNotFound         no such model or version: HTTP 404, gRPC NOT_FOUND
+    ├── ModelNotReady         loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
+    ├── Overloaded            queue full, retry later: HTTP 503, gRPC UNAVAILABLE
+    ├── DeadlineExceeded      the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
+    ├── UpdateRefused         a new version cannot replace the serving one: HTTP 400, gRPC FAILED_PRECONDITION
+    ├── RunnerError           the model itself failed: HTTP 500, gRPC INTERNAL
+    └── SetupError            the server cannot start (never a request's answer)
+        └── TritonSetupError  something tritonserver needs is missing
 
 Core code raises these; only adapters (HTTP front, PyTriton, Triton backend, Ray)
 turn them into status codes, through :func:`http_status`, :func:`grpc_code` and
@@ -28,9 +34,14 @@ __all__ = [
     "ModelNotFound",
     "ModelNotReady",
     "Overloaded",
+    "PayloadTooLarge",
     "RunnerError",
     "ServekitError",
+    "SetupError",
+    "TritonSetupError",
     "Unauthenticated",
+    "UnsupportedEncoding",
+    "UpdateRefused",
     "from_grpc_code",
     "from_http_status",
     "grpc_code",
@@ -86,7 +97,33 @@ class RunnerError(ServekitError, RuntimeError):
     """The model (runner or stage) raised or returned outputs that break its signature."""
 
 
+class PayloadTooLarge(InvalidInput):
+    """A request body (or its decompressed form) over the server's size limit."""
+
+    def __init__(self, size: int, limit: int, what: str = "request body") -> None:
+        super().__init__(f"{what} of {size} bytes exceeds the limit of {limit}")
+
+
+class UnsupportedEncoding(InvalidInput):
+    """A Content-Encoding (or gRPC message encoding) the server cannot decode."""
+
+
+class UpdateRefused(ServekitError, ValueError):
+    """The new version cannot replace the serving one (its signature differs)."""
+
+
+class SetupError(ServekitError, RuntimeError):
+    """Something a server needs to start is missing; the message says what and how to get it."""
+
+
+class TritonSetupError(SetupError):
+    """Something Triton needs is missing; the message says what and how to get it."""
+
+
 _HTTP = {
+    PayloadTooLarge: 413,
+    UnsupportedEncoding: 415,
+    UpdateRefused: 400,
     InvalidInput: 400,
     ModelNotFound: 404,
     ModelNotReady: 503,
@@ -97,6 +134,9 @@ _HTTP = {
 }
 
 _GRPC = {
+    PayloadTooLarge: "RESOURCE_EXHAUSTED",
+    UnsupportedEncoding: "UNIMPLEMENTED",
+    UpdateRefused: "FAILED_PRECONDITION",
     InvalidInput: "INVALID_ARGUMENT",
     ModelNotFound: "NOT_FOUND",
     ModelNotReady: "UNAVAILABLE",
@@ -108,6 +148,7 @@ _GRPC = {
 
 
 _TRITON = {
+    UpdateRefused: "INVALID_ARG",
     InvalidInput: "INVALID_ARG",
     ModelNotFound: "NOT_FOUND",
     ModelNotReady: "UNAVAILABLE",

@@ -18,7 +18,6 @@ def create_runtime(config: ServeConfig) -> Runtime:
     Raises:
         ValueError: a knob the runtime cannot honour, named with the runtime.
     """
-    config.check()
     if config.runtime == "native":
         from .native import NativeServer
 

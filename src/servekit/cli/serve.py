@@ -98,7 +98,7 @@ def serve(
     restarts: Restarts = 5,
     cache_dir: CacheDir = None,
 ) -> None:
-    """Serve models over KServe v2 (HTTP, and gRPC on the Triton runtimes): each tensor
+    """Serve models over KServe v2 (HTTP, and gRPC on every runtime but ray): each tensor
     model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
     the model files; SIGINT/SIGTERM stop."""
     from ..serving import serve as run
@@ -169,8 +169,7 @@ def triton(
     `servekit triton --model-repository model_repository -- --strict-readiness=false`."""
     from ..runtime import Supervisor
     from ..triton.env import TritonSetupError
-    from ..triton.launcher import TritonProcess
-    from ..triton.runtime import triton_options
+    from ..triton.launcher import TritonOptions, TritonProcess
 
     cfg = serve_config(
         config,
@@ -178,9 +177,9 @@ def triton(
         server=_server_flags(locals()),
     )
     try:
-        options = triton_options(
-            cfg,
+        options = TritonOptions(
             model_repository,
+            cfg.server,
             model_control_mode=model_control_mode,
             repository_poll_secs=repository_poll_secs,
             load_models=tuple(load_model or ()),
@@ -189,10 +188,9 @@ def triton(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     process = TritonProcess(options)
-    via = f"servekit's front on {options.http_url}" if options.front else options.http_url
-    console.print(
-        f"starting tritonserver on {via} (gRPC {options.grpc_url}, metrics {options.metrics_url})"
-    )
+    s = cfg.server
+    via = f"servekit's front on {s.http_url}" if s.front else s.http_url
+    console.print(f"starting tritonserver on {via} (gRPC {s.grpc_url}, metrics {s.metrics_url})")
     try:
         code = Supervisor(process, max_restarts=restarts, on_event=console.print).run()
     except TritonSetupError as exc:

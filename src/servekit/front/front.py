@@ -32,6 +32,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..batching import Batcher
+from ..config import MAX_BODY_BYTES
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
 from ..http.app import KServeApp
 from ..http.h1 import H1Server
@@ -291,7 +292,7 @@ class Front:
         host: str,
         port: int,
         ready: Callable[[], bool],
-        max_body_bytes: int = 64 * 1024 * 1024,
+        max_body_bytes: int = MAX_BODY_BYTES,
         inference_token: str | None = None,
         http_url: str,
         control_headers: Mapping[str, str] | None = None,
@@ -315,7 +316,7 @@ class Front:
             inference_token=inference_token,
         )
         self._http = H1Server(
-            self.app,
+            self.app.handle,
             host,
             port,
             fast=self.app.forward_now,

@@ -1,7 +1,8 @@
-"""A KServe v2 HTTP front for servekit models: a plain ASGI app any runtime can sit behind.
+"""A KServe v2 HTTP front for servekit models: one request handler every runtime sits behind.
 
-Serve it with any ASGI server (``serve_http`` uses uvicorn) or mount it as a Ray Serve
-ingress. Models are Runners (called on a thread) or ``Batcher``s (awaited), so the same
+``KServeApp.handle`` answers one request (method, path, headers, body); servekit's own
+HTTP/1.1 server (``h1``) calls it directly. The app is also an ASGI app, an adapter over
+``handle``, for any ASGI server (``serve_http`` uses uvicorn) and the Ray Serve ingress. Models are Runners (called on a thread) or ``Batcher``s (awaited), so the same
 front gives dynamic batching in-process. Errors map once through ``errors.http_status``:
 bad requests are 400 naming the tensor, unknown models 404, a full queue 503 with
 ``Retry-After``; an unexpected exception is a 500 for that request and never stops the server.
@@ -17,14 +18,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..compression import ENCODINGS, inflate
+from ..config import MAX_BODY_BYTES
 from ..errors import (
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
     ModelNotFound,
     Overloaded,
+    PayloadTooLarge,
     RunnerError,
     ServekitError,
     Unauthenticated,
+    UnsupportedEncoding,
     http_status,
 )
 from ..metrics import CONTENT_TYPE, Metrics
@@ -35,6 +39,7 @@ from ..protocol.kserve import (
     encode_response,
     explicit_binary,
     metadata,
+    parse_json,
     raw_binary_request,
     scheduling,
 )
@@ -53,9 +58,9 @@ from ..protocol.surface import (
     statistics,
 )
 from ..spec import ModelSpec
-from .h1 import BodyTooLarge, Reply
+from .h1 import Answer, Handler, HttpRequest, Reply
 
-__all__ = ["KServeApp", "serve_http"]
+__all__ = ["KServeApp", "metrics_handler", "serve_http"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ _NOT_SERVED = re.compile(
 )
 _HEADER_LENGTH = HEADER_LENGTH.encode()
 _TOKEN = INFERENCE_TOKEN_HEADER.encode()
+_JSON = {"content-type": "application/json"}
 _CHECKED_MAX = 256
 """Binary requests' headers that passed the check, remembered per app (``_pass_through``)."""
 _CHECKED_HEADER_BYTES = 4096
@@ -98,7 +104,7 @@ class KServeApp:
         self,
         models: Mapping[str, Any] | ModelRegistry,
         *,
-        max_body_bytes: int = 64 * 1024 * 1024,
+        max_body_bytes: int = MAX_BODY_BYTES,
         ready: Callable[[], bool] | None = None,
         metrics: Metrics | None = None,
         inference_token: str | None = None,
@@ -114,9 +120,20 @@ class KServeApp:
             if model.batcher is not None and (name, "1") not in self.metrics.models:
                 self.metrics.watch(model.batcher, name)
 
+    async def handle(self, request: HttpRequest) -> Answer:
+        """Answer one request; never raises: errors map once through ``http_status``."""
+        try:
+            return await self._route(request)
+        except ServekitError as exc:
+            return self._error(exc)
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unexpected error on %s", request.path)
+            return self._error(RunnerError(f"internal error: {type(exc).__name__}: {exc}"))
+
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
     ) -> None:
+        """The ASGI adapter over ``handle`` (uvicorn, Ray Serve's ingress)."""
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -127,26 +144,40 @@ class KServeApp:
                     return
         if scope["type"] != "http":
             return
-        try:
-            status, body, headers = await self._route(scope, receive)
-        except ServekitError as exc:
-            status, body, headers = self._error(exc)
-        except Exception as exc:  # never let one request take the server down
-            log.exception("unexpected error on %s", scope.get("path"))
-            status, body, headers = self._error(
-                RunnerError(f"internal error: {type(exc).__name__}: {exc}")
-            )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (k.encode(), v.encode())
-                    for k, v in {**headers, "content-length": str(len(body))}.items()
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
+        body, oversize = await self._receive_body(headers, receive)
+        request = HttpRequest(
+            scope["method"], scope["path"], headers, body,
+            query=scope.get("query_string", b""), oversize=oversize, limit=self.max_body_bytes,
+        )  # fmt: skip
+        status, payload, out = await self.handle(request)
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.items()]
+        raw.append((b"content-length", b"%d" % len(payload)))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _receive_body(
+        self, headers: Mapping[str, str], receive: Callable[..., Any]
+    ) -> tuple[bytes, int]:
+        """The ASGI body and, past ``max_body_bytes``, its size (read and dropped, never kept)."""
+        declared = headers.get("content-length", "0")
+        size = int(declared) if declared.isdigit() else 0
+        if size > self.max_body_bytes:
+            return b"", size
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= self.max_body_bytes:
+                chunks.append(chunk)
+            elif chunks:
+                chunks.clear()
+            if not message.get("more_body"):
+                break
+        return (b"".join(chunks), 0) if size <= self.max_body_bytes else (b"", size)
 
     @staticmethod
     def _json(status: int, data: Any) -> tuple[int, bytes, dict[str, str]]:
@@ -158,10 +189,8 @@ class KServeApp:
             headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
         return status, body, headers
 
-    async def _route(
-        self, scope: dict[str, Any], receive: Callable[..., Any]
-    ) -> tuple[int, bytes, dict[str, str]]:
-        method, path = scope["method"], scope["path"].rstrip("/")
+    async def _route(self, request: HttpRequest) -> Answer:
+        method, path = request.method, request.path.rstrip("/")
         if method == "GET" and path == "/v2/health/live":
             return 200, b"", {}
         if method == "GET" and path == "/v2/health/ready":
@@ -172,6 +201,8 @@ class KServeApp:
             return self._json(200, server_metadata())
         behind = self._behind
         if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
+            if method == "POST":
+                self._index_request(request)
             if behind is not None:
                 return await behind.fetch(method, path)
             loaded = self.models.loaded()
@@ -184,10 +215,10 @@ class KServeApp:
         ):
             return self._json(200, [])  # nothing registered: the front takes no regions
         if _NOT_SERVED.match(path):
-            return self._json(403, {"error": f"{method} {scope['path']} {NOT_SERVED}"})
+            return self._json(403, {"error": f"{method} {request.path} {NOT_SERVED}"})
         m = _MODEL.match(path)
         if m is None:
-            return self._json(404, {"error": f"no route {method} {scope['path']}"})
+            return self._json(404, {"error": f"no route {method} {request.path}"})
         model = await self.models.lookup(m["name"])
         version = m["version"]
         if version not in (None, "1") and not model.versioned:
@@ -211,17 +242,25 @@ class KServeApp:
             ready = self._ready() and await self.models.is_ready(m["name"], version)
             return (200 if ready else 503), b"", {}
         if m["rest"] == "/infer" and method == "POST":
-            self._authenticate(scope)
+            self._check_token(request.headers.get(INFERENCE_TOKEN_HEADER, "").encode("latin-1"))
             version = version if model.versioned and version else ""
-            return await self._infer(m["name"], model, scope, receive, version)
-        return self._json(405, {"error": f"{method} not allowed on {scope['path']}"})
+            return await self._infer(m["name"], model, request, version)
+        return self._json(405, {"error": f"{method} not allowed on {request.path}"})
 
-    def _authenticate(self, scope: dict[str, Any]) -> None:
-        if self._token is None:
+    def _index_request(self, request: HttpRequest) -> None:
+        """The repository index's body, checked as Triton checks it (``{"ready": bool}``)."""
+        body = self._body(request)
+        if not body.strip():
             return
-        self._check_token(
-            next((v for k, v in scope.get("headers", []) if k.lower() == _TOKEN), b"")
-        )
+        data = parse_json(body, "repository index request")
+        if not isinstance(data, dict):
+            raise InvalidInput(
+                f"repository index request: expected a JSON object, got {type(data).__name__}"
+            )
+        if not isinstance(data.get("ready", False), bool):
+            raise InvalidInput(
+                f"repository index request: 'ready' must be a boolean, got {data['ready']!r}"
+            )
 
     def _check_token(self, given: bytes) -> None:
         if self._token is not None and not hmac.compare_digest(given, self._token):
@@ -312,56 +351,31 @@ class KServeApp:
             self._checked[key] = (spec, header)
         return checked, checked_length
 
-    async def _read_body(self, scope: dict[str, Any], receive: Callable[..., Any]) -> bytes:
+    def _body(self, request: HttpRequest) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
         decompresses to as for what came over the wire."""
-        headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
-        }
-        encoding = headers.get("content-encoding", "identity").strip().lower()
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", "", *ENCODINGS):
-            raise _Unsupported(
+            raise UnsupportedEncoding(
                 f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
             )
-        declared = int(headers.get("content-length", "0") or 0)
-        if declared > self.max_body_bytes:
-            raise _TooLarge(declared, self.max_body_bytes)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise _TooLarge(size, self.max_body_bytes)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = request.body
         if encoding not in ENCODINGS:
             return body
         plain = inflate(body, encoding, self.max_body_bytes, "request body")
         if len(plain) > self.max_body_bytes:
-            raise _TooLarge(len(plain), self.max_body_bytes, "decompressed ")
+            raise PayloadTooLarge(len(plain), self.max_body_bytes, "decompressed request body")
         return plain
 
     async def _infer(
         self,
         name: str,
         model: FrontModel,
-        scope: dict[str, Any],
-        receive: Callable[..., Any],
+        http: HttpRequest,
         version: str,
-    ) -> tuple[int, bytes, dict[str, str]]:
-        try:
-            body = await self._read_body(scope, receive)
-        except (_TooLarge, BodyTooLarge) as exc:
-            return self._json(413, {"error": str(exc)})
-        except _Unsupported as exc:
-            return self._json(415, {"error": str(exc)})
-        headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
-        }
-        raw = headers.get(HEADER_LENGTH)
+    ) -> Answer:
+        body = self._body(http)
+        raw = http.headers.get(HEADER_LENGTH)
         whole = _whole_body(raw)
         if isinstance(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             body, length = self._pass_through(name, model, body, raw)
@@ -388,13 +402,15 @@ def _whole_body(raw: str | None) -> bool:
     return raw is not None and raw.isascii() and raw.isdigit() and int(raw) == 0
 
 
-class _TooLarge(Exception):
-    def __init__(self, size: int, limit: int, what: str = "") -> None:
-        super().__init__(f"{what}request body of {size} bytes exceeds the limit of {limit}")
+def metrics_handler(render: Callable[[], str]) -> Handler:
+    """``GET /metrics`` alone: the Prometheus exposition on a metrics port of its own."""
 
+    async def handle(request: HttpRequest) -> Answer:
+        if request.method == "GET" and request.path.rstrip("/") == "/metrics":
+            return 200, render().encode(), {"content-type": CONTENT_TYPE}
+        return 404, b'{"error": "only GET /metrics is served here"}', _JSON
 
-class _Unsupported(Exception):
-    """A Content-Encoding the front cannot decode (415)."""
+    return handle
 
 
 def serve_http(

@@ -1,13 +1,15 @@
 """servekit's own HTTP/1.1 server: asyncio Protocols, httptools' parser, uvloop when installed.
 
-It serves an ASGI app as uvicorn would, for the fronts whose hot path is a pass-through:
-a request that the app's ``fast`` hook can answer without awaiting anything of its own
-(checked, then handed to a pooled connection that calls back) is answered from
-callbacks, with no task, scope or ASGI messages per request. Everything else runs the
-ASGI app, one task per request. On one connection requests are answered in order
-(pipelining). Bodies over ``max_body_bytes`` are read and dropped, never buffered (the
-app's ``receive`` raises ``BodyTooLarge``: a 413 unless the app answers otherwise);
-headers over ``max_header_bytes`` are refused (431). Idle connections close after ``keep_alive_s``.
+It calls a ``Handler`` (``KServeApp.handle``) with each request's method, path, headers
+(decoded once) and body, and writes the answer it returns; no ASGI scope or messages
+(``KServeApp`` keeps an ASGI adapter for uvicorn and Ray). A request that the ``fast``
+hook can answer without awaiting anything of its own (checked, then handed to a pooled
+connection that calls back) is answered from callbacks, with no task per request. On one
+connection requests are answered in order (pipelining). Bodies over ``max_body_bytes`` are
+read and dropped, never buffered (reading ``HttpRequest.body`` then raises
+``PayloadTooLarge``: a 413, after the handler has routed the request); headers over
+``max_header_bytes`` are refused (431). Idle connections close after ``keep_alive_s``.
+Further ports (``ports``) are served by their own handlers on the same loop.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import http
 import json
 import logging
 import threading
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import httptools
 
-__all__ = ["BodyTooLarge", "FastPath", "H1Server", "Reply"]
+from ..config import MAX_BODY_BYTES
+from ..errors import PayloadTooLarge, ServekitError, http_status
+
+__all__ = ["Answer", "FastPath", "H1Server", "Handler", "HttpRequest", "Reply"]
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +46,37 @@ _MAX_PENDING = 16
 """Pipelined requests queued on one connection before it stops reading."""
 
 
-class BodyTooLarge(Exception):
-    """Raised by ``receive`` for a body over the server's limit (read and dropped, never
-    buffered): the app answers it (a 413) or, routing first, with what it would say anyway."""
+class HttpRequest:
+    """One request as a handler sees it: header names lower-case, values decoded once."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of {size} bytes exceeds the limit of {limit}")
+    __slots__ = ("_body", "headers", "limit", "method", "oversize", "path", "query")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        *,
+        query: bytes = b"",
+        oversize: int = 0,
+        limit: int = 0,
+    ) -> None:
+        self.method, self.path, self.headers, self._body = method, path, headers, body
+        self.query, self.oversize, self.limit = query, oversize, limit
+
+    @property
+    def body(self) -> bytes:
+        """The body; ``PayloadTooLarge`` when it was over the limit (read and dropped)."""
+        if self.oversize:
+            raise PayloadTooLarge(self.oversize, self.limit)
+        return self._body
+
+
+Answer = tuple[int, bytes, Mapping[str, str]]
+"""Status, body and headers (the server adds content-length)."""
+Handler = Callable[[HttpRequest], Awaitable[Answer]]
+"""Answers one request; an exception is that request's 500 (a ``ServekitError``: its status)."""
 
 
 class _Request:
@@ -66,6 +96,9 @@ class _Request:
         self.keep_alive, self.error, self.oversize = keep_alive, error, oversize
 
 
+_JSON = {"content-type": "application/json"}
+
+
 def _error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
@@ -73,8 +106,8 @@ def _error_body(message: str) -> bytes:
 class _Connection(asyncio.Protocol):
     """One client connection: parse, answer in order, keep alive."""
 
-    def __init__(self, server: H1Server) -> None:
-        self.server = server
+    def __init__(self, server: H1Server, handler: Handler, fast: FastPath | None) -> None:
+        self.server, self.handler, self.fast = server, handler, fast
         self.loop = server.loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -211,7 +244,7 @@ class _Connection(asyncio.Protocol):
             path, query = urllib.parse.unquote(url.path.decode("latin-1")), url.query or b""
         else:
             path, query = target.decode("latin-1"), b""
-        fast = self.server.fast
+        fast = self.fast
         if fast is not None and not request.oversize:
             try:
                 if fast(request.method, path, request.headers, request.body, self._reply):
@@ -221,7 +254,7 @@ class _Connection(asyncio.Protocol):
                 if self.busy:
                     self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
                 return
-        task = self.loop.create_task(self._asgi(request, path, query))
+        task = self.loop.create_task(self._handle(request, path, query))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
@@ -253,81 +286,50 @@ class _Connection(asyncio.Protocol):
             if self.server.stopping:
                 transport.close()
 
-    async def _asgi(self, request: _Request, path: str, query: bytes) -> None:
-        transport = self.transport
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": request.method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": request.target.split(b"?", 1)[0],
-            "query_string": query,
-            "root_path": "",
-            "headers": request.headers,
-            "client": transport.get_extra_info("peername") if transport else None,
-            "server": transport.get_extra_info("sockname") if transport else None,
-        }
-        sent = False
-        answer: dict[str, Any] = {"status": 500, "headers": {}, "body": []}
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            if request.oversize:
-                raise BodyTooLarge(request.oversize, self.server.max_body_bytes)
-            return {"type": "http.request", "body": request.body, "more_body": False}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                answer["status"] = message["status"]
-                answer["headers"] = {
-                    k.decode("latin-1"): v.decode("latin-1")
-                    for k, v in message.get("headers", [])
-                    if k.lower() != b"content-length"
-                }
-            elif message["type"] == "http.response.body":
-                answer["body"].append(message.get("body", b""))
-                if not message.get("more_body"):
-                    answer["done"] = True
-
+    async def _handle(self, request: _Request, path: str, query: bytes) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+        limit = self.server.max_body_bytes
         try:
-            await self.server.app(scope, receive, send)
-        except BodyTooLarge as exc:
-            self._reply(413, _error_body(str(exc)), {"content-type": "application/json"})
+            status, body, out = await self.handler(
+                HttpRequest(
+                    request.method, path, headers, request.body,
+                    query=query, oversize=request.oversize, limit=limit,
+                )
+            )  # fmt: skip
+        except ServekitError as exc:
+            self._reply(http_status(exc), _error_body(str(exc)), _JSON)
             return
         except Exception as exc:  # one request's failure never takes the connection's server down
             log.exception("unexpected error on %s %s", request.method, path)
             self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
             return
-        self._reply(answer["status"], b"".join(answer["body"]), answer["headers"])
+        self._reply(status, body, out)
 
 
 class H1Server:
-    """``app`` (ASGI) on ``host:port`` from a daemon thread with a loop of its own
-    (uvloop when installed); ``start`` returns once it listens, ``stop`` answers the
-    requests in flight (up to ``timeout_s``), then closes every connection. ``on_start``
-    runs on the loop before it listens (another server sharing the loop), ``on_exit``
-    after it stops (closing what belongs to that loop)."""
+    """``handler`` on ``host:port`` from a daemon thread with a loop of its own (uvloop when
+    installed), and each of ``ports`` (port -> handler) on the same loop; ``start`` returns
+    once all listen, ``stop`` answers the requests in flight (up to ``timeout_s``), then
+    closes every connection. ``on_start`` runs on the loop before it listens (another
+    server sharing the loop), ``on_exit`` after it stops (closing what belongs to that loop)."""
 
     def __init__(
         self,
-        app: Callable[..., Awaitable[None]],
+        handler: Handler,
         host: str,
         port: int,
         *,
         fast: FastPath | None = None,
-        max_body_bytes: int = 64 * 1024 * 1024,
+        ports: Mapping[int, Handler] | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
         max_header_bytes: int = 64 * 1024,
         keep_alive_s: float = 5.0,
         name: str = "servekit-http",
         on_start: Callable[[], Awaitable[None]] | None = None,
         on_exit: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.app, self.host, self.port, self.name, self.fast = app, host, port, name, fast
+        self.handler, self.host, self.port, self.name, self.fast = handler, host, port, name, fast
+        self.ports = dict(ports or {})
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
         self.keep_alive_s = keep_alive_s
         self._on_start, self._on_exit = on_start, on_exit
@@ -364,13 +366,22 @@ class H1Server:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
+        listeners = [(self.port, self.handler, self.fast)]
+        listeners += [(port, handler, None) for port, handler in self.ports.items()]
+        servers: list[asyncio.AbstractServer] = []
         try:
             if self._on_start is not None:
                 await self._on_start()
-            server = await self.loop.create_server(
-                lambda: _Connection(self), self.host, self.port, backlog=2048
-            )
+            for port, handler, fast in listeners:
+                servers.append(
+                    await self.loop.create_server(
+                        functools.partial(_Connection, self, handler, fast),
+                        self.host, port, backlog=2048,
+                    )
+                )  # fmt: skip
         except Exception as exc:
+            for server in servers:
+                server.close()
             self._failed = exc
             self._listening.set()
             if self._on_exit is not None:
@@ -384,7 +395,8 @@ class H1Server:
         finally:
             self.stopping = True
             sweep.cancel()
-            server.close()
+            for server in servers:
+                server.close()
             deadline = self.loop.time() + self._drain_s
             while (
                 any(c.busy for c in self.connections) or self.tasks

@@ -16,9 +16,8 @@ from typing import Any
 from ..batching import Batcher
 from ..config import ServeConfig
 from ..grpc import GrpcService, grpc_server
-from ..http.app import KServeApp
+from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
-from ..http.server import AsgiThread, MetricsApp
 from ..runtime.base import ServedModel, load_models, reload_models
 
 __all__ = ["NativeServer"]
@@ -34,7 +33,7 @@ class NativeServer:
         self.models: list[ServedModel] = []
         self.batchers: dict[str, Batcher] = {}
         self.app: KServeApp | None = None
-        self._threads: list[AsgiThread | H1Server] = []
+        self._threads: list[H1Server] = []
         self._ready = False
 
     @classmethod
@@ -82,19 +81,14 @@ class NativeServer:
 
             self._threads = [
                 H1Server(
-                    app,
+                    app.handle,
                     c.server.host,
                     c.server.http_port,
+                    ports={c.server.metrics_port: metrics_handler(app.metrics.render)},
                     max_body_bytes=c.server.max_body_bytes,
                     name="servekit-native",
                     on_start=start_grpc,
                     on_exit=stop_grpc,
-                ).start(),
-                AsgiThread(
-                    MetricsApp(app.metrics.render),
-                    c.server.host,
-                    c.server.metrics_port,
-                    name="servekit-metrics",
                 ).start(),
             ]
         except BaseException:

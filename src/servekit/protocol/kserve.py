@@ -33,6 +33,7 @@ __all__ = [
     "encode_response",
     "explicit_binary",
     "metadata",
+    "parse_json",
     "raw_binary_request",
     "scheduling",
     "tensor_from_raw",
@@ -46,6 +47,9 @@ _NONE: frozenset[str] = frozenset()
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 _DIMENSION_TYPES = frozenset({int, bool})
 """JSON's types that ``isinstance(d, int)`` accepts."""
+MAX_JSON_DEPTH = 100
+"""How deep a request's JSON may nest, as in Triton: an input's ``data`` is flattened at any
+nesting up to this depth (Triton's QA sends it 50 deep), whatever the tensor's rank."""
 MAX_RANK = 32
 """Dimensions a tensor may have (numpy's limit)."""
 
@@ -162,16 +166,16 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
     return count
 
 
-def _flatten(data: list[Any], limit: int, name: str) -> tuple[list[Any], set[type]]:
+def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
     """The values of a nested list, level by level (no recursion, no numpy dimension
-    limit), and their types; nesting deeper than ``limit`` is refused."""
+    limit), and their types; nesting deeper than ``MAX_JSON_DEPTH`` is refused."""
     flat, depth = data, 1
     kinds = set(map(type, flat))  # JSON gives exact types: a set of them is C-fast
     while list in kinds:
         depth += 1
-        if depth > limit:
+        if depth > MAX_JSON_DEPTH:
             raise InvalidInput(
-                f"input {name!r}: 'data' is nested deeper than its shape's rank ({limit})"
+                f"input {name!r}: 'data' is nested more than {MAX_JSON_DEPTH} levels deep"
             )
         flat = [x for v in flat for x in (v if isinstance(v, list) else (v,))]
         kinds = set(map(type, flat))
@@ -182,7 +186,7 @@ def _json_data(data: Any, datatype: str, shape: list[int], name: str, count: int
     """A JSON input's ``data`` (``count`` values, checked already against the body)."""
     if not isinstance(data, list):
         raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
-    flat, kinds = _flatten(data, max(len(shape), 1), name)  # flat, or nested up to the rank
+    flat, kinds = _flatten(data, name)
     if len(flat) != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
@@ -228,6 +232,26 @@ def _json_header(data: bytes) -> Any:
         raise InvalidInput(f"request is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidInput("request JSON is nested too deeply") from None
+
+
+def parse_json(body: bytes, what: str) -> Any:
+    """A JSON request body other than an infer request's (the repository index's), parsed
+    with the same limits: valid JSON nested at most ``MAX_JSON_DEPTH`` deep."""
+    data = _json_header(body)
+    level, depth = [data], 1
+    while level:
+        level = [
+            v
+            for c in level
+            if isinstance(c, list | dict)
+            for v in (c.values() if isinstance(c, dict) else c)
+            if isinstance(v, list | dict)
+        ]
+        if level:
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidInput(f"{what}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return data
 
 
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:

@@ -17,14 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UpdateRefused
 from ..spec import ModelSpec
 from .base import Arrays, Runner
 
 __all__ = ["UpdateRefused", "VersionedRunner", "check_compatible"]
-
-
-class UpdateRefused(ValueError):
-    """The new version cannot replace the serving one (its signature differs)."""
 
 
 def check_compatible(serving: ModelSpec, new: ModelSpec, name: str = "model") -> None:

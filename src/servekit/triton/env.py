@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import TritonSetupError
+
 __all__ = [
     "TritonEnvironment",
     "TritonSetupError",
@@ -28,10 +30,6 @@ __all__ = [
 def gpu_present() -> bool:
     """Whether an NVIDIA driver exposes a GPU here (Triton's GPU metrics are off otherwise)."""
     return Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
-
-
-class TritonSetupError(RuntimeError):
-    """Something Triton needs is missing; the message says what and how to get it."""
 
 
 @dataclass(frozen=True)

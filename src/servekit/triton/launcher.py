@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..endpoints import Endpoints, free_port
+from ..config import ServerConfig
+from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from .env import (
     TritonEnvironment,
@@ -41,30 +42,16 @@ CONTROL_APIS = "model-repository,shared-memory,model-config,trace,logging"
 
 
 @dataclass(frozen=True)
-class TritonOptions(Endpoints):
-    """The tritonserver flags servekit sets; anything else goes in ``extra_args``."""
+class TritonOptions:
+    """The tritonserver flags servekit sets: where and how it listens (``server``, the one
+    ``ServerConfig``), and what only tritonserver has; anything else goes in ``extra_args``."""
 
     model_repository: Path
-    host: str = "0.0.0.0"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
+    server: ServerConfig = field(default_factory=ServerConfig)
     model_control_mode: str = "none"
     repository_poll_secs: int = 5
     load_models: tuple[str, ...] = ()
     """With ``explicit``: models to load at start (``--load-model``); empty = none."""
-    log_verbose: int = 0
-    exit_timeout_s: int = 5
-    inference_token: str | None = None
-    """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
-    control_token: str | None = None
-    """When set, model control, shared memory, config, trace and logging APIs need it in
-    ``servekit-control-token`` (model control itself is off unless a mode turns it on)."""
-    front: bool = False
-    """Serve ``http_port`` with servekit's hardened KServe v2 front (``triton.front``);
-    tritonserver's own HTTP endpoint moves to a private loopback port."""
-    max_body_bytes: int = 64 * 1024 * 1024
-    """With ``front``: larger request bodies get a 413 before they are read whole."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -119,32 +106,32 @@ class TritonProcess:
         self._front: Any = None
         # With the front, tritonserver's HTTP endpoint keeps one private port across restarts.
         self.triton_http_url = (
-            f"http://127.0.0.1:{free_port()}" if options.front else options.http_url
+            f"http://127.0.0.1:{free_port()}" if options.server.front else options.server.http_url
         )
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
-        o = self.options
+        o, s = self.options, self.options.server
         cmd = [
             str(env.tritonserver / "bin" / "tritonserver"),
             f"--model-repository={Path(o.model_repository).resolve()}",
             f"--backend-directory={backends}",
-            f"--http-address={'127.0.0.1' if o.front else o.host}",
+            f"--http-address={'127.0.0.1' if s.front else s.host}",
             f"--http-port={self.triton_http_url.rsplit(':', 1)[1]}",
-            f"--grpc-address={o.host}",
-            f"--grpc-port={o.grpc_port}",
-            f"--metrics-address={o.host}",
-            f"--metrics-port={o.metrics_port}",
+            f"--grpc-address={s.host}",
+            f"--grpc-port={s.grpc_port}",
+            f"--metrics-address={s.host}",
+            f"--metrics-port={s.metrics_port}",
             f"--model-control-mode={o.model_control_mode}",
-            f"--log-verbose={o.log_verbose}",
-            f"--exit-timeout-secs={o.exit_timeout_s}",
+            f"--log-verbose={s.log_verbose}",
+            f"--exit-timeout-secs={s.exit_timeout_s}",
             "--exit-on-error=false",
             # Latency quantiles under the names servekit's own runtimes export too.
             "--metrics-config=summary_latencies=true",
             f"--allow-gpu-metrics={'true' if gpu_present() else 'false'}",
         ]
         for apis, header, token in (
-            ("inference", INFERENCE_TOKEN_HEADER, o.inference_token),
-            (CONTROL_APIS, CONTROL_TOKEN_HEADER, o.control_token),
+            ("inference", INFERENCE_TOKEN_HEADER, s.inference_token),
+            (CONTROL_APIS, CONTROL_TOKEN_HEADER, s.control_token),
         ):
             if token:
                 cmd.append(f"--http-restricted-api={apis}:{header}={token}")
@@ -158,7 +145,9 @@ class TritonProcess:
         """Start tritonserver (and the front, once) and wait until it is live and has finished
         its initial loads."""
         env = triton_environment()
-        self._workdir = Workdir("servekit-tritonserver-", verbose=self.options.log_verbose > 0)
+        self._workdir = Workdir(
+            "servekit-tritonserver-", verbose=self.options.server.log_verbose > 0
+        )
         backends = backend_directory(self._workdir.path, env)
         self.log_path = self._workdir.log_path
         with self.log_path.open("wb") as log:
@@ -181,28 +170,28 @@ class TritonProcess:
                     f"tritonserver not live after {timeout_s} s:\n{self.log_tail()}"
                 )
             time.sleep(0.1)
-        if self.options.front and self._front is None:
+        if self.options.server.front and self._front is None:
             self._start_front()
         return self
 
     def _start_front(self) -> None:
         from ..front.front import Front, TritonModels
 
-        o = self.options
+        s = self.options.server
         registry = TritonModels(
             self.triton_http_url,
-            o.grpc_url,
-            inference_token=o.inference_token,
-            control_headers={CONTROL_TOKEN_HEADER: o.control_token} if o.control_token else None,
+            s.grpc_url,
+            inference_token=s.inference_token,
+            control_headers={CONTROL_TOKEN_HEADER: s.control_token} if s.control_token else None,
         )
         self._front = Front(
             registry,
-            o.grpc_url,
-            host=o.host,
-            port=o.http_port,
+            s.grpc_url,
+            host=s.host,
+            port=s.http_port,
             ready=self.is_alive,
-            max_body_bytes=o.max_body_bytes,
-            inference_token=o.inference_token,
+            max_body_bytes=s.max_body_bytes,
+            inference_token=s.inference_token,
             http_url=self.triton_http_url,
         ).start()
 
@@ -254,7 +243,7 @@ class TritonProcess:
             if self._proc.poll() is None:
                 os.killpg(self._proc.pid, signal.SIGTERM)
                 try:
-                    self._proc.wait(self.options.exit_timeout_s + 10)
+                    self._proc.wait(self.options.server.exit_timeout_s + 10)
                 except subprocess.TimeoutExpired:
                     os.killpg(self._proc.pid, signal.SIGKILL)
                     self._proc.wait()

@@ -20,8 +20,8 @@ from typing import Any
 
 from ..batching.policy import BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
-from ..spec import ModelSpec
 from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
+from ..spec import ModelSpec
 
 __all__ = [
     "RepositoryModel",

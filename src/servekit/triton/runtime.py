@@ -16,26 +16,7 @@ from ..config import ServeConfig
 from .launcher import TritonOptions, TritonProcess
 from .repo import build_repository, model_repository
 
-__all__ = ["TritonRuntime", "triton_options"]
-
-
-def triton_options(config: ServeConfig, model_repository: Path, **extra: object) -> TritonOptions:
-    """The tritonserver flags a ``ServeConfig``'s server section implies."""
-    s = config.server
-    return TritonOptions(
-        model_repository,
-        host=s.host,
-        http_port=s.http_port,
-        grpc_port=s.grpc_port,
-        metrics_port=s.metrics_port,
-        log_verbose=s.log_verbose,
-        exit_timeout_s=s.exit_timeout_s,
-        inference_token=s.inference_token,
-        control_token=s.control_token,
-        front=s.front,
-        max_body_bytes=s.max_body_bytes,
-        **extra,  # type: ignore[arg-type]
-    )
+__all__ = ["TritonRuntime"]
 
 
 class TritonRuntime:
@@ -60,7 +41,7 @@ class TritonRuntime:
         try:
             models = model_repository(self.config)
             build_repository(self._root, models, cache_dir=self.config.cache_dir)
-            self.process = TritonProcess(triton_options(self.config, self._root)).start()
+            self.process = TritonProcess(TritonOptions(self._root, self.config.server)).start()
             self.process.wait_ready([m.name for m in models])
         except BaseException:
             self.stop()

@@ -69,12 +69,10 @@ def baseline_knobs(base: ServeConfig) -> Knobs:
 def for_runtime(base: ServeConfig, runtime: str) -> ServeConfig:
     """``base`` for ``runtime``; on Ray with default options, half a CPU per model replica
     so two replicas and the stages fit a 2-CPU machine, as ``servekit compare`` runs it."""
-    config = base.replace(runtime=runtime)
-    if runtime == "ray" and config.ray == RayOptions():
-        config = config.replace(ray=RayOptions(model_cpus=0.5))
-    if runtime != "ray":
-        config = config.replace(ray=RayOptions())
-    return config.check()
+    ray = RayOptions()
+    if runtime == "ray":
+        ray = base.ray if base.ray != RayOptions() else RayOptions(model_cpus=0.5)
+    return base.replace(runtime=runtime, ray=ray)
 
 
 def tune(
