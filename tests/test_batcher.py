@@ -250,13 +250,21 @@ def test_without_delay_whatever_waits_goes_as_soon_as_the_instance_is_free():
 
 
 def test_a_lone_request_runs_after_the_queue_delay():
-    model = Model()
+    """The delay is measured on the batcher's clock: until that clock has moved 2 ms the
+    request waits, however long the loop sleeps meanwhile."""
+    model, clock = Model(), FakeClock()
 
     async def main():
-        async with Batcher(
-            model, BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000), spec=SPEC
-        ) as b:
-            out = await b.infer(request(7, rows=2))
+        policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000)
+        async with Batcher(model, policy, spec=SPEC, clock=clock) as b:
+            waiting = asyncio.ensure_future(b.infer(request(7, rows=2)))
+            await asyncio.sleep(0.05)  # 25 delays of wall time; the clock has not moved
+            assert model.batches == [] and b.pending == 1
+            clock.now += 0.0019
+            await asyncio.sleep(0.01)
+            assert model.batches == []
+            clock.now += 0.0001
+            out = await asyncio.wait_for(waiting, 10)
             np.testing.assert_array_equal(out["y"], row_fn(request(7, rows=2)["x"]))
 
     asyncio.run(main())

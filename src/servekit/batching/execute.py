@@ -8,17 +8,99 @@ requests one by one so only the culprit fails.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import InvalidInput, RunnerError, ServekitError
+from ..runners.base import batch_function
 from ..spec import ModelSpec
 from .concat import concat, split
 
-__all__ = ["run_requests"]
+__all__ = ["BatchFn", "Steps", "as_error", "batch_steps", "drive", "drive_async", "run_requests"]
 
 Arrays = dict[str, np.ndarray]
+BatchFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+Steps = Generator[Arrays, Mapping[str, np.ndarray], list[Arrays | ServekitError]]
+"""One batch's execution: yields the inputs to run, is sent their outputs (or has the
+model's exception thrown in), returns one result per request."""
+
+
+def as_error(exc: BaseException, name: str = "") -> ServekitError:
+    """``exc`` as the error a caller gets: a ServekitError as it is, anything else a
+    ``RunnerError`` naming the model and the exception."""
+    if isinstance(exc, ServekitError):
+        return exc
+    error = RunnerError(f"{name + ': ' if name else ''}{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def batch_steps(
+    requests: Sequence[Mapping[str, np.ndarray]],
+    rows: Sequence[int],
+    names: Sequence[str],
+    check: Callable[[Mapping[str, np.ndarray], int], None],
+    name: str = "",
+) -> Steps:
+    """Run ``requests`` as one batch, ``check`` its outputs and split them. When the batch
+    raises ``InvalidInput`` (a bad image found only while decoding, say), run them one by
+    one so only the culprit fails. Any other failure fails the batch: raised, whole.
+
+    The one execution path of every batch, driven by ``drive`` (threads) or
+    ``drive_async`` (coroutine models)."""
+    try:
+        outputs = yield concat(requests, names)
+        check(outputs, sum(rows))
+        return split(outputs, rows)  # type: ignore[return-value]
+    except InvalidInput:
+        if len(requests) == 1:
+            raise
+    except ServekitError:
+        raise
+    except Exception as exc:
+        raise as_error(exc, name) from exc
+    results: list[Arrays | ServekitError] = []
+    for one, n in zip(requests, rows, strict=True):
+        try:
+            outputs = yield concat([one], names)
+            check(outputs, n)
+            results.append(split(outputs, [n])[0])
+        except Exception as exc:
+            results.append(as_error(exc, name))
+    return results
+
+
+def drive(steps: Steps, fn: BatchFn) -> list[Arrays | ServekitError]:
+    """Run ``steps`` with a blocking batch function."""
+    try:
+        inputs = next(steps)
+        while True:
+            try:
+                outputs = fn(inputs)
+            except Exception as exc:
+                inputs = steps.throw(exc)
+            else:
+                inputs = steps.send(outputs)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+async def drive_async(
+    steps: Steps, fn: Callable[[Mapping[str, np.ndarray]], Awaitable[Mapping[str, np.ndarray]]]
+) -> list[Arrays | ServekitError]:
+    """Run ``steps`` with a coroutine batch function."""
+    try:
+        inputs = next(steps)
+        while True:
+            try:
+                outputs = await fn(inputs)
+            except Exception as exc:
+                inputs = steps.throw(exc)
+            else:
+                inputs = steps.send(outputs)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 def run_requests(
@@ -31,6 +113,7 @@ def run_requests(
         requests: each a dict of input arrays with the batch dim first.
     """
     spec = spec or runner.spec  # type: ignore[attr-defined]
+    fn = batch_function(runner)  # type: ignore[arg-type]
     names = [t.name for t in spec.inputs]
     results: list[Arrays | ServekitError | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
@@ -49,17 +132,17 @@ def run_requests(
         chunk_rows = 0
         for i in members:  # never more than max_batch_size rows in one call
             if chunk and (chunk_rows + rows[i] > limit or not spec.batched):
-                _run_group(runner, spec, requests, chunk, rows, results, names)
+                _run_group(fn, spec, requests, chunk, rows, results, names)
                 chunk, chunk_rows = [], 0
             chunk.append(i)
             chunk_rows += rows[i]
         if chunk:
-            _run_group(runner, spec, requests, chunk, rows, results, names)
+            _run_group(fn, spec, requests, chunk, rows, results, names)
     return results  # type: ignore[return-value]
 
 
 def _run_group(
-    runner: object,
+    fn: BatchFn,
     spec: ModelSpec,
     requests: Sequence[Mapping[str, np.ndarray]],
     members: list[int],
@@ -67,24 +150,12 @@ def _run_group(
     results: list[Arrays | ServekitError | None],
     names: list[str],
 ) -> None:
+    steps = batch_steps(
+        [requests[i] for i in members], [rows[i] for i in members], names, spec.check_outputs
+    )
     try:
-        outputs = runner.infer(concat([requests[i] for i in members], names))  # type: ignore[attr-defined]
-        parts = split(outputs, [rows[i] for i in members])
-    except InvalidInput as exc:
-        if len(members) == 1:
-            results[members[0]] = exc
-            return
-        for i in members:  # find which request was bad; the others still get answers
-            _run_group(runner, spec, requests, [i], rows, results, names)
-        return
+        parts = drive(steps, fn)
     except ServekitError as exc:
-        for i in members:
-            results[i] = exc
-        return
-    except Exception as exc:
-        error = RunnerError(f"{type(exc).__name__}: {exc}")
-        for i in members:
-            results[i] = error
-        return
+        parts = [exc] * len(members)
     for i, part in zip(members, parts, strict=True):
         results[i] = part

@@ -1,15 +1,23 @@
-"""A queued request: typed and slotted, never a tuple."""
+"""A queued request (typed and slotted, never a tuple) and its admission."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Mapping
+import itertools
+import math
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request"]
+from ..errors import InvalidInput
+from ..spec import ModelSpec
+from .policy import BatchingPolicy
+from .stats import BatcherStats
+
+__all__ = ["Admission", "Request"]
 
 Future = asyncio.Future | concurrent.futures.Future
 
@@ -50,3 +58,66 @@ class Request:
                 self.future.set_exception(exc)
         except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
             pass
+
+
+class Admission:
+    """The one place a request's inputs are validated: its rows against the policy's
+    max batch size, its priority and timeout against the queue policy; then it becomes
+    a ``Request`` stamped on the batcher's clock."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        policy: BatchingPolicy,
+        name: str,
+        clock: Callable[[], float],
+        stats: BatcherStats,
+    ) -> None:
+        self.spec, self.policy, self.name, self._clock, self._stats = (
+            spec,
+            policy,
+            name,
+            clock,
+            stats,
+        )
+        self._names = [t.name for t in spec.inputs]
+        self._max_rows = policy.max_batch_size
+        self._level = policy.level_of(0)
+        self._timeout_us = policy.queue_policy(self._level).timeout_us(None)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def __call__(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        priority: int,
+        timeout_us: int | None,
+        future: Future,
+    ) -> Request:
+        """Raises ``InvalidInput`` (counted) naming what is wrong."""
+        level, timeout = self._level, self._timeout_us
+        try:
+            rows = self.spec.validate_inputs(inputs)
+            if rows > self._max_rows:
+                raise InvalidInput(
+                    f"{self.name}: batch size {rows} exceeds max_batch_size {self._max_rows}"
+                )
+            if priority or timeout_us is not None:
+                try:
+                    level = self.policy.level_of(priority)
+                except ValueError as exc:
+                    raise InvalidInput(f"{self.name}: {exc}") from None
+                timeout = self.policy.queue_policy(level).timeout_us(timeout_us)
+        except InvalidInput:
+            with self._lock:  # callers on any thread land here
+                self._stats.request_invalid += 1
+            raise
+        now = self._clock()
+        names = self._names
+        shape_key = (
+            (inputs[names[0]].shape[1:],)
+            if len(names) == 1
+            else tuple(inputs[n].shape[1:] for n in names)
+        )
+        deadline = now + timeout / 1e6 if timeout else math.inf
+        return Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)

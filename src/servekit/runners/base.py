@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import RunnerError, ServekitError
 from ..spec import ModelSpec
 
-__all__ = ["BaseRunner", "FunctionRunner", "Runner"]
+__all__ = ["BaseRunner", "FunctionRunner", "Runner", "batch_function"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -52,15 +52,20 @@ class BaseRunner:
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         rows = self._spec.validate_inputs(inputs)
+        outputs = self.run(inputs)
+        if self.check_outputs:
+            self._spec.check_outputs(outputs, rows)
+        return outputs
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        """A batch whose requests were validated already (by a batcher, which also checks
+        the outputs): no second check; an engine failure becomes a ``RunnerError``."""
         try:
-            outputs = self._run(inputs)
+            return self._run(inputs)
         except ServekitError:
             raise
         except Exception as exc:  # an engine failure is the model's, not the caller's
             raise RunnerError(f"{type(self).__name__}: {type(exc).__name__}: {exc}") from exc
-        if self.check_outputs:
-            self._spec.check_outputs(outputs, rows)
-        return outputs
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         raise NotImplementedError
@@ -100,3 +105,12 @@ class FunctionRunner(BaseRunner):
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         return dict(self._fn(inputs))
+
+
+def batch_function(
+    runner: Runner,
+) -> Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]:
+    """What a batcher calls for a batch it validated request by request: a ``BaseRunner``'s
+    ``run`` (no second validation; the batcher checks the outputs), any other Runner's
+    ``infer``."""
+    return runner.run if isinstance(runner, BaseRunner) else runner.infer

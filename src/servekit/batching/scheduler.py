@@ -1,0 +1,148 @@
+"""When queued requests run, and which together: the queue policy, the batching decision,
+the free instances and one timer, all on the injected clock.
+
+Runs on the batcher's event loop and nowhere else. Each wake-up (a request arrives, an
+instance frees, the timer fires) expires timed-out requests, then starts batches while
+``decide`` says so and an instance is free, then arms the timer for the earliest moment
+anything can change: the decision's wait or the next queue deadline, both measured on
+the injected clock. The loop only sleeps until then; a clock that has not reached the
+moment (a test's fake clock) re-arms instead of running early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+
+from .decision import decide
+from .policy import BatchingPolicy
+from .queue import RequestQueue
+from .request import Request
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Dynamic batching's decisions for one model.
+
+    Args:
+        policy: the effective policy (``max_batch_size`` resolved).
+        limit: rows one batch may hold.
+        instance_count: batches that may run at once.
+        clock: monotonic seconds; every decision and deadline is measured on it.
+        launch: starts ``batch`` (already taken from the queue, an instance already
+            claimed) at clock time ``now``.
+        on_timeout: told how many queued requests ``expire`` just failed.
+    """
+
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        *,
+        limit: int,
+        instance_count: int,
+        clock: Callable[[], float],
+        launch: Callable[[list[Request], float], None],
+        on_timeout: Callable[[int], None],
+    ) -> None:
+        self.queue = RequestQueue(policy)
+        self.instance_count = instance_count
+        self.free = instance_count
+        self.flush = False
+        """Closing: run what is queued without waiting for fuller batches."""
+        self.drained: asyncio.Event | None = None
+        """Set once nothing is queued or running (while closing)."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._limit = limit
+        self._preferred = frozenset(policy.preferred_batch_sizes)
+        self._delay_s = policy.max_queue_delay_us / 1e6
+        self._clock = clock
+        self._launch = launch
+        self._on_timeout = on_timeout
+        self._poke_pending = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = math.inf  # on the injected clock
+
+    def admit(self, request: Request) -> None:
+        """Queue ``request`` (or start it at once when nothing could join it).
+
+        Raises:
+            Overloaded: the queue is full.
+        """
+        if self.free and not self._delay_s and self.queue.idle():
+            # What decide() would do for a lone request with no delay, minus the queue round trip.
+            request.taken = True
+            self.free -= 1
+            self._launch([request], request.arrival)
+            return
+        self.queue.push(request)  # raises Overloaded
+        if self.free and not self._delay_s:
+            self.poke()  # an idle instance and nothing to wait for: start now
+        elif not self._poke_pending:
+            # Coalesce: one decision per loop iteration however many requests arrive in it.
+            self._poke_pending = True
+            self.loop.call_soon(self.poke)  # type: ignore[union-attr]
+
+    def release(self) -> None:
+        """An instance finished its batch."""
+        self.free += 1
+        self.poke()
+
+    def poke(self) -> None:
+        """Expire timeouts, then start batches while instances are free; arm the next wake-up."""
+        self._poke_pending = False
+        if self.drained is None and self.queue.idle():
+            return
+        now = self._clock()
+        timed_out = self.queue.expire(now)
+        if timed_out:
+            self._on_timeout(timed_out)
+        wait = math.inf
+        while self.free:
+            pending = self.queue.peek(self._limit + 1)
+            if not pending:
+                break
+            d = decide(
+                pending,
+                now,
+                limit=self._limit,
+                preferred=self._preferred,
+                delay_s=self._delay_s,
+                flush=self.flush,
+            )
+            if not d.take:
+                wait = d.wait_s if d.wait_s is not None else math.inf
+                break
+            batch = pending[: d.take]
+            self.queue.take(batch)
+            self.free -= 1
+            self._launch(batch, now)
+        deadline = self.queue.next_deadline()
+        if deadline is not None:
+            wait = min(wait, max(deadline - now, 0.0))
+        if wait < math.inf:
+            self._arm(now, wait)
+        if self.drained is not None and self.free == self.instance_count and not self.queue.peek(1):
+            self.drained.set()
+
+    def _arm(self, now: float, wait_s: float) -> None:
+        due = now + wait_s
+        if self._timer is not None:
+            if self._timer_due <= due:
+                return
+            self._timer.cancel()
+        self._timer = self.loop.call_later(wait_s, self._on_timer)  # type: ignore[union-attr]
+        self._timer_due = due
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_due = None, math.inf
+        self.poke()  # decides on the clock: not due yet there, it arms again
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_due = None, math.inf
+
+    def __len__(self) -> int:
+        return len(self.queue)
