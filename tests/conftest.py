@@ -4,12 +4,37 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from servekit import zoo
+
+
+def wait_until(
+    condition: Callable[[], object],
+    what: str,
+    timeout_s: float = 30.0,
+    *,
+    alive: Callable[[], object] | None = None,
+) -> None:
+    """Wait for ``condition()`` to hold (a state, never a fixed time); fail naming ``what``
+    after ``timeout_s``, or at once when ``alive()`` says what we wait on has died. A
+    condition that raises counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            if condition():
+                return
+        except Exception:
+            pass
+        assert alive is None or alive(), f"died while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 @pytest.fixture(scope="session")
@@ -71,19 +96,13 @@ def sample(samples: dict, name: str, **labels: str) -> float:
 def serving(app) -> Iterator[str]:
     """An ASGI app under a real uvicorn on a free loopback port; yields its base URL and
     always stops the server, also when the test fails."""
-    import threading
-    import time
-
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
+    wait_until(lambda: server.started, "uvicorn listening", 20)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -127,6 +146,11 @@ class Load:
 
     def failures(self) -> list[Exception]:
         return [r for r in self.results if isinstance(r, Exception)]
+
+    def wait_answers(self, count: int, timeout_s: float = 60.0) -> None:
+        """Wait until ``count`` more calls have come back (answers or errors)."""
+        target = len(self.results) + count
+        wait_until(lambda: len(self.results) >= target, f"{count} more answers", timeout_s)
 
 
 @contextlib.contextmanager

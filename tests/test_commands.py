@@ -9,7 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from servekit import OnnxRuntimeRunner
 from servekit.client import Client
 from servekit.runtime.processes import processes
@@ -26,15 +26,32 @@ from servekit.triton.repo import build_repository, reference_repository
 from servekit.zoo.tiny import build_tiny_cnn
 
 
+def spawn(argv: list[str], stdout=subprocess.PIPE) -> subprocess.Popen:
+    """``argv`` in its own process; with a pipe, a thread keeps what it prints as it comes
+    (``output()``), so a test can wait for a line."""
+    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT)
+    if stdout is subprocess.PIPE:
+        lines: list[bytes] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")))
+        reader.start()
+        proc.reader = reader
+        proc.output = lambda: b"".join(list(lines)).decode(errors="replace")
+    return proc
+
+
+def running(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` still runs; if not, what it printed is shown with the failure."""
+    if proc.poll() is None:
+        return True
+    print(proc.output()[-3000:])
+    return False
+
+
 def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
     with Client(url) as c:
-        while not c.is_ready(model):
-            assert proc.poll() is None, (
-                f"exited early:\n{proc.stdout.read().decode(errors='replace')[-3000:]}"
-            )
-            assert time.monotonic() < deadline, "not ready in time"
-            time.sleep(0.2)
+        wait_until(
+            lambda: c.is_ready(model), f"{model} ready", timeout_s, alive=lambda: running(proc)
+        )
 
 
 def stop(proc: subprocess.Popen) -> int:
@@ -46,7 +63,8 @@ def stop(proc: subprocess.Popen) -> int:
             proc.kill()
             proc.wait()
         if proc.stdout is not None:
-            proc.stdout_text = proc.stdout.read().decode(errors="replace")
+            proc.reader.join(30)
+            proc.stdout_text = proc.output()
             proc.stdout.close()
 
 
@@ -69,10 +87,7 @@ max_batch_size = 4
 max_queue_delay_us = 1000
 """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "servekit.cli", "serve", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = spawn([sys.executable, "-m", "servekit.cli", "serve", "--config", str(config)])
     try:
         wait_ready(f"http://127.0.0.1:{http}", "tiny_cnn_image", proc)
         with Client(f"http://127.0.0.1:{http}") as c:
@@ -91,15 +106,10 @@ max_queue_delay_us = 1000
             and "tiny_cnn_0_0" in argv and _descends_from(pid, proc.pid)
         ]  # fmt: skip
         os.kill(stub, signal.SIGKILL)
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with Client(f"http://127.0.0.1:{http}") as c:
-                    assert c.infer("tiny_cnn", {"input": np.zeros((1, 3, 32, 32), np.float32)})
-                break
-            except Exception:
-                assert time.monotonic() < deadline and proc.poll() is None, "did not recover"
-                time.sleep(0.5)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            x = {"input": np.zeros((1, 3, 32, 32), np.float32)}
+            wait_until(lambda: c.infer("tiny_cnn", x), "an answer after the restart", 90,
+                       alive=lambda: running(proc))  # fmt: skip
     finally:
         code = stop(proc)
     assert code == 0
@@ -128,14 +138,14 @@ def reload_on_sighup(proc: subprocess.Popen, url: str, name: str, model: Path) -
         after = two.infer(x)["logits"]
     proc.send_signal(signal.SIGHUP)
     with Client(url) as c:
-        deadline = time.monotonic() + 120
-        while np.allclose(out := c.infer(name, x)["logits"], before, rtol=1e-5):
-            assert time.monotonic() < deadline, "SIGHUP did not swap the model in"
-            time.sleep(0.2)
-        np.testing.assert_allclose(out, after, rtol=1e-5)
+        wait_until(
+            lambda: not np.allclose(c.infer(name, x)["logits"], before, rtol=1e-5),
+            "the model swapped in on SIGHUP", 120,
+        )  # fmt: skip
+        np.testing.assert_allclose(c.infer(name, x)["logits"], after, rtol=1e-5)
         replace(model, b"not a model")
         proc.send_signal(signal.SIGHUP)
-        time.sleep(3)
+        wait_until(lambda: "reload failed" in proc.output(), "the failed reload reported", 60)
         np.testing.assert_allclose(c.infer(name, x)["logits"], after, rtol=1e-5)
 
 
@@ -154,10 +164,10 @@ def _jpeg() -> bytes:
 
 def triton_cli(repo, http: int, *flags: str, stdout=subprocess.PIPE) -> subprocess.Popen:
     """``servekit triton`` on ``repo`` in its own process, HTTP on ``http``."""
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "servekit.cli", "triton", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), *flags],
-        stdout=stdout, stderr=subprocess.STDOUT,
+        stdout,
     )  # fmt: skip
 
 
@@ -254,10 +264,8 @@ def test_sigterm_while_triton_is_still_starting_stops_it_cleanly(tmp_path, model
     build_repository(repo, reference_repository(), cache_dir=model_cache)
     http = free_port()
     proc = triton_cli(repo, http)
-    deadline = time.monotonic() + 60
-    while not _tritonservers(repo):  # tritonserver exists but is still loading the models
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: _tritonservers(repo), "a tritonserver (still loading)", 60,
+               alive=lambda: running(proc))  # fmt: skip
     assert stop(proc) == 0
     assert _tritonservers(repo) == []
 
@@ -285,13 +293,10 @@ def test_a_tritonserver_that_crashes_is_restarted_and_reported(tmp_path, tiny_cn
             conn.request("POST", "/v2/models/tiny/infer", body=json.dumps(HOSTILE))
             conn.getresponse()
         conn.close()
-        deadline = time.monotonic() + 60
-        while _tritonservers(tmp_path / "repo") in (
-            [],
-            [first],
-        ):  # the crashed one gone, a new one up
-            assert time.monotonic() < deadline, "tritonserver was not restarted"
-            time.sleep(0.1)
+        wait_until(
+            lambda: _tritonservers(tmp_path / "repo") not in ([], [first]),
+            "a new tritonserver in place of the crashed one", 60,
+        )  # fmt: skip
         wait_ready(url, "tiny", proc)
         with Client(url) as c:
             assert c.infer("tiny", x)["logits"].shape == (1, 10)
@@ -307,10 +312,9 @@ def test_serve_on_ray_redeploys_on_sighup_and_stops_cleanly_on_sigterm(tmp_path,
     http = free_port()
     model = tmp_path / "tiny.onnx"
     shutil.copyfile(tiny_cnn_path, model)
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "servekit", "serve", "--runtime", "ray", "--model", str(model),
          "--name", "tiny", "--host", "127.0.0.1", "--http-port", str(http)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         wait_ready(f"http://127.0.0.1:{http}", "tiny", proc, timeout_s=180)
@@ -322,11 +326,10 @@ def test_serve_on_ray_redeploys_on_sighup_and_stops_cleanly_on_sigterm(tmp_path,
 
 
 def _serve(runtime: str, model: Path, http: int, grpc: int, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "servekit", "serve", "--runtime", runtime, "--model", str(model),
          "--name", "tiny", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),
          "--metrics-port", str(free_port()), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import tomllib
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from servekit import (
@@ -126,7 +126,6 @@ def test_any_config_round_trips_through_its_dict(
         ),
         instances=instances,
     )
-    assume(front or runtime != "ray")  # Ray's ingress is always the front
     config = ServeConfig((model,), ServerConfig(front=front), runtime=runtime)
     assert ServeConfig.from_dict(config.to_dict()) == config
 
@@ -189,12 +188,23 @@ def test_other_file_types_are_refused(tmp_path):
     ],
 )
 def test_a_knob_a_runtime_cannot_honour_is_an_error_naming_both(runtime, server, ray, message):
-    with pytest.raises(ValueError, match=message):  # when the config is made
-        ServeConfig(server=ServerConfig(**server), runtime=runtime, ray=ray or RayOptions())
+    config = ServeConfig(server=ServerConfig(**server), runtime=runtime, ray=ray or RayOptions())
+    with pytest.raises(ValueError, match=message):
+        config.check()
     other = "ray" if ray else "pytriton" if runtime != "pytriton" else "native"
-    config = ServeConfig(server=ServerConfig(**server), runtime=other, ray=ray or RayOptions())
-    with pytest.raises(ValueError, match=message):  # or when asked for another runtime
-        config.check(runtime)
+    with pytest.raises(ValueError, match=message):  # asked from a config for another runtime
+        config.replace(runtime=other).check(runtime)
+
+
+def test_a_config_is_checked_once_however_many_entry_points_ask(monkeypatch):
+    config = ServeConfig(runtime="native")
+    seen = []
+    monkeypatch.setattr(ServeConfig, "_check", lambda self, runtime: seen.append(runtime))
+    assert config.check() is config.check("native") is config.check() is config
+    config.check("triton")
+    assert seen == ["native", "triton"]
+    config.replace(server=ServerConfig(log_verbose=1)).check()  # a new config: checked anew
+    assert seen == ["native", "triton", "native"]
 
 
 def test_every_runtime_takes_the_defaults():

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import wait_until
 from servekit.endpoints import free_port
 from servekit.http.h1 import Answer, H1Server, HttpRequest
 
@@ -167,7 +168,7 @@ def test_stop_answers_the_requests_in_flight():
     s = H1Server(echo, "127.0.0.1", free_port()).start()
     sock = socket.create_connection((s.host, s.port), timeout=10)
     sock.sendall(get("/sleep/500"))
-    time.sleep(0.1)
+    wait_until(lambda: any(c.busy for c in s.connections), "the request in flight", 10)
     stopper = threading.Thread(target=s.stop, args=(5,))
     stopper.start()
     assert read_answers(sock, 1) == [(200, b"GET /sleep/500? 0")]

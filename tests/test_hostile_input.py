@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 
 uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import serving
+from conftest import serving, wait_until
 from servekit import Batcher, BatchingPolicy, FunctionRunner, ModelSpec, TensorSpec
 from servekit.http import KServeApp
 
@@ -288,8 +287,7 @@ def test_a_request_deadline_drops_work_that_waited_too_long_and_priority_is_hono
         try:
             first = threading.Thread(target=send, args=("busy", body(1.0)))
             first.start()
-            while not ran:  # the only instance is now held by the first request
-                time.sleep(0.01)
+            wait_until(lambda: ran, "the first request holding the only instance", 10)
             late = threading.Thread(target=send, args=("late", body(2.0, timeout=20_000)))
             late.start()
             late.join(10)  # its 20 ms pass while it waits: dropped without running

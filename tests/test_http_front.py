@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -16,7 +15,7 @@ import pytest
 th = pytest.importorskip("tritonclient.http", reason="needs tritonclient (triton extra)")
 uvicorn = pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import serving
+from conftest import serving, wait_until
 from servekit import (
     Batcher,
     BatchingPolicy,
@@ -254,10 +253,10 @@ def test_a_full_queue_answers_503_with_retry_after(front):
     ]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while not any(r[0] == 503 for r in results) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    gate.set()
+    try:
+        wait_until(lambda: any(r[0] == 503 for r in results), "a 503 from the full queue", 10)
+    finally:
+        gate.set()
     for t in threads:
         t.join()
     statuses = sorted(r[0] for r in results)

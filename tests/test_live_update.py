@@ -63,10 +63,10 @@ def test_each_batch_runs_on_one_version_and_new_batches_on_the_new_one():
     v1, v2 = constant(1.0, SPEC, 0.002), constant(2.0, SPEC, 0.002)
     runner = VersionedRunner(v1, name="m")
     with Load(calls(lambda: runner.infer(X)["y"])) as load:
-        time.sleep(0.1)
+        load.wait_answers(20)
         assert runner.update(v2) == 2
         after = runner.infer(X)["y"]
-        time.sleep(0.1)
+        load.wait_answers(20)
     assert not load.failures()
     # A batch is all ones or all twos, never a mix; once update returned, only twos.
     assert {tuple(np.unique(r)) for r in load.results} <= {(1.0,), (2.0,)}
@@ -88,17 +88,25 @@ def test_rollback_serves_the_previous_version_and_older_ones_are_closed_once_idl
 
 
 def test_a_version_replaced_mid_batch_is_closed_only_after_that_batch():
-    slow = constant(1.0, SPEC, delay_s=0.3)
+    started, gate = threading.Event(), threading.Event()
+
+    def held(inputs):
+        started.set()
+        gate.wait(10)
+        return {"y": np.full((len(inputs["x"]), 1), 1.0, np.float32)}
+
+    slow = Tracked(held, SPEC)
     runner = VersionedRunner(slow, name="m")
     runner.update(constant(2.0, SPEC))
     runner.rollback()
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(runner.infer(X)))
     t.start()
-    time.sleep(0.1)  # the slow version (now current again) is mid-batch
+    assert started.wait(10)  # the slow version (now current again) is mid-batch
     runner.update(constant(3.0, SPEC))  # slow becomes previous: kept
     runner.update(constant(4.0, SPEC))  # slow is now stale but busy: not closed yet
     assert not slow.closed
+    gate.set()
     t.join()
     assert (result["y"] == 1.0).all() and slow.closed
 
@@ -197,18 +205,18 @@ def test_pytriton_swaps_roll_back_and_refuse_bad_versions_under_load_without_a_f
             return c.infer("tiny", {"input": ROWS})["logits"]
 
     with Load(session) as load:
-        time.sleep(0.5)
+        load.wait_answers(20)
         assert server.update("tiny", load_model(second_version, policy)) == 2
         np.testing.assert_allclose(answers_now(), two, rtol=1e-5)
-        time.sleep(0.5)
+        load.wait_answers(20)
         assert server.rollback("tiny") == 1
         np.testing.assert_allclose(answers_now(), one, rtol=1e-5)
-        time.sleep(0.5)
+        load.wait_answers(20)
         with pytest.raises(UpdateRefused, match="inputs differ"):
             server.update("tiny", load_model(add_sub_path, policy))
         assert server.version("tiny") == 1
         server.update("tiny", load_model(second_version, policy))
-        time.sleep(0.5)
+        load.wait_answers(20)
     assert not load.failures(), load.failures()[:3]
     # Every answer is wholly one version's; the image model follows the same swaps.
     matched = [

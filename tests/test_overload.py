@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from servekit import Overloaded
 from servekit.client import AsyncClient
 
@@ -79,15 +79,10 @@ def test_memory_stays_flat_while_the_server_is_kept_over_capacity(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "the server exited"
-            try:
-                urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
+        wait_until(
+            lambda: urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2),
+            "the server ready", 60, alive=lambda: proc.poll() is None,
+        )  # fmt: skip
         warm = asyncio.run(saturate(url, 6))
         before = rss_mb(proc.pid)
         rounds = [asyncio.run(saturate(url, 6)) for _ in range(3)]

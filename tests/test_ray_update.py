@@ -5,7 +5,6 @@ whose model does not load is refused on the driver while the old version keeps s
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -75,17 +74,17 @@ def test_redeploys_and_a_rollback_under_load_lose_nothing_and_mix_nothing(ray_ur
 
     broken = version(tmp_path, "3", b"not an onnx file")
     with Load(session, threads=3) as load:
-        time.sleep(1)
+        load.wait_answers(10)
         deploy(two)  # returns once the new version's replicas are running
         np.testing.assert_allclose(answers_now(), v2, rtol=1e-5)
-        time.sleep(1)
+        load.wait_answers(10)
         deploy(one)  # rollback: the old file again
         np.testing.assert_allclose(answers_now(), v1, rtol=1e-5)
         # A version that does not load never reaches the cluster: the driver reads the
         # model first, and the serving version stays.
         with pytest.raises(ValueError, match="tiny.onnx: cannot load: InvalidProtobuf"):
             deploy(broken)
-        time.sleep(1)
+        load.wait_answers(10)
     assert not load.failures(), load.failures()[:3]
     answers = load.results
     matched = [np.allclose(r, v1, rtol=1e-5) or np.allclose(r, v2, rtol=1e-5) for r in answers]

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra (its bundled tritonserver)")
 
+from conftest import wait_until
 from servekit import (
     BatchingPolicy,
     InvalidInput,
@@ -251,10 +252,10 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
 
     def served_after(mark: int, value: float) -> None:
         """Wait until 20 more answers than `mark` came, the last one from `value`."""
-        deadline = time.monotonic() + 30
-        while len(seen) < mark + 20 or seen[-1] != value:
-            assert time.monotonic() < deadline, f"no run of answers from {value} after {mark}"
-            time.sleep(0.01)
+        wait_until(
+            lambda: len(seen) >= mark + 20 and seen[-1] == value,
+            f"a run of answers from {value} after {mark}", 30,
+        )  # fmt: skip
 
     workers = [threading.Thread(target=load, args=(mine,)) for mine in per_worker]
     for w in workers:
@@ -268,14 +269,12 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
         broken.mkdir()
         (broken / "model.onnx").write_bytes(b"not an onnx file")
         broken.rename(repo / "adder" / "3")
-        deadline = time.monotonic() + 30
-        while (
-            repository_index(triton.options.server.http_url).get(("adder", "3"), {}).get("state")
-            != "UNAVAILABLE"
-        ):
-            assert time.monotonic() < deadline, "version 3 was not tried"
-            time.sleep(0.2)
-        time.sleep(2)  # a few more poll rounds
+        index = triton.options.server.http_url
+        wait_until(
+            lambda: repository_index(index).get(("adder", "3"), {}).get("state") == "UNAVAILABLE",
+            "version 3 tried and refused", 30,
+        )  # fmt: skip
+        time.sleep(2)  # the poller's rounds go on (one a second): nothing may change meanwhile
         after_broken = len(seen)
         served_after(after_broken, 202.0)
         assert set(seen[after_broken:]) == {202.0}
@@ -284,8 +283,7 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
             shutil.rmtree(repo / "adder" / str(v))
         served_after(len(seen), 102.0)
         rolled = len(seen)
-        while len(seen) < rolled + 20:
-            time.sleep(0.01)
+        wait_until(lambda: len(seen) >= rolled + 20, "20 more answers from version 1", 30)
     finally:
         stop.set()
         for w in workers:
@@ -305,15 +303,13 @@ def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(t
     vdir = repo / "broken" / "1"
     vdir.mkdir()
     (vdir / "model.onnx").write_bytes(b"this is not an onnx file")
-    deadline = time.monotonic() + 30
-    state = {}
-    while time.monotonic() < deadline:
-        state = repository_index(triton.options.server.http_url).get(("broken", "1"), {})
-        if state.get("state") == "UNAVAILABLE" and state.get("reason"):
-            break
-        time.sleep(0.2)
-    assert state.get("state") == "UNAVAILABLE"
-    assert "cannot load model.onnx" in state["reason"]
+
+    def state() -> dict:
+        return repository_index(triton.options.server.http_url).get(("broken", "1"), {})
+
+    wait_until(lambda: state().get("state") == "UNAVAILABLE" and state().get("reason"),
+               "the broken model reported UNAVAILABLE with a reason", 30)  # fmt: skip
+    assert "cannot load model.onnx" in state()["reason"]
     with Client(triton.options.server.http_url) as c:
         assert len(c.classify(images(1), model="resnet50_ensemble")[0]) == 5
 
@@ -447,9 +443,7 @@ def test_fifty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_
                     admin.load_model("tiny")
                     assert c.infer("tiny", x)["logits"].shape == (1, 10)
                     admin.unload_model("tiny")
-                    deadline = time.monotonic() + 10
-                    while admin.is_model_ready("tiny") and time.monotonic() < deadline:
-                        time.sleep(0.05)
+                    wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
                     rss.append(tree_rss(pid))
             growth = rss[-1] - rss[9]
             print(

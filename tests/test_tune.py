@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from servekit.batching import BatchingPolicy
 from servekit.bench.cpu import descendants
 from servekit.bench.loadgen import MeasureConfig
@@ -91,9 +91,11 @@ def test_ctrl_c_stops_the_server_and_writes_the_report_so_far(device, tmp_path):
         for line in proc.stdout:
             if line.startswith("native: batch 4, instances 1"):
                 break  # the first candidate is done; the second is starting
-        time.sleep(4)
+        wait_until(
+            lambda: [p for p in descendants(proc.pid) if p != proc.pid],
+            "the second candidate's server", 60,
+        )  # fmt: skip
         servers = [p for p in descendants(proc.pid) if p != proc.pid]
-        assert servers, "the second candidate's server should be running"
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=90)[0]
     finally:
@@ -104,11 +106,10 @@ def test_ctrl_c_stops_the_server_and_writes_the_report_so_far(device, tmp_path):
     report = (tmp_path / "out" / "report.md").read_text()
     assert "Interrupted (Ctrl-C)" in report and "| 1 | batch 4, instances 1" in report
     assert "| 2 |" not in report
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{p}").exists() for p in servers) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    alive = [p for p in servers if Path(f"/proc/{p}").exists()]
-    assert not alive, f"servers left running: {alive}"
+    wait_until(
+        lambda: not any(Path(f"/proc/{p}").exists() for p in servers),
+        f"the candidates' servers {servers} gone", 30,
+    )  # fmt: skip
 
 
 def test_tune_all_runtimes_writes_a_best_toml_each_that_serves(add_sub_path, tmp_path):

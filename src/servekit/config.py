@@ -262,14 +262,16 @@ class ServeConfig:
             raise ValueError(f"served model names must be unique, got {served}")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
-        self._check(self.runtime)
 
     def check(self, runtime: str | None = None) -> ServeConfig:
-        """Raise ``ValueError`` naming every knob set here that ``runtime`` cannot honour;
-        returns self. A config is checked for its own runtime when it is made, so only
-        another runtime costs anything here."""
-        if runtime is not None and runtime != self.runtime:
+        """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
+        config's) cannot honour; returns self. Each runtime is checked once per config:
+        the entry points (the CLI, each runtime) may all ask."""
+        runtime = runtime or self.runtime
+        checked: set[str] = vars(self).setdefault("_checked", set())
+        if runtime not in checked:
             self._check(runtime)
+            checked.add(runtime)
         return self
 
     def _check(self, runtime: str) -> None:

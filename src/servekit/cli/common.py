@@ -144,6 +144,6 @@ def serve_config(
                 "max_queue_delay_us": max_queue_delay_us,
             },
             queue={"max_queue_size": max_queue_size},
-        )
+        ).check()
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -130,7 +130,7 @@ def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConf
         config = args
     else:
         config = ServeConfig.from_dict({k: v for k, v in (args or {}).items() if k != "runtime"})
-    return config.replace(runtime="ray")
+    return config.replace(runtime="ray").check()
 
 
 def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
