@@ -37,12 +37,17 @@ from servekit.bench.loadgen import closed_loop, open_loop
 from servekit.bench.targets import open_target
 from servekit.config import RayOptions
 from servekit.endpoints import free_port
+from servekit.rollout import ModelVersion, TrafficPolicy
 
 PROTOCOLS = ("http-json", "http-binary", "grpc")
+SPLIT = "native, two versions split 50/50"
+SHADOW = "native, every request shadowed on a second version"
 
 RUNS = [
     # (row name, runtime, front, protocols); the Ray rows are a group of their own (below)
     ("native", "native", True, PROTOCOLS),
+    (SPLIT, "native", True, PROTOCOLS),
+    (SHADOW, "native", True, PROTOCOLS),
     ("pytriton (front)", "pytriton", True, PROTOCOLS),
     ("pytriton --no-front (Triton's own ports)", "pytriton", False, PROTOCOLS),
     ("triton (front)", "triton", True, PROTOCOLS),
@@ -191,7 +196,7 @@ def measure_group(group, model, path, setup, cfg, args, rounds) -> None:
                 targets.append(("plain Ray Serve app (@serve.batch, JSON)", "http-json", url, pid))
                 continue
             config = ServeConfig(
-                (model,),
+                (rollout(model, name),),
                 ServerConfig(front=front, exit_timeout_s=2),
                 runtime=runtime,
                 ray=(
@@ -214,6 +219,15 @@ def measure_group(group, model, path, setup, cfg, args, rounds) -> None:
                 )  # fmt: skip
                 rounds.setdefault((name, protocol), []).append(row(name, protocol, point))
                 print(f"round {r + 1}: {json.dumps(rounds[name, protocol][-1])}", flush=True)
+
+
+def rollout(model: ModelConfig, row: str) -> ModelConfig:
+    """The model as the row serves it: the rollout rows add version 2 (the same file), split
+    50/50, or all answered by version 1 with every request shadowed on version 2."""
+    if row not in (SPLIT, SHADOW):
+        return model
+    traffic = TrafficPolicy({1: 50, 2: 50}) if row == SPLIT else TrafficPolicy({1: 100}, shadow=2)
+    return dataclasses.replace(model, versions=(ModelVersion(2, model.source),), traffic=traffic)
 
 
 def median_row(measured: list[dict]) -> dict:

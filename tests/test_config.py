@@ -16,6 +16,7 @@ from servekit import (
     TimeoutAction,
 )
 from servekit.config import RUNTIMES, RayOptions
+from servekit.rollout import ModelVersion
 
 FULL = """
 runtime = "native"
@@ -177,12 +178,7 @@ def test_other_file_types_are_refused(tmp_path):
             r"the ray runtime cannot honour: server.grpc_port = 9001",
         ),
         ("ray", {"front": False}, None, "server.front = False"),
-        (
-            "native",
-            {"control_token": "t"},
-            None,
-            "server.control_token = 't' .there are no control APIs",
-        ),
+        ("native", {}, RayOptions(model_cpus=0.5), r"\[ray\] \(Ray deployment options\)"),
         ("pytriton", {"inference_token": "t"}, None, "server.inference_token"),
         ("triton", {}, RayOptions(model_cpus=0.5), r"\[ray\] \(Ray deployment options\)"),
     ],
@@ -194,6 +190,61 @@ def test_a_knob_a_runtime_cannot_honour_is_an_error_naming_both(runtime, server,
     other = "ray" if ray else "pytriton" if runtime != "pytriton" else "native"
     with pytest.raises(ValueError, match=message):  # asked from a config for another runtime
         config.replace(runtime=other).check(runtime)
+
+
+def test_rollout_round_trips_and_a_bad_table_is_refused_naming_it(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        """
+[[models]]
+source = "add_sub"
+[[models.versions]]
+version = 2
+source = "add_sub_v2.onnx"
+[models.traffic]
+split = { 1 = 90, 2 = 10 }
+sticky = "x-session"
+shadow = 2
+[models.canary]
+min_requests = 200
+step = [10, 50, 100]
+"""
+    )
+    config = ServeConfig.load(path)
+    (model,) = config.models
+    assert model.version_numbers == (1, 2) and model.traffic.split == {1: 90, 2: 10}
+    assert model.for_version(2).source == "add_sub_v2.onnx" and not model.for_version(2).versions
+    assert ServeConfig.from_dict(tomllib.loads(config.to_toml())) == config
+    base = path.read_text().split("[models.traffic]")[0]
+    for text, message in [
+        (
+            "[models.traffic]\nsplit = { 1 = 50, 3 = 50 }",
+            r"names version\(s\) \[3\]; the model has \[1, 2\]",
+        ),
+        ("[models.traffic]\nsplit = { 1 = 50, 2 = 40 }", r"shares must sum to 100, got 90"),
+        (
+            "[models.canary]\nmin_requests = 5",
+            r"\[models.canary\] needs a \[models.traffic\] split",
+        ),
+        (
+            "[models.traffic]\nsplit = { 1 = 100 }\nweights = 1",
+            r"unknown key\(s\) \['weights'\] in \[models.0.traffic\]",
+        ),
+    ]:
+        path.write_text(base + text)
+        with pytest.raises(ValueError, match=message):
+            ServeConfig.load(path)
+
+
+def test_the_triton_runtimes_refuse_rollout_by_name():
+    model = ModelConfig("add_sub", versions=(ModelVersion(2, "v2.onnx"),))
+    for runtime in ("pytriton", "triton"):
+        with pytest.raises(
+            ValueError, match=rf"the {runtime} runtime cannot honour: models.add_sub: versions"
+        ):
+            ServeConfig((model,), runtime=runtime).check()
+    ServeConfig((model,), runtime="native").check()
+    ServeConfig((model,), runtime="ray").check()
 
 
 def test_a_config_is_checked_once_however_many_entry_points_ask(monkeypatch):

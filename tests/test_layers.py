@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"endpoints", "compression", "samples"},
     {"spec"},
     {"runners"},  # the Runner contract (runners.base) and the engines, imported lazily
-    {"batching", "stages", "zoo"},
+    {"batching", "rollout", "stages", "zoo"},
     {"config", "metrics", "pipeline"},
     {"client", "optimize", "accuracy", "protocol"},
     {"http", "grpc"},  # servers: each builds on protocol, neither on the other

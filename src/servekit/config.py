@@ -43,6 +43,7 @@ from typing import Any
 
 from .batching.policy import BatchingPolicy
 from .endpoints import Endpoints
+from .rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
 from .runners import ENGINES
 from .tables import check_keys
 
@@ -105,6 +106,13 @@ class ModelConfig:
     top_k: int = 5
     image: bool = True
     """Also serve ``<name>_image`` (encoded images in, top-k out) for an image classifier."""
+    versions: tuple[ModelVersion, ...] = ()
+    """Versions beside version 1 (``source``), each with the same signature; every one is
+    loaded and served under the model's name (``/versions/<v>/`` names one)."""
+    traffic: TrafficPolicy | None = None
+    """How requests that name no version split over the versions (default: all to 1)."""
+    canary: CanaryPolicy | None = None
+    """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", os.fspath(self.source))
@@ -125,15 +133,64 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.labels is not None:
             object.__setattr__(self, "labels", os.fspath(self.labels))
+        self._check_rollout()
+
+    def _check_rollout(self) -> None:
+        versions = tuple(
+            v if isinstance(v, ModelVersion) else ModelVersion.from_dict(v) for v in self.versions
+        )
+        object.__setattr__(self, "versions", versions)
+        numbers = [1, *(v.version for v in versions)]
+        if len(set(numbers)) != len(numbers):
+            raise ValueError(f"model {self.name!r}: versions must be unique, got {numbers}")
+        if isinstance(self.traffic, Mapping):
+            object.__setattr__(self, "traffic", TrafficPolicy.from_dict(self.traffic))
+        if isinstance(self.canary, Mapping):
+            object.__setattr__(self, "canary", CanaryPolicy.from_dict(self.canary))
+        traffic = self.traffic
+        if traffic is not None:
+            named = sorted({*traffic.split, *([traffic.shadow] if traffic.shadow else [])})
+            unknown = [v for v in named if v not in numbers]
+            if unknown:
+                raise ValueError(
+                    f"model {self.name!r}: [models.traffic] names version(s) {unknown}; "
+                    f"the model has {numbers} (add them under [[models.versions]])"
+                )
+        if self.canary is not None and (traffic is None or len(traffic.split) < 2):
+            raise ValueError(
+                f"model {self.name!r}: [models.canary] needs a [models.traffic] split over "
+                "two versions (the canary is the smaller share)"
+            )
+
+    @property
+    def version_numbers(self) -> tuple[int, ...]:
+        """1 and every version beside it."""
+        return (1, *(v.version for v in self.versions))
+
+    def for_version(self, version: int) -> ModelConfig:
+        """The model as one of its versions: that version's source, no rollout of its own."""
+        source = self.source
+        if version != 1:
+            source = next(v.source for v in self.versions if v.version == version)
+        return dataclasses.replace(
+            self, source=source, name=self.name, versions=(), traffic=None, canary=None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
+        rollout = ("batching", "versions", "traffic", "canary")
         data = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "batching" and getattr(self, f.name) is not None
+            if f.name not in rollout and getattr(self, f.name) is not None
         }
         data["batching"] = self.batching.to_dict()
+        if self.versions:
+            data["versions"] = [dataclasses.asdict(v) for v in self.versions]
+        if self.traffic is not None:
+            data["traffic"] = self.traffic.to_dict()
+        if self.canary is not None:
+            data["canary"] = self.canary.to_dict()
         return data
 
     @classmethod
@@ -143,6 +200,16 @@ class ModelConfig:
         kwargs["batching"] = BatchingPolicy.from_dict(
             data.get("batching", {}), f"{section}.batching"
         )
+        raw = data.get("versions", [])
+        if not isinstance(raw, Sequence) or isinstance(raw, str):
+            raise ValueError(f"[[{section}.versions]]: expected a list of tables, got {raw!r}")
+        kwargs["versions"] = tuple(
+            ModelVersion.from_dict(v, f"{section}.versions.{i}") for i, v in enumerate(raw)
+        )
+        if "traffic" in data:
+            kwargs["traffic"] = TrafficPolicy.from_dict(data["traffic"], f"{section}.traffic")
+        if "canary" in data:
+            kwargs["canary"] = CanaryPolicy.from_dict(data["canary"], f"{section}.canary")
         return cls(**kwargs)
 
 
@@ -161,7 +228,8 @@ class ServerConfig(Endpoints):
     """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
     control_token: str | None = None
     """When set, Triton's model control, shared memory, config, statistics, trace and
-    logging APIs need it in ``servekit-control-token``; None on PyTriton = a random one."""
+    logging APIs need it in ``servekit-control-token``, and so does changing a traffic split
+    (``POST /v2/models/<m>/traffic``, native and Ray); None on PyTriton = a random one."""
     log_verbose: int = 0
     """Triton's ``--log-verbose`` level; for ``native``, > 0 logs at DEBUG."""
     exit_timeout_s: int = 5
@@ -228,13 +296,11 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "native": {
         "ray": "Ray deployment options",
-        "control_token": "there are no control APIs",
     },
     "ray": {
         "grpc_port": "Ray's ingress is HTTP only",
         "metrics_port": "metrics are served on the HTTP port at /metrics",
         "front": "Ray's ingress is always servekit's front",
-        "control_token": "there are no control APIs",
         "log_verbose": "Ray logs through its own settings",
     },
 }
@@ -284,6 +350,13 @@ class ServeConfig:
                     problems.append(f"[ray] ({why})")
             elif getattr(self.server, knob) != getattr(default_server, knob):
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
+        if runtime in ("pytriton", "triton"):
+            problems += [
+                f"models.{m.name}: versions and [models.traffic] (the split runs in servekit's "
+                "own server and the Ray ingress; the Triton runtimes do not route yet)"
+                for m in self.models
+                if m.versions or m.traffic or m.canary
+            ]
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .batching import Batcher, BatchRecord
+from .rollout import Traffic
 
 __all__ = ["CONTENT_TYPE", "COUNTERS", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
 
@@ -109,6 +110,7 @@ class Metrics:
         self._models: dict[tuple[str, str], _Watched] = {}
         self._lock = threading.Lock()
         self._gpu = _Nvml() if gpu else None
+        self._traffic: dict[str, Traffic] = {}
 
     def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
         """Export ``batcher``'s traffic as model ``model``, version ``version``."""
@@ -185,10 +187,64 @@ class Metrics:
                         lines.append(f'{name}{{{w.labels},quantile="{q}"}} {_num(v)}')
                     lines.append(f"{name}_count{{{w.labels}}} {window.count}")
                     lines.append(f"{name}_sum{{{w.labels}}} {_num(window.total)}")
+        if self._traffic:
+            self._render_rollout(lines)
         if self._gpu is not None:
             for name, (help_text, samples) in self._gpu.read().items():
                 _family(lines, name, "gauge", help_text, samples)
         return "\n".join(lines) + "\n"
+
+    def watch_traffic(self, traffic: Traffic) -> None:
+        """Export a versioned model's split, per-version counts and canary verdicts."""
+        with self._lock:
+            self._traffic[traffic.name] = traffic
+
+    def _render_rollout(self, lines: list[str]) -> None:
+        values: dict[str, list[tuple[str, float]]] = {n: [] for n in ROLLOUT}
+        for name, traffic in sorted(self._traffic.items()):
+            state = traffic.state_dict()
+            window = (state["canary"] or {}).get("window", {})
+            for version, counts in state["counts"].items():
+                labels = f'model="{_escape(name)}",version="{version}"'
+                for metric, key in ROLLOUT_COUNTS.items():
+                    values[metric].append((labels, float(counts[key])))
+                values["servekit_traffic_share_percent"].append(
+                    (labels, float(state["split"].get(version, 0)))
+                )
+                p99 = window.get(version, {}).get("p99_ms")
+                if p99 is not None:
+                    values["servekit_canary_window_p99_seconds"].append((labels, p99 / 1e3))
+            for (version, verdict), count in sorted(traffic.verdicts.items()):
+                labels = f'model="{_escape(name)}",version="{version}",verdict="{verdict}"'
+                values["servekit_canary_verdicts_total"].append((labels, float(count)))
+        for metric, (kind, help_text) in ROLLOUT.items():
+            _family(lines, metric, kind, help_text, values[metric])
+
+
+ROLLOUT_COUNTS = {
+    "servekit_version_requests_total": "requests",
+    "servekit_version_errors_total": "errors",
+    "servekit_shadow_runs_total": "shadow_runs",
+    "servekit_shadow_mismatches_total": "mismatches",
+    "servekit_shadow_dropped_total": "shadow_dropped",
+}
+ROLLOUT = {
+    "servekit_version_requests_total": ("counter", "Requests a version answered (split or named)"),
+    "servekit_version_errors_total": (
+        "counter",
+        "Answers and shadow runs of a version that failed",
+    ),
+    "servekit_shadow_runs_total": ("counter", "Copies of requests run on the shadow version"),
+    "servekit_shadow_mismatches_total": (
+        "counter",
+        "Shadow answers that differed from the answer returned",
+    ),
+    "servekit_shadow_dropped_total": ("counter", "Shadow copies dropped: too many in flight"),
+    "servekit_traffic_share_percent": ("gauge", "A version's share of the split, percent"),
+    "servekit_canary_window_p99_seconds": ("gauge", "p99 latency in the canary's current window"),
+    "servekit_canary_verdicts_total": ("counter", "Canary verdicts: step, promoted, failed"),
+}
+"""Rollout's series (``servekit.rollout``): kind and help text."""
 
 
 def _family(

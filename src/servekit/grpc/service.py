@@ -42,6 +42,7 @@ from ..protocol.kserve import (
     tensor_to_raw,
 )
 from ..protocol.models import ModelRegistry
+from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
 from .h2 import GrpcH2Server, unary_methods
@@ -233,9 +234,11 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             except InvalidInput:
                 self._on_failure(name)
                 raise
-            outputs = await model.infer(
-                inputs, **scheduling(_parameters(request)), version=request.model_version
-            )
+            metadata = dict(context.invocation_metadata() or ())
+            outputs, answered = await infer_answered(
+                model, inputs, **scheduling(_parameters(request)),
+                version=request.model_version, sticky_of=metadata.get,
+            )  # fmt: skip
             wanted = [o.name for o in request.outputs] or list(outputs)
             unknown = [n for n in wanted if n not in outputs]
             if unknown or len(set(wanted)) != len(wanted):
@@ -253,7 +256,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         except Exception as exc:
             await self._fail(context, exc)
         response = service_pb2.ModelInferResponse(
-            model_name=name, model_version=request.model_version or "1", id=request.id
+            model_name=name, model_version=answered, id=request.id
         )
         for out in wanted:
             datatype, raw = tensor_to_raw(outputs[out])

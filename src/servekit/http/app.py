@@ -20,6 +20,7 @@ from typing import Any
 from ..compression import ENCODINGS, inflate
 from ..config import MAX_BODY_BYTES
 from ..errors import (
+    CONTROL_TOKEN_HEADER,
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
     ModelNotFound,
@@ -50,6 +51,7 @@ from ..protocol.models import (
     PassThroughRegistry,
     as_registry,
 )
+from ..protocol.routed import RoutedModel, infer_answered
 from ..protocol.surface import (
     NOT_SERVED,
     model_config_json,
@@ -66,7 +68,7 @@ log = logging.getLogger(__name__)
 
 _MODEL = re.compile(
     r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-    r"(?P<rest>/ready|/infer|/config|/stats)?$"
+    r"(?P<rest>/ready|/infer|/config|/stats|/traffic)?$"
 )
 _NOT_SERVED = re.compile(
     r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
@@ -97,7 +99,9 @@ class KServeApp:
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
         inference_token: when set, ``/infer`` needs it in the ``servekit-inference-token``
             header (a 401 otherwise); health, metadata and metrics stay open for probes
-            and scrapers. The front has no model-control endpoints at all.
+            and scrapers.
+        control_token: when set, changing a model's traffic split
+            (``POST /v2/models/<m>/traffic``) needs it in ``servekit-control-token``.
     """
 
     def __init__(
@@ -108,17 +112,25 @@ class KServeApp:
         ready: Callable[[], bool] | None = None,
         metrics: Metrics | None = None,
         inference_token: str | None = None,
+        control_token: str | None = None,
     ) -> None:
         self.models = as_registry(models)
         self._token = inference_token.encode() if inference_token else None
+        self._control = control_token.encode() if control_token else None
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None]] = {}
         for name, model in self.models.loaded().items():
-            if model.batcher is not None and (name, "1") not in self.metrics.models:
-                self.metrics.watch(model.batcher, name)
+            if isinstance(model, RoutedModel):
+                self.metrics.watch_traffic(model.traffic)
+                batchers = model.batchers()
+            else:
+                batchers = {"1": model.batcher} if model.batcher is not None else {}
+            for version, batcher in batchers.items():
+                if (name, version) not in self.metrics.models:
+                    self.metrics.watch(batcher, name, version)
 
     async def handle(self, request: HttpRequest) -> Answer:
         """Answer one request; never raises: errors map once through ``http_status``."""
@@ -223,6 +235,8 @@ class KServeApp:
         version = m["version"]
         if version not in (None, "1") and not model.versioned:
             raise ModelNotFound(f"model {m['name']!r} has no version {version!r}; it has ['1']")
+        if m["rest"] == "/traffic":
+            return self._traffic(m["name"], model, request)
         if m["rest"] in ("/config", "/stats") and method == "GET":
             if behind is not None:
                 return await behind.fetch(method, path)
@@ -246,6 +260,29 @@ class KServeApp:
             version = version if model.versioned and version else ""
             return await self._infer(m["name"], model, request, version)
         return self._json(405, {"error": f"{method} not allowed on {request.path}"})
+
+    def _traffic(self, name: str, model: FrontModel, request: HttpRequest) -> Answer:
+        """``GET``: the model's split, canary state and counts; ``POST {"split": {...}}``
+        sets a new split, live (behind the control token when one is set)."""
+        if not isinstance(model, RoutedModel):
+            raise ModelNotFound(f"model {name!r} has one version: no traffic split to show or set")
+        if request.method == "POST":
+            given = request.headers.get(CONTROL_TOKEN_HEADER, "").encode("latin-1")
+            if self._control is not None and not hmac.compare_digest(given, self._control):
+                raise Unauthenticated(f"missing or wrong {CONTROL_TOKEN_HEADER} header")
+            data = parse_json(self._body(request), "traffic request")
+            if not isinstance(data, dict) or set(data) != {"split"}:
+                raise InvalidInput(
+                    'traffic request: expected {"split": {"<version>": <percent>, ...}}, '
+                    f"got {str(data)[:200]}"
+                )
+            try:
+                model.traffic.set_split(data["split"])
+            except ValueError as exc:  # a bad split is this request's fault
+                raise exc if isinstance(exc, InvalidInput) else InvalidInput(str(exc)) from None
+        elif request.method != "GET":
+            return self._json(405, {"error": f"{request.method} not allowed on {request.path}"})
+        return self._json(200, model.traffic.state_dict())
 
     def _index_request(self, request: HttpRequest) -> None:
         """The repository index's body, checked as Triton checks it (``{"ready": bool}``)."""
@@ -392,8 +429,10 @@ class KServeApp:
         else:
             request = self._decode(name, body, raw)
         params = scheduling(request.parameters)
-        outputs = await model.infer(request.inputs, **params, version=version)
-        payload, out_headers = encode_response(name, outputs, request)
+        outputs, answered = await infer_answered(
+            model, request.inputs, **params, version=version, sticky_of=http.headers.get
+        )
+        payload, out_headers = encode_response(name, outputs, request, answered)
         return 200, payload, out_headers
 
 

@@ -18,6 +18,8 @@ from ..config import ServeConfig
 from ..grpc import GrpcService, grpc_server
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
+from ..protocol.routed import route, traffic_of
+from ..rollout import Traffic
 from ..runtime.base import ServedModel, load_models, reload_models
 
 __all__ = ["NativeServer"]
@@ -33,6 +35,8 @@ class NativeServer:
         self.models: list[ServedModel] = []
         self.batchers: dict[str, Batcher] = {}
         self.app: KServeApp | None = None
+        self.traffic: dict[str, Traffic] = {}
+        """Each versioned model's split and canary, kept across restarts."""
         self._threads: list[H1Server] = []
         self._ready = False
 
@@ -50,15 +54,19 @@ class NativeServer:
                 self.models = [m for model in c.models for m in load_models(model, c.cache_dir)]
                 for m in self.models:
                     m.runner.warmup()
-            self.batchers = {
-                m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
-                for m in self.models
-            }
+            self.batchers = {}
+            by_name: dict[str, dict[int, Batcher]] = {}  # name -> version -> Batcher
+            for m in self.models:
+                batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
+                self.batchers[m.name if m.version == 1 else f"{m.name}@v{m.version}"] = batcher
+                by_name.setdefault(m.name, {})[m.version] = batcher
+            self.traffic = self.traffic or traffic_of(c)
             self.app = KServeApp(
-                self.batchers,
+                route(by_name, self.traffic),
                 max_body_bytes=c.server.max_body_bytes,
                 ready=lambda: self._ready,
                 inference_token=c.server.inference_token,
+                control_token=c.server.control_token,
             )
             app = self.app
             grpc = GrpcService(

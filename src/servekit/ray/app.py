@@ -16,6 +16,8 @@ from ..batching import Batcher, BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
+from ..protocol.routed import route, traffic_of
+from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
 
@@ -59,6 +61,20 @@ class _Batched:
             "executions": s.execution_count,
             "inferences": s.inference_count,
         }
+
+
+def _key(name: str, version: int) -> str:
+    """A served model's key among the ingress's chains: its name, and the version beside it."""
+    return name if version == 1 else f"{name}@v{version}"
+
+
+def _by_name(models: Mapping[str, Any]) -> dict[str, dict[int, Any]]:
+    """``_key``-keyed models as name -> version -> model, for ``route``."""
+    out: dict[str, dict[int, Any]] = {}
+    for key, model in models.items():
+        name, _, version = key.partition("@v")
+        out.setdefault(name, {})[int(version or 1)] = model
+    return out
 
 
 def _fused(config: ServeConfig, ingress: Any) -> Any:
@@ -182,13 +198,17 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             for model in fused:
                 from ..runtime.base import load_model_runner
 
-                runner = load_model_runner(model, config.cache_dir)
-                runner.warmup()
-                models[model.name] = Batcher(runner, model.batching, name=model.name)
+                for version in model.version_numbers:
+                    runner = load_model_runner(model.for_version(version), config.cache_dir)
+                    runner.warmup()
+                    batcher = Batcher(runner, model.batching, name=model.name)
+                    models[_key(model.name, version)] = batcher
+            # One Traffic per ingress replica: the split is decided here, for every model.
             self.app = KServeApp(
-                models,
+                route(_by_name(models), traffic_of(config)),
                 max_body_bytes=config.server.max_body_bytes,
                 inference_token=config.server.inference_token,
+                control_token=config.server.control_token,
             )
 
         async def __call__(self, request: Any) -> Any:
@@ -217,6 +237,9 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     for model in config.models:
         probe = probe_model(model, config.cache_dir)
         spec, image_spec, meta = probe.spec, probe.image_spec, probe.metadata
+        for version in model.version_numbers[1:]:
+            other = probe_model(model.for_version(version), config.cache_dir).spec
+            check_compatible(spec, other, f"{model.name} version {version}")
         max_batch = model.batching.effective_max_batch_size(spec.max_batch_size) or 1
         ongoing = ray.max_ongoing_requests or max(4 * max_batch, 16)
         busiest = max(busiest, ongoing)
@@ -235,6 +258,10 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         in_flight = ray.ingress_batches or 2 * replicas + 1
         net = Model.options(**options).bind(model, config.cache_dir)  # type: ignore[attr-defined]
         chains[model.name] = (spec, (net,), (model.batching, in_flight))
+        for version in model.version_numbers[1:]:
+            named = {**options, "name": f"{model.name}_v{version}"}
+            other = Model.options(**named).bind(model.for_version(version), config.cache_dir)  # type: ignore[attr-defined]
+            chains[_key(model.name, version)] = (spec, (other,), (model.batching, in_flight))
         if image_spec is None:
             continue
         stage_options = {

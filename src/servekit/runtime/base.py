@@ -16,8 +16,9 @@ from typing import Protocol, runtime_checkable
 
 from ..batching.policy import BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
+from ..errors import UpdateRefused
 from ..runners.base import Runner
-from ..runners.versioned import VersionedRunner
+from ..runners.versioned import VersionedRunner, check_compatible
 from ..spec import ModelSpec
 
 __all__ = [
@@ -39,6 +40,8 @@ class ServedModel:
     runner: Runner
     policy: BatchingPolicy = field(default_factory=BatchingPolicy)
     instance_count: int = 1
+    version: int = 1
+    """Which of the model's versions this is (``ModelConfig.versions``); 1 without any."""
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
@@ -101,13 +104,27 @@ def load_model_runner(model: ModelConfig, cache_dir: str | None = None) -> Runne
 
 
 def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[ServedModel]:
-    """The tensor model and, for an image classifier with ``model.image``, its image model
-    (encoded images in, top-k out). Both share one ``VersionedRunner``, so an update of the
-    tensor model updates both."""
+    """The tensor model (each of its versions) and, for an image classifier with
+    ``model.image``, its image model (encoded images in, top-k out; over version 1). A model
+    and its image model share one ``VersionedRunner``, so an update of the tensor model
+    updates both.
+
+    Raises:
+        UpdateRefused: a version's signature differs from version 1's, naming the difference.
+    """
     from ..pipeline import image_classifier, is_image_classifier
 
     runner = VersionedRunner(load_model_runner(model, cache_dir), name=model.name)
     served = [ServedModel(model.name, runner, model.batching, model.instances)]
+    for number in model.version_numbers[1:]:
+        other = load_model_runner(model.for_version(number), cache_dir)
+        try:
+            check_compatible(runner.spec, other.spec, f"{model.name} version {number}")
+        except UpdateRefused:
+            other.close()
+            raise
+        versioned = VersionedRunner(other, name=f"{model.name} v{number}")
+        served.append(ServedModel(model.name, versioned, model.batching, model.instances, number))
     if model.image and runner.spec.batched and is_image_classifier(runner.spec):
         clf = image_classifier(runner, top_k=model.top_k, labels=model.labels)
         served.append(
@@ -119,13 +136,17 @@ def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[Served
 def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[str]:
     """Read each configured model's file again and swap it into its ``VersionedRunner``
     (the in-process runtimes' SIGHUP); returns one line per model."""
-    by_name = {m.name: m.runner for m in served}
+    by_name = {(m.name, m.version): m.runner for m in served}
     done = []
     for model in config.models:
-        versioned = by_name[model.name]
-        assert isinstance(versioned, VersionedRunner)
-        number = versioned.update(load_model_runner(model, config.cache_dir))
-        done.append(f"{model.name}: now serving version {number}")
+        for version in model.version_numbers:
+            versioned = by_name[(model.name, version)]
+            assert isinstance(versioned, VersionedRunner)
+            number = versioned.update(
+                load_model_runner(model.for_version(version), config.cache_dir)
+            )
+            which = f"{model.name}" if version == 1 else f"{model.name} version {version}"
+            done.append(f"{which}: now serving version {number}")
     return done
 
 

@@ -32,10 +32,30 @@ def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
     )
 
 
-def build_add_sub(width: int = 16) -> onnx.ModelProto:
-    """Triton's classic example: ``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1``."""
+def build_add_sub(width: int = 16, *, offset: float = 0.0, heavy: int = 0) -> onnx.ModelProto:
+    """Triton's classic example: ``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1``.
+
+    Other versions with the same signature, for rollout tests: ``offset`` is added to
+    ``OUTPUT0`` (other answers); ``heavy`` passes ``INPUT0`` through that many 1024x1024
+    identity MatMuls first (the same answers, exactly, and much slower)."""
     g = GraphBuilder()
-    g.node("Add", ["INPUT0", "INPUT1"], "OUTPUT0")
+    first = "INPUT0"
+    if heavy:
+        wide = np.zeros((width, 1024), np.float32)
+        wide[:, :width] = np.eye(width, dtype=np.float32)
+        g.const("widen", wide)
+        g.const("eye", np.eye(1024, dtype=np.float32))
+        g.const("narrow", wide.T.copy())
+        first = g.node("MatMul", ["INPUT0", "widen"], "wide")
+        for i in range(heavy):
+            first = g.node("MatMul", [first, "eye"], f"heavy{i}")
+        first = g.node("MatMul", [first, "narrow"], "narrowed")
+    if offset:
+        g.const("offset", np.full((1, width), offset, np.float32))
+        total = g.node("Add", [first, "INPUT1"], "sum")
+        g.node("Add", [total, "offset"], "OUTPUT0")
+    else:
+        g.node("Add", [first, "INPUT1"], "OUTPUT0")
     g.node("Sub", ["INPUT0", "INPUT1"], "OUTPUT1")
     io = ["batch", width]
     return g.model(

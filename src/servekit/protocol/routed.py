@@ -1,0 +1,168 @@
+"""A model served in several versions behind one name: each request goes to the version
+its model's ``Traffic`` chooses (or the one it names), a copy may run on the shadow
+version, and every outcome goes back to ``Traffic`` for the canary's verdict.
+
+The front (HTTP and gRPC, every runtime) calls ``infer_routed`` and puts the version that
+answered in the response's ``model_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..batching import Batcher
+from ..config import ServeConfig
+from ..errors import InvalidInput
+from ..rollout import Traffic, TrafficPolicy, same_answer
+from ..spec import ModelSpec
+from .models import FrontModel, as_front_model
+
+__all__ = ["RoutedModel", "infer_answered", "route", "traffic_of"]
+
+log = logging.getLogger(__name__)
+
+SHADOWS_IN_FLIGHT = 32
+"""Shadow copies running at once per model; one more is dropped (and counted), never queued."""
+
+
+class RoutedModel:
+    """Versions of one model (``version -> FrontModel``, same signature) behind ``traffic``."""
+
+    versioned = True
+
+    def __init__(
+        self,
+        versions: Mapping[int, FrontModel],
+        traffic: Traffic,
+        *,
+        max_shadows: int = SHADOWS_IN_FLIGHT,
+    ) -> None:
+        self.versions, self.traffic = dict(versions), traffic
+        first = self.versions[min(self.versions)]
+        self.spec: ModelSpec = first.spec
+        self.batcher: Batcher | None = first.batcher
+        self.max_shadows = max_shadows
+        self._shadows: set[asyncio.Task[None]] = set()
+
+    def batchers(self) -> dict[str, Batcher]:
+        """Each version's Batcher, by version (for metrics)."""
+        return {str(v): m.batcher for v, m in self.versions.items() if m.batcher is not None}
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        outputs, _ = await self.infer_routed(
+            inputs, priority=priority, timeout_us=timeout_us, version=version
+        )
+        return outputs
+
+    async def infer_routed(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+        sticky: str | None = None,
+    ) -> tuple[dict[str, np.ndarray], str]:
+        """The answer and the version that gave it."""
+        traffic = self.traffic
+        chosen = traffic.version(version) if version else traffic.choose(sticky)
+        start = time.perf_counter()
+        try:
+            outputs = await self.versions[chosen].infer(
+                inputs, priority=priority, timeout_us=timeout_us
+            )
+        except InvalidInput:
+            raise  # the request's fault, not the version's
+        except Exception:
+            traffic.record(chosen, time.perf_counter() - start, False)
+            raise
+        traffic.record(chosen, time.perf_counter() - start, True)
+        shadow = traffic.shadow_of(chosen)
+        if shadow is not None:
+            self._start_shadow(shadow, inputs, outputs)
+        return outputs, str(chosen)
+
+    def _start_shadow(
+        self, version: int, inputs: Mapping[str, np.ndarray], answer: Mapping[str, np.ndarray]
+    ) -> None:
+        if len(self._shadows) >= self.max_shadows:
+            self.traffic.dropped(version)
+            return
+        task = asyncio.get_running_loop().create_task(self._shadow(version, inputs, answer))
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    async def _shadow(
+        self, version: int, inputs: Mapping[str, np.ndarray], answer: Mapping[str, np.ndarray]
+    ) -> None:
+        """Run the copy, compare, record; whatever happens, the client has its answer already."""
+        start = time.perf_counter()
+        try:
+            outputs = await self.versions[version].infer(inputs)
+        except Exception as exc:
+            self.traffic.record(version, time.perf_counter() - start, False, shadow=True)
+            log.debug("%s: shadow run on version %d failed: %s", self.traffic.name, version, exc)
+            return
+        self.traffic.record(version, time.perf_counter() - start, True, shadow=True)
+        self.traffic.compared(version, same_answer(answer, outputs))
+
+
+async def infer_answered(
+    model: FrontModel,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    priority: int = 0,
+    timeout_us: int | None = None,
+    version: str = "",
+    sticky_of: Callable[[str], str | None] = lambda _: None,
+) -> tuple[dict[str, np.ndarray], str]:
+    """Any front model's answer and the version that gave it (HTTP and gRPC both ask here);
+    ``sticky_of`` reads a request header (HTTP) or metadata key (gRPC) by name."""
+    if isinstance(model, RoutedModel):
+        header = model.traffic.sticky
+        return await model.infer_routed(
+            inputs,
+            priority=priority,
+            timeout_us=timeout_us,
+            version=version,
+            sticky=sticky_of(header) if header else None,
+        )
+    outputs = await model.infer(inputs, priority=priority, timeout_us=timeout_us, version=version)
+    return outputs, version or "1"
+
+
+def traffic_of(config: ServeConfig) -> dict[str, Traffic]:
+    """A ``Traffic`` for each model served in several versions or with a traffic table."""
+    return {
+        m.name: Traffic(m.name, m.version_numbers, m.traffic or TrafficPolicy(), m.canary)
+        for m in config.models
+        if m.versions or m.traffic
+    }
+
+
+def route(
+    versions: Mapping[str, Mapping[int, Any]], traffic: Mapping[str, Traffic]
+) -> dict[str, Any]:
+    """What a front serves: ``name -> {version: model}`` (Batchers, Runners or front
+    models) as one ``RoutedModel`` per name that has a ``Traffic``, else the one model."""
+    served: dict[str, Any] = {}
+    for name, by_version in versions.items():
+        if name in traffic:
+            models = {v: as_front_model(m) for v, m in by_version.items()}
+            served[name] = RoutedModel(models, traffic[name])
+        else:
+            (served[name],) = by_version.values()
+    return served

@@ -1,0 +1,307 @@
+"""Rollout on served runtimes: several versions of add_sub under one name, the split's
+shares, named versions, the version in every answer (HTTP and gRPC), the traffic API,
+and the canary judged by the server under load: a slow version rolled back, an identical
+one promoted step by step, one with other answers caught by its shadow. No request fails
+in any of these."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import Load, parse_metrics, ray_serve, wait_until
+from servekit import BatchingPolicy, ModelConfig, RayOptions, ServeConfig, ServerConfig
+from servekit.client import Client
+from servekit.rollout import CanaryPolicy, ModelVersion, TrafficPolicy
+from servekit.zoo.tiny import build_add_sub
+
+pytest.importorskip("httptools", reason="needs the http extra")
+from servekit.native import NativeServer  # noqa: E402
+
+try:  # as pytest.importorskip does: Ray Serve's own import warns (pydantic), which is not ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from ray import serve
+
+        from servekit.ray import build_app
+except ImportError:  # the ray extra is absent: the Ray cases skip
+    serve = build_app = None
+
+A = np.arange(16, dtype=np.float32).reshape(1, 16)
+B = np.ones((1, 16), np.float32)
+BODY = json.dumps(
+    {
+        "inputs": [
+            {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": A.ravel().tolist()},
+            {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": B.ravel().tolist()},
+        ]
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory) -> dict[str, Path]:
+    """add_sub as v1, an identical copy, a much slower one with the same answers, and one
+    whose OUTPUT0 is off by one."""
+    folder = tmp_path_factory.mktemp("versions")
+    files = {}
+    for name, kwargs in {
+        "v1": {},
+        "same": {},
+        "slow": {"heavy": 200},
+        "off": {"offset": 1.0},
+    }.items():
+        files[name] = folder / f"{name}.onnx"
+        onnx.save(build_add_sub(**kwargs), files[name])
+    return files
+
+
+@dataclass
+class Served:
+    host: str
+    http_port: int
+    grpc_port: int | None
+
+
+@contextlib.contextmanager
+def native(model: ModelConfig, **server) -> Iterator[Served]:
+    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2, **server), runtime="native")
+    runtime = NativeServer(config.on_loopback()).start()
+    try:
+        s = runtime.config.server
+        yield Served("127.0.0.1", s.http_port, s.grpc_port)
+    finally:
+        runtime.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_url() -> Iterator[str]:
+    if serve is None:
+        pytest.skip("needs the ray extra")
+    with ray_serve() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def on_ray(url: str, model: ModelConfig, **server) -> Iterator[Served]:
+    config = ServeConfig(
+        (model,), ServerConfig(**server), runtime="ray", ray=RayOptions(model_cpus=0.5)
+    )
+    serve.run(build_app(config), name="servekit", route_prefix="/")
+    with Client(url) as c:
+        c.wait_ready("m", timeout_s=120)
+    try:
+        yield Served("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
+    finally:
+        serve.delete("servekit")
+
+
+@pytest.fixture(params=["native", "ray"])
+def serving(request):
+    """Serve a model on each runtime in turn: ``serving(model, **server)``."""
+    if request.param == "native":
+        return native
+    url = request.getfixturevalue("ray_url")
+    return lambda model, **server: on_ray(url, model, **server)
+
+
+def model_with(files, v2: str, traffic: TrafficPolicy, canary: CanaryPolicy | None = None):
+    return ModelConfig(
+        str(files["v1"]), "m", batching=BatchingPolicy(max_batch_size=8),
+        versions=(ModelVersion(2, str(files[v2])),), traffic=traffic, canary=canary,
+    )  # fmt: skip
+
+
+class Http:
+    def __init__(self, served: Served) -> None:
+        self.conn = http.client.HTTPConnection(served.host, served.http_port, timeout=30)
+
+    def call(self, method: str, path: str, body: str | None = None, **headers: str):
+        self.conn.request(method, path, body=body, headers=headers)
+        r = self.conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+
+    def infer(self, path: str = "/v2/models/m/infer", **headers: str) -> str:
+        status, answer = self.call("POST", path, BODY, **headers)
+        assert status == 200, answer
+        return answer["model_version"]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def session(runtime: Served):
+    @contextlib.contextmanager
+    def open_one(k: int):
+        client = Http(runtime)
+        try:
+            yield client.infer
+        finally:
+            client.close()
+
+    return open_one
+
+
+def test_the_split_sticky_named_versions_and_the_traffic_api(versions, serving):
+    traffic = TrafficPolicy({1: 70, 2: 30}, sticky="x-session")
+    with serving(model_with(versions, "same", traffic)) as runtime:
+        client = Http(runtime)
+        try:
+            n = 600
+            got = [client.infer() for _ in range(n)]
+            share = got.count("2") / n
+            assert set(got) == {"1", "2"}
+            assert abs(share - 0.3) <= 5 * math.sqrt(0.3 * 0.7 / n), share
+            sticky = {client.infer(**{"X-Session": "alice"}) for _ in range(20)}
+            assert len(sticky) == 1
+            assert client.infer("/v2/models/m/versions/2/infer") == "2"
+            status, answer = client.call("POST", "/v2/models/m/versions/3/infer", BODY)
+            assert status == 404 and "has no version '3'; it has [1, 2]" in answer["error"]
+            status, state = client.call("GET", "/v2/models/m/traffic")
+            assert status == 200 and state["split"] == {"1": 70, "2": 30}
+            assert state["counts"]["2"]["requests"] >= got.count("2") + 1
+            status, state = client.call(
+                "POST", "/v2/models/m/traffic", json.dumps({"split": {"2": 100}})
+            )
+            assert status == 200 and state["split"] == {"2": 100}
+            assert {client.infer() for _ in range(50)} == {"2"}
+            for bad, message in [
+                ({"split": {"1": 60, "2": 60}}, "shares must sum to 100, got 120"),
+                ({"split": {"1": 50, "9": 50}}, "unknown version(s) [9]"),
+                ({"weights": {"1": 100}}, 'expected {"split"'),
+            ]:
+                status, answer = client.call("POST", "/v2/models/m/traffic", json.dumps(bad))
+                assert status == 400 and message in answer["error"], answer
+            status, answer = client.call("GET", "/v2/models/m_image/traffic")
+            assert status == 404
+            client.conn.request("GET", "/metrics")
+            metrics = parse_metrics(client.conn.getresponse().read().decode())
+            status, state = client.call("GET", "/v2/models/m/traffic")
+            for version in ("1", "2"):
+                labels = frozenset({("model", "m"), ("version", version)})
+                assert (
+                    metrics[("servekit_version_requests", labels)]
+                    == (state["counts"][version]["requests"])
+                )
+                assert metrics[("servekit_traffic_share_percent", labels)] == state["split"].get(
+                    version, 0
+                )
+                assert (
+                    metrics[("nv_inference_request_success", labels)] > 0
+                )  # each version's Batcher
+        finally:
+            client.close()
+        if runtime.grpc_port is None:
+            return
+        import tritonclient.grpc as grpcclient
+
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{runtime.grpc_port}")
+        try:
+            inputs = [grpcclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(A)
+            inputs[1].set_data_from_numpy(B)
+            answer = grpc.infer("m", inputs).get_response()
+            assert answer.model_version == "2"  # the split set above: all to 2
+            assert grpc.infer("m", inputs, model_version="1").get_response().model_version == "1"
+        finally:
+            grpc.close()
+
+
+def test_changing_the_split_needs_the_control_token_when_one_is_set(versions, serving):
+    traffic = TrafficPolicy({1: 100, 2: 0})
+    with serving(model_with(versions, "same", traffic), control_token="secret") as runtime:
+        client = Http(runtime)
+        try:
+            body = json.dumps({"split": {"2": 100}})
+            status, answer = client.call("POST", "/v2/models/m/traffic", body)
+            assert status == 401 and "servekit-control-token" in answer["error"]
+            status, _ = client.call("GET", "/v2/models/m/traffic")  # reading stays open
+            assert status == 200
+            status, state = client.call(
+                "POST", "/v2/models/m/traffic", body, **{"servekit-control-token": "secret"}
+            )
+            assert status == 200 and state["split"] == {"2": 100}
+        finally:
+            client.close()
+
+
+def canary_run(
+    serving, versions, v2: str, traffic: TrafficPolicy, canary: CanaryPolicy, until: str
+):
+    """Serve under load until the canary reaches ``until``; (load, last state)."""
+    with serving(model_with(versions, v2, traffic, canary)) as runtime:
+        client = Http(runtime)
+        state: dict = {}
+
+        def reached() -> bool:
+            nonlocal state
+            state = client.call("GET", "/v2/models/m/traffic")[1]
+            return state["canary"]["state"] == until
+
+        try:
+            with Load(session(runtime), threads=4) as load:
+                try:
+                    wait_until(reached, f"the canary {until}", 120)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; the last traffic state: {state}") from None
+                after = len(load.results)
+                load.wait_answers(100)
+            return load.results, after, state
+        finally:
+            client.close()
+
+
+def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions, serving):
+    results, after, state = canary_run(
+        serving, versions, "slow", TrafficPolicy({1: 80, 2: 20}),
+        CanaryPolicy(min_requests=60, max_p99_ratio=1.5), "rolled back",
+    )  # fmt: skip
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert state["split"] == {"1": 100, "2": 0}
+    assert "2" in results[:after] and set(results[after + 8 :]) == {
+        "1"
+    }  # 8: in flight at the switch
+    event = state["events"][-1]
+    assert event["event"] == "rollback" and "the baseline's" in event["why"]
+
+
+def test_an_identical_canary_is_promoted_step_by_step(versions, serving):
+    results, _, state = canary_run(
+        serving, versions, "same", TrafficPolicy({1: 90, 2: 10}),
+        CanaryPolicy(min_requests=40, max_p99_ratio=20.0, step=(10, 50, 100)), "promoted",
+    )  # fmt: skip
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert state["split"] == {"1": 0, "2": 100}
+    assert [e["event"] for e in state["events"]] == ["step", "promoted"]
+
+
+def test_a_version_with_other_answers_is_caught_by_its_shadow_and_never_answers(versions, serving):
+    results, _, state = canary_run(
+        serving, versions, "off", TrafficPolicy({1: 100, 2: 0}, shadow=2),
+        CanaryPolicy(min_requests=40, max_p99_ratio=100.0, max_mismatch_rate=0.0), "rolled back",
+    )  # fmt: skip
+    assert set(results) == {"1"}  # the shadow never answers
+    assert state["counts"]["2"]["mismatches"] >= 1 and state["shadow"] is None
+    assert "shadow answers differ" in state["events"][-1]["why"]
+
+
+def test_a_version_with_another_signature_is_refused_naming_the_difference(tmp_path, versions):
+    other = tmp_path / "wide.onnx"
+    onnx.save(build_add_sub(width=8), other)
+    model = ModelConfig(str(versions["v1"]), "m", versions=(ModelVersion(2, str(other)),))
+    config = ServeConfig((model,), runtime="native").on_loopback()
+    with pytest.raises(
+        ValueError,
+        match=r"m version 2: the new version's inputs differ: .*got \['INPUT0 FP32 \[8\]'",
+    ):
+        NativeServer(config).start()
