@@ -323,6 +323,7 @@ def _only_row_13_failed(results: list, stats) -> None:
     for i, res in zip((0, 1, 2), (results[0], results[1], results[3]), strict=True):
         np.testing.assert_array_equal(res["y"], row_fn(request(i)["x"]))
     assert stats.request_failure == 1 and stats.request_success == 3
+    assert stats.request_admitted == 4  # every admitted request ends as one or the other
 
 
 def test_bad_input_found_while_running_fails_only_its_own_request():

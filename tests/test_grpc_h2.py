@@ -22,6 +22,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 hpack = pytest.importorskip("hpack")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
+from conftest import wait_until  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.native import NativeServer  # noqa: E402
 from servekit.zoo.tiny import build_simulated  # noqa: E402
@@ -447,7 +448,9 @@ def test_stop_answers_the_calls_in_flight(tmp_path):
     try:
         for t in threads:
             t.start()
-        time.sleep(0.4)
+        stats = native.batchers["slow"].stats
+        wait_until(lambda: stats.request_admitted == 3, "the three calls in flight", 10)
+        assert stats.request_success == 0  # each batch takes 800 ms: none answered yet
     finally:
         native.stop()
     for t in threads:

@@ -200,3 +200,14 @@ def test_answers_compare_within_their_precision_and_exactly_otherwise():
     assert not same_answer(a, {"y": a["y"], "n": a["n"] + 1})
     assert not same_answer(a, {"y": a["y"]})
     assert not same_answer(a, {"y": a["y"].astype(np.float64), "n": a["n"]})
+
+
+def test_a_shadow_beside_a_lone_version_is_its_canary_a_dark_launch():
+    traffic = Traffic("m", [1, 2], TrafficPolicy({1: 100}, shadow=2), CanaryPolicy(min_requests=10))
+    assert (traffic.canary, traffic.baseline, traffic.state) == (2, 1, "judging")
+    feed(traffic, 1, 10, 0.01)
+    for _ in range(10):
+        traffic.record(2, 0.01, True, shadow=True)
+        traffic.compared(2, same=True)
+    assert traffic.split == {1: 90, 2: 10}  # passed in the dark: its first step
+    assert traffic.counts[2]["shadow_runs"] == 10 and traffic.counts[2]["requests"] == 0

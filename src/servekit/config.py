@@ -156,10 +156,11 @@ class ModelConfig:
                     f"model {self.name!r}: [models.traffic] names version(s) {unknown}; "
                     f"the model has {numbers} (add them under [[models.versions]])"
                 )
-        if self.canary is not None and (traffic is None or len(traffic.split) < 2):
+        judged = {*traffic.split, traffic.shadow} - {None} if traffic is not None else set()
+        if self.canary is not None and len(judged) < 2:
             raise ValueError(
                 f"model {self.name!r}: [models.canary] needs a [models.traffic] split over "
-                "two versions (the canary is the smaller share)"
+                "two versions, or a shadow beside one (the canary is the smaller share)"
             )
 
     @property

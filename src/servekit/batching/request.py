@@ -120,4 +120,6 @@ class Admission:
             else tuple(inputs[n].shape[1:] for n in names)
         )
         deadline = now + timeout / 1e6 if timeout else math.inf
+        with self._lock:
+            self._stats.request_admitted += 1
         return Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)

@@ -25,6 +25,8 @@ class BatchRecord:
 class BatcherStats:
     """Cumulative counts, with Triton's meanings (``nv_inference_*``)."""
 
+    request_admitted: int = 0
+    """Passed admission (valid inputs); each ends as a success, a failure or cancelled."""
     request_success: int = 0
     request_failure: int = 0
     """Failed in execution, timed out, rejected as overloaded, or failed at shutdown."""

@@ -201,7 +201,8 @@ class Traffic:
 
     def _start_canary(self) -> None:
         """Judge the smallest share against the largest (holds the lock or is in __init__)."""
-        shares = sorted(self._split.items(), key=lambda item: (item[1], -item[0]))
+        candidates = {**({self.shadow: 0} if self.shadow is not None else {}), **self._split}
+        shares = sorted(candidates.items(), key=lambda item: (item[1], -item[0]))
         if len(shares) < 2 or shares[0][1] == 100:
             self.state, self.canary, self.baseline, self._windows = "off", None, None, {}
             return
