@@ -45,10 +45,10 @@ GROUPS = [
     # (group, substrings of a frame), innermost match wins. A sample whose innermost
     # Python frame is the loop's run is in C: uvloop, the sockets, grpcio's Cython core.
     ("event loop in C (uvloop, sockets, grpcio core)", ("H1Server._run",)),
-    ("servekit HTTP server, forwarding", ("servekit/http/h1.py", "servekit/http/forward.py")),
+    ("servekit HTTP server, forwarding", ("servekit/http/h1.py", "servekit/front/http.py")),
     (
         "servekit request check, encode",
-        ("servekit/http/kserve.py", "servekit/http/app.py", "servekit/spec.py"),
+        ("servekit/protocol/kserve.py", "servekit/http/app.py", "servekit/spec.py"),
     ),
     ("servekit HTTP/2 server, hpack", ("servekit/grpc/h2.py", "hpack/")),
     ("servekit gRPC service", ("servekit/grpc/",)),

@@ -214,6 +214,8 @@ step = [10, 50, 100]
     (model,) = config.models
     assert model.version_numbers == (1, 2) and model.traffic.split == {1: 90, 2: 10}
     assert model.for_version(2).source == "add_sub_v2.onnx" and not model.for_version(2).versions
+    with pytest.raises(ValueError, match=r"model 'add_sub' has no version 3; it has \[1, 2\]"):
+        model.for_version(3)
     assert ServeConfig.from_dict(tomllib.loads(config.to_toml())) == config
     base = path.read_text().split("[models.traffic]")[0]
     for text, message in [

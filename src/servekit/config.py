@@ -170,9 +170,12 @@ class ModelConfig:
 
     def for_version(self, version: int) -> ModelConfig:
         """The model as one of its versions: that version's source, no rollout of its own."""
-        source = self.source
-        if version != 1:
-            source = next(v.source for v in self.versions if v.version == version)
+        sources = {1: self.source, **{v.version: v.source for v in self.versions}}
+        if version not in sources:
+            raise ValueError(
+                f"model {self.name!r} has no version {version}; it has {sorted(sources)}"
+            )
+        source = sources[version]
         return dataclasses.replace(
             self, source=source, name=self.name, versions=(), traffic=None, canary=None
         )

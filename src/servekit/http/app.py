@@ -93,7 +93,7 @@ class KServeApp:
     Args:
         models: name -> Runner (run on a worker thread), Batcher (awaited) or ``FrontModel``;
             or a ``ModelRegistry`` that finds models as they come and go and answers their
-            readiness (``http.front.TritonModels``). See ``servekit.protocol.models``.
+            readiness (``front.TritonModels``). See ``servekit.protocol.models``.
         max_body_bytes: larger request bodies are refused with 413 before they are read whole.
         ready: extra readiness check (e.g. warm-up done); all models must also be present.
         metrics: the ``Metrics`` to export (default: a new one watching the models' Batchers).
