@@ -59,6 +59,7 @@ __all__ = [
     "image_model_name",
     "load_config",
     "model_name",
+    "version_model_name",
 ]
 
 RUNTIMES = ("pytriton", "triton", "native", "ray")
@@ -79,6 +80,12 @@ def model_name(source: str | os.PathLike[str]) -> str:
 def image_model_name(name: str) -> str:
     """The name of the image model (encoded images in, top-k out) served beside ``name``."""
     return f"{name}_image"
+
+
+def version_model_name(name: str, version: int) -> str:
+    """The Triton model that serves version ``version`` (> 1) of ``name`` on PyTriton, which
+    binds one version per Triton model; servekit's front routes ``name`` to it."""
+    return f"{name}.v{version}"
 
 
 @dataclass(frozen=True)
@@ -328,6 +335,9 @@ class ServeConfig:
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
         served = [n for m in self.models for n in (m.name, image_model_name(m.name))[: 1 + m.image]]
+        served += [
+            version_model_name(m.name, v) for m in self.models for v in m.version_numbers[1:]
+        ]
         if len(set(served)) != len(served):
             raise ValueError(f"served model names must be unique, got {served}")
         if self.cache_dir is not None:
@@ -354,10 +364,10 @@ class ServeConfig:
                     problems.append(f"[ray] ({why})")
             elif getattr(self.server, knob) != getattr(default_server, knob):
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
-        if runtime in ("pytriton", "triton"):
+        if runtime in ("pytriton", "triton") and not self.server.front:
             problems += [
-                f"models.{m.name}: versions and [models.traffic] (the split runs in servekit's "
-                "own server and the Ray ingress; the Triton runtimes do not route yet)"
+                f"models.{m.name}: versions and [models.traffic] with server.front = false "
+                "(on the Triton runtimes the split runs in servekit's front)"
                 for m in self.models
                 if m.versions or m.traffic or m.canary
             ]

@@ -14,6 +14,12 @@ not carry (shared-memory registration, repository and statistics APIs).
 PyTriton's models are known up front (``Front(models=...)``); a model repository's come
 and go (explicit loads, polling), so ``servekit triton`` gives the front a
 ``TritonModels`` registry that reads each model's config from Triton when asked.
+
+A model served in several versions with a traffic split (``[models.traffic]``) is a
+``RoutedModel`` here, as on the native runtime: the front picks the version, runs the
+shadow and feeds the canary, and asks Triton for that version (``TritonVersion``). So
+that gRPC clients get the same split, the front then also serves the public gRPC port
+(servekit's ``GrpcService``) and tritonserver's gRPC moves to a private loopback port.
 """
 
 from __future__ import annotations
@@ -34,16 +40,19 @@ import numpy as np
 from ..batching import Batcher
 from ..config import MAX_BODY_BYTES
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
+from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp
 from ..http.h1 import H1Server
 from ..protocol.kserve import HEADER_LENGTH
-from ..protocol.models import StaticModels
+from ..protocol.models import FrontModel, StaticModels
+from ..protocol.routed import RoutedModel
 from ..protocol.surface import repository_index
+from ..rollout import Traffic
 from ..spec import ModelSpec, spec_from_config
 from .grpc import GrpcForwarder
 from .http import Done, HttpForwarder
 
-__all__ = ["ForwardedModel", "Front", "TritonModels"]
+__all__ = ["ForwardedModel", "Front", "TritonModels", "TritonVersion"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +137,47 @@ class ForwardedModel:
             self._http = None
 
 
+class TritonVersion:
+    """One version of a routed model as Triton serves it: a Triton model at a version
+    (``""``: the one it has). ``RoutedModel`` chooses among these; Triton batches."""
+
+    versioned = False
+    batcher: Batcher | None = None
+
+    def __init__(self, model: ForwardedModel, version: str = "") -> None:
+        self.model, self.version, self.spec = model, version, model.spec
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        return await self.model.infer(
+            inputs, priority=priority, timeout_us=timeout_us, version=self.version
+        )
+
+    async def ready(self, http_url: str) -> bool:
+        return await triton_ready(http_url, self.model.name, self.version or None)
+
+
+async def version_ready(model: RoutedModel, version: str | None, http_url: str) -> bool:
+    """Whether Triton has the routed model's named version (every version: none named) ready."""
+    if version:
+        try:
+            versions = [model.versions[model.traffic.version(version)]]
+        except ModelNotFound:
+            return False
+    else:
+        versions = list(model.versions.values())
+    for target in versions:
+        if not await cast(TritonVersion, target).ready(http_url):
+            return False
+    return True
+
+
 async def triton_fetch(
     http_url: str, headers: Mapping[str, str], method: str, path: str
 ) -> tuple[int, bytes, dict[str, str]]:
@@ -168,20 +218,44 @@ async def triton_ready(http_url: str, name: str, version: str | None) -> bool:
 
 
 class PyTritonModels(StaticModels):
-    """PyTriton's models (fixed at start) as ``ForwardedModel``s; readiness, configuration,
-    statistics and the repository index come from tritonserver (``PassThroughRegistry``)."""
+    """PyTriton's models (fixed at start) as ``ForwardedModel``s, a routed model's versions
+    as one ``RoutedModel``; readiness, configuration, statistics and the repository index
+    come from tritonserver (``PassThroughRegistry``).
+
+    ``routes``: name -> version -> the Triton model serving it (PyTriton binds one version
+    per Triton model); those Triton models are not served under their own names.
+    """
 
     def __init__(
-        self, models: Mapping[str, ForwardedModel], http_url: str, headers: Mapping[str, str]
+        self,
+        models: Mapping[str, ForwardedModel],
+        http_url: str,
+        headers: Mapping[str, str],
+        *,
+        routes: Mapping[str, Mapping[int, str]] | None = None,
+        traffic: Mapping[str, Traffic] | None = None,
     ) -> None:
-        super().__init__(models)
+        served: dict[str, FrontModel] = dict(models)
+        for name, targets in (routes or {}).items():
+            for target in targets.values():
+                served.pop(target, None)
+            assert traffic is not None and name in traffic, f"{name}: routed without a Traffic"
+            served[name] = RoutedModel(
+                {v: TritonVersion(models[t]) for v, t in targets.items()}, traffic[name]
+            )
+        super().__init__(served)
+        self.forwarded = dict(models)
         self.http_url, self._headers = http_url, dict(headers)
 
     async def is_ready(self, name: str, version: str | None) -> bool:
-        return name in self and await triton_ready(self.http_url, name, version)
+        model = self._models.get(name)
+        if isinstance(model, RoutedModel):
+            return await version_ready(model, version, self.http_url)
+        return model is not None and await triton_ready(self.http_url, name, version)
 
     def peek(self, name: str) -> ForwardedModel | None:
-        return cast("ForwardedModel | None", self._models.get(name))  # only these are listed
+        model = self._models.get(name)  # only these are listed; a routed one takes the full path
+        return model if isinstance(model, ForwardedModel) else None
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         if path == "/v2/repository/index":  # PyTriton's models are in no repository Triton indexes
@@ -192,11 +266,16 @@ class PyTritonModels(StaticModels):
             )
         return await triton_fetch(self.http_url, self._headers, method, path)
 
+    async def aclose(self) -> None:
+        for model in self.forwarded.values():
+            await model.aclose()
+
 
 class TritonModels(Mapping[str, ForwardedModel]):
     """The models a tritonserver has loaded now, for the front: each one's spec is read
     from Triton's model config (private HTTP port) when first asked for and again after
-    ``ttl_s``, so models loaded, unloaded or re-configured later are seen."""
+    ``ttl_s``, so models loaded, unloaded or re-configured later are seen. A model with a
+    ``Traffic`` is served as a ``RoutedModel`` over its Triton versions."""
 
     def __init__(
         self,
@@ -206,10 +285,13 @@ class TritonModels(Mapping[str, ForwardedModel]):
         inference_token: str | None = None,
         control_headers: Mapping[str, str] | None = None,
         ttl_s: float = 2.0,
+        traffic: Mapping[str, Traffic] | None = None,
     ) -> None:
         self.http_url, self.grpc_url, self.ttl_s = http_url, grpc_url, ttl_s
         self._token, self._headers = inference_token, dict(control_headers or {})
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
+        self.traffic = dict(traffic or {})
+        self._routed: dict[str, RoutedModel] = {}
 
     def _get(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.http_url}{path}", headers=self._headers)
@@ -243,24 +325,38 @@ class TritonModels(Mapping[str, ForwardedModel]):
         self._cache[name] = (now, model)
         return model
 
-    async def lookup(self, name: str) -> ForwardedModel:
+    async def lookup(self, name: str) -> FrontModel:
         """The model ``name`` as Triton has it now (``ModelNotFound`` naming it if it has not)."""
         cached = self._cache.get(name)
         if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
-            return cached[1]
-        return await asyncio.to_thread(self._fetch, name)
+            model = cached[1]
+        else:
+            model = await asyncio.to_thread(self._fetch, name)
+        return self._route(name, model) if name in self.traffic else model
+
+    def _route(self, name: str, model: ForwardedModel) -> RoutedModel:
+        """The routed model over ``model``'s versions (made again when ``model`` changed)."""
+        routed = self._routed.get(name)
+        if routed is None or routed.spec is not model.spec:
+            traffic = self.traffic[name]
+            targets = {v: TritonVersion(model, str(v)) for v in traffic.versions}
+            routed = self._routed[name] = RoutedModel(targets, traffic)
+        return routed
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         return await triton_ready(self.http_url, name, version)
 
     def peek(self, name: str) -> ForwardedModel | None:
         cached = self._cache.get(name)
-        if cached is None or time.monotonic() - cached[0] >= self.ttl_s:
-            return None
+        if cached is None or time.monotonic() - cached[0] >= self.ttl_s or name in self.traffic:
+            return None  # a routed model takes the full path
         return cached[1]
 
-    def loaded(self) -> Mapping[str, ForwardedModel]:
-        return {name: model for name, (_, model) in self._cache.items()}
+    def loaded(self) -> Mapping[str, FrontModel]:
+        return {
+            name: self._route(name, model) if name in self.traffic else model
+            for name, (_, model) in self._cache.items()
+        }
 
     def __getitem__(self, name: str) -> ForwardedModel:
         return self._cache[name][1]
@@ -282,6 +378,10 @@ class Front:
 
     ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry;
     ``control_headers`` reach tritonserver's restricted APIs (the repository index).
+    ``traffic``: each routed model's split (with ``routes`` on PyTriton: name -> version ->
+    Triton model); ``grpc_port``: serve gRPC there too, over the same models (needed
+    once a model is routed; ``grpc_url`` is then tritonserver's private gRPC port).
+    ``control_token`` guards ``POST /v2/models/<m>/traffic``.
     """
 
     def __init__(
@@ -296,6 +396,11 @@ class Front:
         inference_token: str | None = None,
         http_url: str,
         control_headers: Mapping[str, str] | None = None,
+        traffic: Mapping[str, Traffic] | None = None,
+        routes: Mapping[str, Mapping[int, str]] | None = None,
+        grpc_port: int | None = None,
+        control_token: str | None = None,
+        exit_timeout_s: float = 10.0,
     ) -> None:
         self.registry: TritonModels | PyTritonModels = (
             models
@@ -307,6 +412,8 @@ class Front:
                 },
                 http_url,
                 control_headers or {},
+                routes=routes,
+                traffic=traffic,
             )
         )
         self.app = KServeApp(
@@ -314,6 +421,25 @@ class Front:
             max_body_bytes=max_body_bytes,
             ready=ready,
             inference_token=inference_token,
+            control_token=control_token,
+        )
+        for t in (traffic or {}).values():
+            self.app.metrics.watch_traffic(t)
+        self._grpc = (
+            GrpcOnLoop(
+                GrpcService(
+                    self.registry,
+                    ready=ready,
+                    inference_token=inference_token,
+                    on_failure=self.app.metrics.failed,
+                ),
+                host,
+                grpc_port,
+                max_body_bytes,
+                exit_timeout_s,
+            )  # fmt: skip
+            if grpc_port is not None
+            else None
         )
         self._http = H1Server(
             self.app.handle,
@@ -322,6 +448,7 @@ class Front:
             fast=self.app.forward_now,
             max_body_bytes=max_body_bytes,
             name="servekit-front",
+            on_start=self._grpc.start if self._grpc is not None else None,
             on_exit=self._close,
         )
 
@@ -330,11 +457,9 @@ class Front:
         return self
 
     async def _close(self) -> None:
-        if isinstance(self.registry, TritonModels):
-            await self.registry.aclose()
-        else:
-            for m in self.registry.values():
-                await m.aclose()  # type: ignore[attr-defined]
+        if self._grpc is not None:
+            await self._grpc.stop()
+        await self.registry.aclose()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._http.stop(timeout_s)

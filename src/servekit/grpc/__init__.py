@@ -1,5 +1,5 @@
 """KServe v2 over gRPC: Triton's ``GRPCInferenceService`` over servekit's models."""
 
-from .service import GrpcService, grpc_server
+from .service import GrpcOnLoop, GrpcService, grpc_server
 
-__all__ = ["GrpcService", "grpc_server"]
+__all__ = ["GrpcOnLoop", "GrpcService", "grpc_server"]

@@ -47,7 +47,7 @@ from ..protocol.surface import EXTENSIONS, model_config, repository_index, stati
 from ..spec import as_dtype
 from .h2 import GrpcH2Server, unary_methods
 
-__all__ = ["GrpcService", "grpc_server"]
+__all__ = ["GrpcOnLoop", "GrpcService", "grpc_server"]
 
 log = logging.getLogger(__name__)
 
@@ -276,3 +276,24 @@ def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: i
     descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     methods = unary_methods(service, descriptor, service_pb2)
     return GrpcH2Server(methods, host, port, max_message_bytes)
+
+
+class GrpcOnLoop:
+    """The service's server on another server's event loop: ``start`` and ``stop`` are that
+    server's ``on_start`` and ``on_exit`` hooks (one loop for HTTP and gRPC)."""
+
+    def __init__(
+        self, service: GrpcService, host: str, port: int, max_message_bytes: int, exit_s: float
+    ) -> None:
+        self._args = (service, host, port, max_message_bytes)
+        self._exit_s = exit_s
+        self._server: GrpcH2Server | None = None
+
+    async def start(self) -> None:
+        self._server = grpc_server(*self._args)
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(self._exit_s)
+            self._server = None

@@ -11,11 +11,10 @@ Readiness turns true once every model is warm.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from ..batching import Batcher
 from ..config import ServeConfig
-from ..grpc import GrpcService, grpc_server
+from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
 from ..protocol.routed import route, traffic_of
@@ -75,18 +74,10 @@ class NativeServer:
                 inference_token=c.server.inference_token,
                 on_failure=app.metrics.failed,
             )
-            holder: dict[str, Any] = {}
-
-            async def start_grpc() -> None:  # on the HTTP front's event loop: one loop for both
-                holder["server"] = grpc_server(
-                    grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes
-                )
-                await holder["server"].start()
-
-            async def stop_grpc() -> None:
-                if "server" in holder:
-                    await holder["server"].stop(c.server.exit_timeout_s)
-
+            on_loop = GrpcOnLoop(
+                grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
+                c.server.exit_timeout_s,
+            )  # fmt: skip
             self._threads = [
                 H1Server(
                     app.handle,
@@ -95,8 +86,8 @@ class NativeServer:
                     ports={c.server.metrics_port: metrics_handler(app.metrics.render)},
                     max_body_bytes=c.server.max_body_bytes,
                     name="servekit-native",
-                    on_start=start_grpc,
-                    on_exit=stop_grpc,
+                    on_start=on_loop.start,
+                    on_exit=on_loop.stop,
                 ).start(),
             ]
         except BaseException:

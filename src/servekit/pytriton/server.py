@@ -13,9 +13,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import ServeConfig, ServerConfig
+from ..config import ServeConfig, ServerConfig, version_model_name
 from ..endpoints import free_port
 from ..errors import ModelNotFound
+from ..protocol.routed import traffic_of
+from ..rollout import Traffic
 from ..runners.base import Runner
 from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_models, reload_models
@@ -59,6 +61,8 @@ class TritonServer:
         self.server = config or ServerConfig()
         self.config = serve_config
         """What ``reload`` reads the models' files from (set by ``from_config``)."""
+        self.traffic: dict[str, Traffic] = traffic_of(serve_config) if serve_config else {}
+        """Each versioned model's split and canary (servekit's front routes), kept across restarts."""
         self._triton: Any = None
         self._workdir: Workdir | None = None
         self._front: Any = None
@@ -96,6 +100,11 @@ class TritonServer:
 
         for m in self.models:
             m.runner.warmup()
+        # Triton's model for each: PyTriton binds one version per Triton model.
+        bound = {
+            m: m.name if m.version == 1 else version_model_name(m.name, m.version)
+            for m in self.models
+        }
         c = self.server
         security = TritonSecurityConfig(
             access_token=c.control_token, restricted_endpoints=list(CONTROL_ENDPOINTS)
@@ -103,6 +112,8 @@ class TritonServer:
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
         triton_http_port = free_port() if c.front else c.http_port
+        # A routed model's split holds on gRPC too: the front serves the public gRPC port.
+        triton_grpc_port = free_port() if self.traffic else c.grpc_port
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
         workdir = self._workdir.path
         triton = Triton(
@@ -111,8 +122,8 @@ class TritonServer:
             config=TritonConfig(
                 http_address="127.0.0.1" if c.front else c.host,
                 http_port=triton_http_port,
-                grpc_address=c.host,
-                grpc_port=c.grpc_port,
+                grpc_address="127.0.0.1" if self.traffic else c.host,
+                grpc_port=triton_grpc_port,
                 metrics_address=c.host,
                 metrics_port=c.metrics_port,
                 metrics_config=["summary_latencies=true"],
@@ -124,11 +135,13 @@ class TritonServer:
         )
         try:
             for m in self.models:
-                install_error_shim(m.name)
+                install_error_shim(bound[m])
                 spec = m.runner.spec
                 triton.bind(
-                    model_name=m.name,
-                    infer_func=[infer_callable(m.runner, m.name) for _ in range(m.instance_count)],
+                    model_name=bound[m],
+                    infer_func=[
+                        infer_callable(m.runner, bound[m]) for _ in range(m.instance_count)
+                    ],
                     inputs=pytriton_tensors(spec.inputs),
                     outputs=pytriton_tensors(spec.outputs),
                     config=m.policy.to_pytriton(spec.max_batch_size),
@@ -139,15 +152,24 @@ class TritonServer:
             if c.front:
                 from ..front.front import Front
 
+                routes: dict[str, dict[int, str]] = {}
+                for m in self.models:
+                    if m.name in self.traffic:
+                        routes.setdefault(m.name, {})[m.version] = bound[m]
                 self._front = Front(
-                    {m.name: m.runner.spec for m in self.models},
-                    c.grpc_url,
+                    {bound[m]: m.runner.spec for m in self.models},
+                    f"grpc://127.0.0.1:{triton_grpc_port}" if self.traffic else c.grpc_url,
                     host=c.host,
                     port=c.http_port,
                     ready=self.is_healthy,
                     max_body_bytes=c.max_body_bytes,
                     http_url=f"http://127.0.0.1:{triton_http_port}",
                     control_headers={"triton-access-token": security.access_token or ""},
+                    traffic=self.traffic,
+                    routes=routes,
+                    grpc_port=c.grpc_port if self.traffic else None,
+                    control_token=security.access_token,
+                    exit_timeout_s=c.exit_timeout_s,
                 ).start()
         except BaseException:
             if self._front is not None:
@@ -161,7 +183,7 @@ class TritonServer:
         self.access_token = security.access_token
         # Each model instance runs in a Python backend stub, named <model>_<n>_<device> in
         # its argv.
-        names = "|".join(re.escape(m.name) for m in self.models)
+        names = "|".join(re.escape(bound[m]) for m in self.models)
         instance = re.compile(rf"^(?:{names})_\d+_\d+$")
         self._stubs = {
             pid: next((a for a in argv if instance.match(a)), argv[0])

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 from ..config import ServerConfig
 from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
+from ..rollout import Traffic
 from .env import (
     TritonEnvironment,
     TritonSetupError,
@@ -94,10 +95,22 @@ def backend_directory(root: Path, env: TritonEnvironment) -> Path:
 
 
 class TritonProcess:
-    """A tritonserver process with the servekit backend; start, use, stop (or a context manager)."""
+    """A tritonserver process with the servekit backend; start, use, stop (or a context manager).
 
-    def __init__(self, options: TritonOptions) -> None:
+    ``traffic``: the split of each model served in several versions (``traffic_of``); the
+    front routes them, on HTTP and on the public gRPC port, which it then serves itself.
+    """
+
+    def __init__(
+        self, options: TritonOptions, *, traffic: Mapping[str, Traffic] | None = None
+    ) -> None:
         self.options = options
+        self.traffic = dict(traffic or {})
+        if self.traffic and not options.server.front:
+            raise ValueError(
+                f"models {sorted(self.traffic)} have a traffic split: it runs in servekit's "
+                "front (server.front = true)"
+            )
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Workdir | None = None
         self.restarts = 0
@@ -108,6 +121,9 @@ class TritonProcess:
         self.triton_http_url = (
             f"http://127.0.0.1:{free_port()}" if options.server.front else options.server.http_url
         )
+        self.triton_grpc_url = (
+            f"grpc://127.0.0.1:{free_port()}" if self.traffic else options.server.grpc_url
+        )
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
         o, s = self.options, self.options.server
@@ -117,8 +133,8 @@ class TritonProcess:
             f"--backend-directory={backends}",
             f"--http-address={'127.0.0.1' if s.front else s.host}",
             f"--http-port={self.triton_http_url.rsplit(':', 1)[1]}",
-            f"--grpc-address={s.host}",
-            f"--grpc-port={s.grpc_port}",
+            f"--grpc-address={'127.0.0.1' if self.traffic else s.host}",
+            f"--grpc-port={self.triton_grpc_url.rsplit(':', 1)[1]}",
             f"--metrics-address={s.host}",
             f"--metrics-port={s.metrics_port}",
             f"--model-control-mode={o.model_control_mode}",
@@ -180,19 +196,24 @@ class TritonProcess:
         s = self.options.server
         registry = TritonModels(
             self.triton_http_url,
-            s.grpc_url,
+            self.triton_grpc_url,
             inference_token=s.inference_token,
             control_headers={CONTROL_TOKEN_HEADER: s.control_token} if s.control_token else None,
+            traffic=self.traffic,
         )
         self._front = Front(
             registry,
-            s.grpc_url,
+            self.triton_grpc_url,
             host=s.host,
             port=s.http_port,
             ready=self.is_alive,
             max_body_bytes=s.max_body_bytes,
             inference_token=s.inference_token,
             http_url=self.triton_http_url,
+            traffic=self.traffic,
+            grpc_port=s.grpc_port if self.traffic else None,
+            control_token=s.control_token,
+            exit_timeout_s=s.exit_timeout_s,
         ).start()
 
     def _http_ok(self, path: str) -> bool:

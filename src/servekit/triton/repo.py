@@ -54,6 +54,8 @@ class RepositoryModel:
     versions: tuple[int, ...] = field(default=(1,))
     files: Mapping[str, str] = field(default_factory=dict)
     """Other files for each version folder: name -> text (a labels file)."""
+    version_weights: Mapping[int, str | os.PathLike[str]] = field(default_factory=dict)
+    """A version's own weights in place of ``weights`` (a model's ``[[models.versions]]``)."""
 
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
@@ -128,7 +130,8 @@ def _image_models(
                 outputs,
                 [
                     EnsembleStep(pre_name, {image.name: "image"}, {tensor.name: "preprocessed"}),
-                    EnsembleStep(model.name, {x.name: "preprocessed"}, {y.name: "logits"}),
+                    # Version 1, as on every runtime: the image model does not take the split.
+                    EnsembleStep(model.name, {x.name: "preprocessed"}, {y.name: "logits"}, 1),
                     EnsembleStep(
                         post_name,
                         {logits.name: "logits"},
@@ -150,12 +153,18 @@ def model_repository(
     """Every model of ``config`` as repository folders, and beside each image classifier
     ``<name>_preprocess``, ``<name>_postprocess`` and their ensemble ``<name>_image``
     (``image_names`` renames those three, for a one-model repository)."""
+    from ..runners.versioned import check_compatible
     from ..runtime.base import probe_model
 
     config.check("triton")
     out: list[RepositoryModel] = []
     for model in config.models:
         probe = probe_model(model, config.cache_dir)
+        own: dict[int, str | os.PathLike[str]] = {}
+        for number in model.version_numbers[1:]:
+            other = probe_model(model.for_version(number), config.cache_dir)
+            check_compatible(probe.spec, other.spec, f"{model.name} version {number}")
+            own[number] = other.path
         out.append(
             RepositoryModel(
                 model.name,
@@ -165,9 +174,13 @@ def model_repository(
                     model.batching,
                     instance_count=model.instances,
                     parameters=runner_parameters(model),
+                    versions="specific:" + ",".join(map(str, model.version_numbers))
+                    if own
+                    else None,
                 ),
                 weights=probe.path,
-                versions=versions,
+                versions=model.version_numbers if own else versions,
+                version_weights=own,
             )
         )
         if probe.image_spec is not None:
@@ -255,9 +268,10 @@ def build_repository(
             for filename, text in m.files.items():
                 (vdir / filename).write_text(text)
                 written.append(vdir / filename)
-            if m.weights:
+            weights = m.version_weights.get(version, m.weights)
+            if weights:
                 target = vdir / "model.onnx"
                 if force or not target.exists():
-                    shutil.copyfile(zoo.resolve(m.weights, cache_dir), target)
+                    shutil.copyfile(zoo.resolve(weights, cache_dir), target)
                     written.append(target)
     return written

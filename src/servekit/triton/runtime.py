@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import ServeConfig
+from ..protocol.routed import traffic_of
 from .launcher import TritonOptions, TritonProcess
 from .repo import build_repository, model_repository
 
@@ -26,6 +27,8 @@ class TritonRuntime:
         self.config = config.check("triton")
         self.process: TritonProcess | None = None
         self._root: Path | None = None
+        self.traffic = traffic_of(self.config)
+        """Each versioned model's split and canary (the front's), kept across restarts."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> TritonRuntime:
@@ -41,8 +44,15 @@ class TritonRuntime:
         try:
             models = model_repository(self.config)
             build_repository(self._root, models, cache_dir=self.config.cache_dir)
-            self.process = TritonProcess(TritonOptions(self._root, self.config.server)).start()
-            self.process.wait_ready([m.name for m in models])
+            self.process = TritonProcess(
+                TritonOptions(self._root, self.config.server), traffic=self.traffic
+            ).start()
+            self.process.wait_ready(
+                [m.name for m in models]
+                + [  # each version of a routed model ("<name>/versions/<v>/ready")
+                    f"{name}/versions/{v}" for name, t in self.traffic.items() for v in t.versions
+                ]
+            )
         except BaseException:
             self.stop()
             raise
