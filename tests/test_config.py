@@ -238,15 +238,24 @@ step = [10, 50, 100]
             ServeConfig.load(path)
 
 
-def test_the_triton_runtimes_refuse_rollout_by_name():
+def test_the_triton_runtimes_route_versions_only_through_the_front():
     model = ModelConfig("add_sub", versions=(ModelVersion(2, "v2.onnx"),))
+    for runtime in RUNTIMES:
+        ServeConfig((model,), runtime=runtime).check()
     for runtime in ("pytriton", "triton"):
+        no_front = ServeConfig((model,), ServerConfig(front=False), runtime=runtime)
         with pytest.raises(
-            ValueError, match=rf"the {runtime} runtime cannot honour: models.add_sub: versions"
+            ValueError,
+            match=rf"the {runtime} runtime cannot honour: models.add_sub: versions and "
+            r"\[models.traffic\] with server.front = false",
         ):
-            ServeConfig((model,), runtime=runtime).check()
-    ServeConfig((model,), runtime="native").check()
-    ServeConfig((model,), runtime="ray").check()
+            no_front.check()
+
+
+def test_pytriton_s_name_for_a_version_is_reserved():
+    model = ModelConfig("add_sub", "m", versions=(ModelVersion(2, "v2.onnx"),))
+    with pytest.raises(ValueError, match=r"served model names must be unique, got .*'m.v2'"):
+        ServeConfig((model, ModelConfig("add_sub", "m.v2")))
 
 
 def test_a_config_is_checked_once_however_many_entry_points_ask(monkeypatch):

@@ -19,14 +19,14 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import Load, parse_metrics, ray_serve, wait_until
+from conftest import Load, parse_metrics, ray_serve, sample, scrape, wait_until
 from servekit import BatchingPolicy, ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.client import Client
 from servekit.rollout import CanaryPolicy, ModelVersion, TrafficPolicy
+from servekit.serving import create_runtime
 from servekit.zoo.tiny import build_add_sub
 
 pytest.importorskip("httptools", reason="needs the http extra")
-from servekit.native import NativeServer  # noqa: E402
 
 try:  # as pytest.importorskip does: Ray Serve's own import warns (pydantic), which is not ours
     with warnings.catch_warnings():
@@ -71,17 +71,35 @@ class Served:
     host: str
     http_port: int
     grpc_port: int | None
+    triton_metrics: str | None = None
+    """Triton's own metrics (the Triton runtimes): each version's ``nv_inference_*``."""
+    pytriton: bool = False
+
+    def version_labels(self, version: str) -> dict[str, str]:
+        """Where ``nv_inference_*`` counts version ``version`` of m: PyTriton serves it as
+        its own Triton model ``m.v<N>`` (``version_model_name``)."""
+        if self.pytriton and version != "1":
+            return {"model": f"m.v{version}", "version": "1"}
+        return {"model": "m", "version": version}
 
 
-@contextlib.contextmanager
-def native(model: ModelConfig, **server) -> Iterator[Served]:
-    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2, **server), runtime="native")
-    runtime = NativeServer(config.on_loopback()).start()
-    try:
-        s = runtime.config.server
-        yield Served("127.0.0.1", s.http_port, s.grpc_port)
-    finally:
-        runtime.stop()
+def on(runtime: str):
+    """Serve one model with servekit's runtime ``runtime`` on loopback ports."""
+
+    @contextlib.contextmanager
+    def serve_on(model: ModelConfig, **server) -> Iterator[Served]:
+        config = ServeConfig((model,), ServerConfig(exit_timeout_s=2, **server), runtime=runtime)
+        config = config.on_loopback()
+        served = create_runtime(config)
+        served.start()
+        try:
+            s = config.server
+            metrics = None if runtime == "native" else s.metrics_url
+            yield Served("127.0.0.1", s.http_port, s.grpc_port, metrics, runtime == "pytriton")
+        finally:
+            served.stop()
+
+    return serve_on
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +124,13 @@ def on_ray(url: str, model: ModelConfig, **server) -> Iterator[Served]:
         serve.delete("servekit")
 
 
-@pytest.fixture(params=["native", "ray"])
+@pytest.fixture(params=["native", "ray", "pytriton", "triton"])
 def serving(request):
     """Serve a model on each runtime in turn: ``serving(model, **server)``."""
-    if request.param == "native":
-        return native
+    if request.param in ("pytriton", "triton"):
+        pytest.importorskip("pytriton", reason="needs the triton extra")
+    if request.param != "ray":
+        return on(request.param)
     url = request.getfixturevalue("ray_url")
     return lambda model, **server: on_ray(url, model, **server)
 
@@ -196,9 +216,15 @@ def test_the_split_sticky_named_versions_and_the_traffic_api(versions, serving):
                 assert metrics[("servekit_traffic_share_percent", labels)] == state["split"].get(
                     version, 0
                 )
+            if runtime.triton_metrics is not None:  # Triton counts each version's requests
+                metrics = scrape(runtime.triton_metrics)
+            for version in ("1", "2"):
                 assert (
-                    metrics[("nv_inference_request_success", labels)] > 0
-                )  # each version's Batcher
+                    sample(
+                        metrics, "nv_inference_request_success", **runtime.version_labels(version)
+                    )
+                    > 0
+                )
         finally:
             client.close()
         if runtime.grpc_port is None:
@@ -295,13 +321,40 @@ def test_a_version_with_other_answers_is_caught_by_its_shadow_and_never_answers(
     assert "shadow answers differ" in state["events"][-1]["why"]
 
 
-def test_a_version_with_another_signature_is_refused_naming_the_difference(tmp_path, versions):
+@pytest.mark.parametrize("runtime", ["native", "pytriton", "triton"])
+def test_a_version_with_another_signature_is_refused_naming_the_difference(
+    tmp_path, versions, runtime
+):
+    if runtime != "native":
+        pytest.importorskip("pytriton", reason="needs the triton extra")
     other = tmp_path / "wide.onnx"
     onnx.save(build_add_sub(width=8), other)
     model = ModelConfig(str(versions["v1"]), "m", versions=(ModelVersion(2, str(other)),))
-    config = ServeConfig((model,), runtime="native").on_loopback()
-    with pytest.raises(
-        ValueError,
-        match=r"m version 2: the new version's inputs differ: .*got \['INPUT0 FP32 \[8\]'",
-    ):
-        NativeServer(config).start()
+    served = create_runtime(ServeConfig((model,), runtime=runtime).on_loopback())
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"m version 2: the new version's inputs differ: .*got \['INPUT0 FP32 \[8\]'",
+        ):
+            served.start()
+    finally:
+        served.stop()
+
+
+def test_triton_s_repository_holds_every_version_and_the_ensemble_stays_on_version_1(
+    tiny_cnn_path, versions
+):
+    from servekit.triton.repo import model_repository
+
+    cnn = ModelConfig(str(tiny_cnn_path), "c", versions=(ModelVersion(3, str(tiny_cnn_path)),))
+    adder = model_with(versions, "off", TrafficPolicy({1: 90, 2: 10}))
+    by_name = {m.name: m for m in model_repository(ServeConfig((cnn, adder), runtime="triton"))}
+    assert by_name["c"].versions == (1, 3) and list(
+        by_name["c"].config.version_policy.specific.versions
+    ) == [1, 3]
+    assert by_name["m"].version_weights == {2: versions["off"]}
+    (step,) = [s for s in by_name["c_image"].config.ensemble_scheduling.step if s.model_name == "c"]
+    assert step.model_version == 1  # the image model takes no split, as on every runtime
+    plain = model_repository(ServeConfig((ModelConfig(str(tiny_cnn_path), "c"),), runtime="triton"))
+    (step,) = [s for s in plain[-1].config.ensemble_scheduling.step if s.model_name == "c"]
+    assert step.model_version == -1  # the latest: a new version folder updates the ensemble

@@ -168,7 +168,7 @@ class TritonServer:
                     traffic=self.traffic,
                     routes=routes,
                     grpc_port=c.grpc_port if self.traffic else None,
-                    control_token=security.access_token,
+                    control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
                 ).start()
         except BaseException:

@@ -130,8 +130,14 @@ def _image_models(
                 outputs,
                 [
                     EnsembleStep(pre_name, {image.name: "image"}, {tensor.name: "preprocessed"}),
-                    # Version 1, as on every runtime: the image model does not take the split.
-                    EnsembleStep(model.name, {x.name: "preprocessed"}, {y.name: "logits"}, 1),
+                    # With versions, 1 as on every runtime (the image model takes no split);
+                    # else the latest, so a new version folder updates the ensemble too.
+                    EnsembleStep(
+                        model.name,
+                        {x.name: "preprocessed"},
+                        {y.name: "logits"},
+                        1 if model.versions else -1,
+                    ),
                     EnsembleStep(
                         post_name,
                         {logits.name: "logits"},
