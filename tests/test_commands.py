@@ -370,3 +370,57 @@ def test_serve_on_the_triton_backend_renders_the_repository_and_serves_it(tmp_pa
         code = stop(proc)
     assert code == 0
     assert proc.stdout_text.count("Failed to set config modification time") <= 1
+
+
+def test_sighup_applies_the_split_the_file_changed_on_the_triton_runtime(tmp_path, add_sub_path):
+    """The file's split is re-read on SIGHUP, even where the model files are not (tritonserver
+    reloads from its repository, and says so)."""
+    http, v2 = free_port(), tmp_path / "v2.onnx"
+    shutil.copyfile(add_sub_path, v2)
+    config = tmp_path / "serve.toml"
+    text = f"""
+runtime = "triton"
+[server]
+host = "127.0.0.1"
+http_port = {http}
+grpc_port = {free_port()}
+metrics_port = {free_port()}
+[[models]]
+source = "{add_sub_path}"
+name = "m"
+[[models.versions]]
+version = 2
+source = "{v2}"
+[models.traffic]
+split = {{ 1 = 100, 2 = 0 }}
+"""
+    config.write_text(text)
+    proc = spawn([sys.executable, "-m", "servekit", "serve", "--config", str(config)])
+    url = f"http://127.0.0.1:{http}"
+    x = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+
+    def split() -> dict:
+        with urllib.request.urlopen(f"{url}/v2/models/m/traffic", timeout=10) as r:
+            return json.loads(r.read())["split"]
+
+    try:
+        wait_ready(url, "m", proc)
+        with Client(url) as c:
+            assert c.infer("m", x)
+        assert split() == {"1": 100, "2": 0}
+        config.write_text(text.replace("split = { 1 = 100, 2 = 0 }", "split = { 1 = 0, 2 = 100 }"))
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: split() == {"1": 0, "2": 100}, "the file's new split", 60)
+        body = json.dumps({"inputs": [
+            {"name": n, "datatype": "FP32", "shape": [1, 16], "data": [1.0] * 16}
+            for n in ("INPUT0", "INPUT1")
+        ]}).encode()  # fmt: skip
+        request = urllib.request.Request(f"{url}/v2/models/m/infer", body, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert json.loads(r.read())["model_version"] == "2"
+        wait_until(lambda: "reload failed" in proc.output(), "the models' reload reported", 30)
+    finally:
+        code = stop(proc)
+    assert code == 0
+    assert "m: traffic split {1: 0, 2: 100} from the file" in proc.stdout_text
+    assert "tritonserver reloads models from its repository" in proc.stdout_text

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servekit import ModelConfig, ServeConfig
 from servekit.errors import InvalidInput, ModelNotFound
 from servekit.rollout import (
     CanaryPolicy,
@@ -211,3 +212,31 @@ def test_a_shadow_beside_a_lone_version_is_its_canary_a_dark_launch():
         traffic.compared(2, same=True)
     assert traffic.split == {1: 90, 2: 10}  # passed in the dark: its first step
     assert traffic.counts[2]["shadow_runs"] == 10 and traffic.counts[2]["requests"] == 0
+
+
+def test_the_file_s_split_is_followed_only_when_the_file_changed_it():
+    traffic = Traffic("m", (1, 2), TrafficPolicy({1: 90, 2: 10}))
+    assert traffic.follow_file(TrafficPolicy({1: 90, 2: 10})) is None
+    traffic.set_split({2: 100})  # a live split the file never mentioned stays
+    assert traffic.follow_file(TrafficPolicy({1: 90, 2: 10})) is None
+    assert traffic.split == {2: 100}
+    assert traffic.follow_file(TrafficPolicy({1: 50, 2: 50})) == (
+        "m: traffic split {1: 50, 2: 50} from the file"
+    )
+    assert traffic.split == {1: 50, 2: 50}
+    assert traffic.events[-1]["why"] == "the file's split, re-read"
+    with pytest.raises(InvalidInput, match=r"unknown version\(s\) \[3\]"):
+        traffic.follow_file(TrafficPolicy({1: 50, 3: 50}))
+
+
+def test_ray_refuses_to_re_read_a_split_by_name():
+    from servekit.serving import create_runtime, reread_traffic
+
+    model = ModelConfig(
+        "add_sub", versions=(ModelVersion(2, "add_sub"),), traffic={"split": {1: 100}}
+    )
+    config = ServeConfig((model,), runtime="ray")
+    with pytest.raises(
+        ValueError, match="the ray runtime does not re-read traffic splits on SIGHUP"
+    ):
+        reread_traffic(create_runtime(config), config)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .config import ServeConfig
+from .protocol.routed import follow_file
 from .runtime import Runtime, Supervisor
 
-__all__ = ["create_runtime", "serve"]
+__all__ = ["create_runtime", "reread_traffic", "serve"]
 
 
 def create_runtime(config: ServeConfig) -> Runtime:
@@ -40,7 +41,28 @@ def serve(
     *,
     max_restarts: int = 5,
     on_event: Callable[[str], None] | None = None,
+    reread: Callable[[], ServeConfig] | None = None,
 ) -> int:
-    """Serve ``config`` in the foreground until SIGINT/SIGTERM (SIGHUP reloads the models);
-    returns the exit code. What ``servekit serve`` runs."""
-    return Supervisor(create_runtime(config), max_restarts=max_restarts, on_event=on_event).run()
+    """Serve ``config`` in the foreground until SIGINT/SIGTERM; returns the exit code. What
+    ``servekit serve`` runs. SIGHUP reloads the models and, with ``reread`` (the config
+    file read again), applies each traffic split the file changed."""
+    runtime = create_runtime(config)
+    return Supervisor(
+        runtime,
+        max_restarts=max_restarts,
+        on_event=on_event,
+        on_reload=(lambda: reread_traffic(runtime, reread())) if reread is not None else None,
+    ).run()
+
+
+def reread_traffic(runtime: Runtime, config: ServeConfig) -> list[str]:
+    """The splits ``config`` gives, applied where ``runtime`` routes (``follow_file``)."""
+    if not any(m.traffic for m in config.models):
+        return []
+    traffic = getattr(runtime, "traffic", None)
+    if traffic is None:  # Ray: each ingress replica keeps its own split
+        raise ValueError(
+            f"the {config.runtime} runtime does not re-read traffic splits on SIGHUP: "
+            "each ingress replica keeps its own; set one with POST /v2/models/<m>/traffic"
+        )
+    return follow_file(traffic, config)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..config import ServeConfig
 from ..errors import ServekitError
 from .common import (
     CacheDir,
@@ -100,28 +101,33 @@ def serve(
 ) -> None:
     """Serve models over KServe v2 (HTTP, and gRPC on every runtime but ray): each tensor
     model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
-    the model files; SIGINT/SIGTERM stop."""
+    the model files and the config file's traffic splits; SIGINT/SIGTERM stop."""
     from ..serving import serve as run
     from ..triton.env import TritonSetupError
 
-    cfg = serve_config(
-        config,
-        models=model,
-        runtime=runtime,
-        cache_dir=cache_dir,
-        server=_server_flags(locals()),
-        name=name,
-        engine=engine,
-        precision=precision,
-        instances=instances,
-        threads=threads,
-        top_k=top_k,
-        labels=labels,
-        max_batch_size=max_batch_size,
-        preferred_batch_sizes=preferred_batch_sizes,
-        max_queue_delay_us=max_queue_delay_us,
-        max_queue_size=max_queue_size,
-    )
+    flags = _server_flags(locals())
+
+    def read() -> ServeConfig:  # again on SIGHUP: the file's traffic splits
+        return serve_config(
+            config,
+            models=model,
+            runtime=runtime,
+            cache_dir=cache_dir,
+            server=flags,
+            name=name,
+            engine=engine,
+            precision=precision,
+            instances=instances,
+            threads=threads,
+            top_k=top_k,
+            labels=labels,
+            max_batch_size=max_batch_size,
+            preferred_batch_sizes=preferred_batch_sizes,
+            max_queue_delay_us=max_queue_delay_us,
+            max_queue_size=max_queue_size,
+        )
+
+    cfg = read()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     s = cfg.server
     console.print(
@@ -130,7 +136,12 @@ def serve(
         + "; ready once every model is loaded"
     )
     try:
-        code = run(cfg, max_restarts=restarts, on_event=console.print)
+        code = run(
+            cfg,
+            max_restarts=restarts,
+            on_event=console.print,
+            reread=read if config is not None else None,
+        )
     except TritonSetupError as exc:
         raise fail(f"cannot start Triton: {exc}", 3) from None
     except ImportError as exc:

@@ -23,7 +23,7 @@ from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
 from .models import FrontModel, as_front_model
 
-__all__ = ["RoutedModel", "infer_answered", "route", "traffic_of"]
+__all__ = ["RoutedModel", "follow_file", "infer_answered", "route", "traffic_of"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,18 @@ def traffic_of(config: ServeConfig) -> dict[str, Traffic]:
         for m in config.models
         if m.versions or m.traffic
     }
+
+
+def follow_file(traffic: Mapping[str, Traffic], config: ServeConfig) -> list[str]:
+    """Each model's split as ``config`` (the file, read again) now gives it
+    (``Traffic.follow_file``); one line per split changed."""
+    lines = []
+    for m in config.models:
+        if m.name in traffic and m.traffic is not None:
+            line = traffic[m.name].follow_file(m.traffic)
+            if line is not None:
+                lines.append(line)
+    return lines
 
 
 def route(

@@ -65,6 +65,8 @@ class Traffic:
         self._cumulative: list[tuple[float, int]] = []
         self.shadow: int | None = None
         self._set_split(self._known(policy.split))
+        self.file_split = dict(self._split)
+        """The split the configuration file last gave (``follow_file``)."""
         if policy.shadow is not None:
             self._known({policy.shadow: 0})
             self.shadow = policy.shadow
@@ -154,6 +156,17 @@ class Traffic:
             self._event("split", why, split=dict(self._split))
             if self.canary_policy is not None:
                 self._start_canary()
+
+    def follow_file(self, policy: TrafficPolicy) -> str | None:
+        """The file's split, re-read (SIGHUP): applied, and the canary judged afresh, only
+        when the file changed it, so a reload does not undo a verdict or a live split the
+        file never mentioned. Returns what it did, or None."""
+        split = self._known(policy.split)
+        if split == self.file_split:
+            return None
+        self.set_split(split, why="the file's split, re-read")
+        self.file_split = split
+        return f"{self.name}: traffic split {split} from the file"
 
     def state_dict(self) -> dict[str, Any]:
         """What ``GET /v2/models/<m>/traffic`` answers."""

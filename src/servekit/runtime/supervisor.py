@@ -32,8 +32,10 @@ class Supervisor:
         max_restarts: int = 5,
         check_s: float = 1.0,
         on_event: Callable[[str], None] | None = None,
+        on_reload: Callable[[], list[str]] | None = None,
     ) -> None:
         self.runtime = runtime
+        self._on_reload = on_reload
         self.max_restarts = max_restarts
         self.check_s = check_s
         self.restarts = 0
@@ -87,6 +89,16 @@ class Supervisor:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
         return previous
 
+    def _reload(self) -> None:
+        for step in (self._on_reload, self.runtime.reload):
+            if step is None:
+                continue
+            try:
+                for line in step():
+                    self._say(line)
+            except Exception as exc:  # a failed update must not stop the serving version
+                self._say(f"reload failed, the serving version stays: {exc}")
+
     def _watch(self) -> int:
         while not self._stop.is_set():
             self._wake.wait(self.check_s)
@@ -95,11 +107,7 @@ class Supervisor:
                 break
             if self._hup.is_set():
                 self._hup.clear()
-                try:
-                    for line in self.runtime.reload():
-                        self._say(line)
-                except Exception as exc:  # a failed update must not stop the serving version
-                    self._say(f"reload failed, the serving version stays: {exc}")
+                self._reload()
             problem = self.runtime.problem()
             if problem is None:
                 continue
