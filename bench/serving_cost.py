@@ -40,17 +40,19 @@ from servekit.endpoints import free_port
 from servekit.rollout import ModelVersion, TrafficPolicy
 
 PROTOCOLS = ("http-json", "http-binary", "grpc")
-SPLIT = "native, two versions split 50/50"
-SHADOW = "native, every request shadowed on a second version"
+SPLIT = ", two versions split 50/50"
+SHADOW = ", every request shadowed on a second version"
 
 RUNS = [
     # (row name, runtime, front, protocols); the Ray rows are a group of their own (below)
     ("native", "native", True, PROTOCOLS),
-    (SPLIT, "native", True, PROTOCOLS),
-    (SHADOW, "native", True, PROTOCOLS),
+    ("native" + SPLIT, "native", True, PROTOCOLS),
+    ("native" + SHADOW, "native", True, PROTOCOLS),
     ("pytriton (front)", "pytriton", True, PROTOCOLS),
     ("pytriton --no-front (Triton's own ports)", "pytriton", False, PROTOCOLS),
     ("triton (front)", "triton", True, PROTOCOLS),
+    ("triton (front)" + SPLIT, "triton", True, PROTOCOLS),
+    ("triton (front)" + SHADOW, "triton", True, PROTOCOLS),
     ("triton --no-front (tritonserver's own ports)", "triton", False, PROTOCOLS),
     ("ray", "ray", True, ("http-json", "http-binary")),
     ("ray, fused ([ray] fuse = true)", "ray", True, ("http-json", "http-binary")),
@@ -224,9 +226,11 @@ def measure_group(group, model, path, setup, cfg, args, rounds) -> None:
 def rollout(model: ModelConfig, row: str) -> ModelConfig:
     """The model as the row serves it: the rollout rows add version 2 (the same file), split
     50/50, or all answered by version 1 with every request shadowed on version 2."""
-    if row not in (SPLIT, SHADOW):
+    if not row.endswith((SPLIT, SHADOW)):
         return model
-    traffic = TrafficPolicy({1: 50, 2: 50}) if row == SPLIT else TrafficPolicy({1: 100}, shadow=2)
+    traffic = (
+        TrafficPolicy({1: 50, 2: 50}) if row.endswith(SPLIT) else TrafficPolicy({1: 100}, shadow=2)
+    )
     return dataclasses.replace(model, versions=(ModelVersion(2, model.source),), traffic=traffic)
 
 
