@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"client", "optimize", "accuracy", "protocol"},
     {"http", "grpc"},  # servers: each builds on protocol, neither on the other
     {"runtime"},  # the Runtime contract, load_models, the Supervisor
-    {"front"},  # the forwarding front of the Triton runtimes
+    {"front", "store"},  # the forwarding front of the Triton runtimes; the model store
     {"native", "triton"},
     {"pytriton", "ray"},  # pytriton starts tritonserver with triton's environment
     {"serving"},  # create_runtime: the one module that knows every runtime

@@ -56,6 +56,7 @@ __all__ = [
     "RayOptions",
     "ServeConfig",
     "ServerConfig",
+    "StoreConfig",
     "image_model_name",
     "load_config",
     "model_name",
@@ -296,19 +297,73 @@ class RayOptions:
         return cls(**data)
 
 
+STORE_LOADS = ("eager", "on_demand")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Many models on shared hardware: every model under ``root`` is known without being
+    loaded, and the resident ones are held under ``memory_budget_mb`` by evicting the least
+    recently used idle, unpinned model (``servekit.store``)."""
+
+    root: str | None = None
+    """A folder of models: ``<name>.onnx`` files, ``<name>/model.onnx`` or a Triton-style
+    ``<name>/<version>/model.onnx`` (the highest version); each is served as ``<name>``."""
+    memory_budget_mb: float = 0.0
+    """What the resident models may take together, measured after each load and warm-up
+    (0 = no budget)."""
+    load: str = "eager"
+    """``eager``: load every known model at start (within the budget); ``on_demand``: a
+    request for a known model that is not loaded loads it and waits."""
+    pin: tuple[str, ...] = ()
+    """Models never evicted (loaded at start in either mode)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin", tuple(self.pin))
+        if self.root is not None:
+            object.__setattr__(self, "root", os.fspath(self.root))
+        if self.load not in STORE_LOADS:
+            raise ValueError(f"[store] load must be one of {list(STORE_LOADS)}, got {self.load!r}")
+        if self.memory_budget_mb < 0:
+            raise ValueError(f"[store] memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
+
+    @property
+    def active(self) -> bool:
+        """Whether the config asks for a model store at all."""
+        return self != StoreConfig()
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.memory_budget_mb * 1024 * 1024)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        data["pin"] = list(self.pin)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "store") -> StoreConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
 # Knobs a runtime cannot honour: set to anything but the default, they are an error.
 _UNSUPPORTED: dict[str, dict[str, str]] = {
     "pytriton": {
         "ray": "Ray deployment options",
+        "store": "PyTriton cannot unload a model (pytriton#21)",
         "inference_token": "PyTriton's gRPC port has one access token, the control_token",
     },
     "triton": {
         "ray": "Ray deployment options",
+        "store": "not yet on the Triton backend: use servekit triton --model-control-mode "
+        "explicit and the repository API",
     },
     "native": {
         "ray": "Ray deployment options",
     },
     "ray": {
+        "store": "not yet on Ray",
         "grpc_port": "Ray's ingress is HTTP only",
         "metrics_port": "metrics are served on the HTTP port at /metrics",
         "front": "Ray's ingress is always servekit's front",
@@ -327,11 +382,16 @@ class ServeConfig:
     cache_dir: str | None = None
     """Zoo model cache (default ``$SERVEKIT_CACHE`` or ``~/.cache/servekit/models``)."""
     ray: RayOptions = field(default_factory=RayOptions)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
-        if not self.models:
-            raise ValueError("nothing to serve: a ServeConfig needs at least one model")
+        if isinstance(self.store, Mapping):
+            object.__setattr__(self, "store", StoreConfig.from_dict(self.store))
+        if not self.models and self.store.root is None:
+            raise ValueError(
+                "nothing to serve: a ServeConfig needs at least one model or a [store] root"
+            )
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
         served = [n for m in self.models for n in (m.name, image_model_name(m.name))[: 1 + m.image]]
@@ -362,8 +422,18 @@ class ServeConfig:
             if knob == "ray":
                 if self.ray != RayOptions():
                     problems.append(f"[ray] ({why})")
+            elif knob == "store":
+                if self.store.active:
+                    problems.append(f"[store] ({why})")
             elif getattr(self.server, knob) != getattr(default_server, knob):
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
+        if self.store.active:
+            problems += [
+                f"models.{m.name}: versions and [models.traffic] with a [store] (a store "
+                "serves one version of each model)"
+                for m in self.models
+                if m.versions or m.traffic or m.canary
+            ]
         if runtime in ("pytriton", "triton") and not self.server.front:
             problems += [
                 f"models.{m.name}: versions and [models.traffic] with server.front = false "
@@ -401,6 +471,8 @@ class ServeConfig:
             data["cache_dir"] = self.cache_dir
         if self.ray != RayOptions():
             data["ray"] = self.ray.to_dict()
+        if self.store.active:
+            data["store"] = self.store.to_dict()
         return data
 
     @classmethod
@@ -408,7 +480,7 @@ class ServeConfig:
         """A config from a file's tables; an unknown key is named with its section."""
         data = dict(data)
         model_keys = {f.name for f in dataclasses.fields(ModelConfig)} | {"model"}
-        top = {"runtime", "server", "models", "cache_dir", "ray"}
+        top = {"runtime", "server", "models", "cache_dir", "ray", "store"}
         check_keys("top level", data, top | (model_keys if "models" not in data else set()))
         flat = {k: data.pop(k) for k in list(data) if k in model_keys}
         if "model" in flat:  # the one-model shorthand
@@ -416,7 +488,8 @@ class ServeConfig:
         if flat:
             models = [ModelConfig.from_dict(flat, "top level")]
         else:
-            raw = data.get("models", [{}])
+            store_root = isinstance(data.get("store"), Mapping) and "root" in data["store"]
+            raw = data.get("models", [] if store_root else [{}])
             if not isinstance(raw, Sequence) or isinstance(raw, str):
                 raise ValueError(f"[[models]]: expected a list of tables, got {raw!r}")
             models = [ModelConfig.from_dict(m, f"models.{i}") for i, m in enumerate(raw)]
@@ -426,6 +499,7 @@ class ServeConfig:
             runtime=data.get("runtime", "pytriton"),
             cache_dir=data.get("cache_dir"),
             ray=RayOptions.from_dict(data.get("ray", {})),
+            store=StoreConfig.from_dict(data.get("store", {})),
         )
 
     @classmethod

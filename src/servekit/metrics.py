@@ -25,6 +25,9 @@ import numpy as np
 from .batching import Batcher, BatchRecord
 from .rollout import Traffic
 
+Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]
+"""A metric family from elsewhere (``Metrics.collect``): name, kind, help, (labels, value)s."""
+
 __all__ = ["CONTENT_TYPE", "COUNTERS", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -111,6 +114,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._gpu = _Nvml() if gpu else None
         self._traffic: dict[str, Traffic] = {}
+        self._sources: list[Callable[[], Iterable[Family]]] = []
 
     def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
         """Export ``batcher``'s traffic as model ``model``, version ``version``."""
@@ -124,6 +128,15 @@ class Metrics:
         )
         self._models[key] = watched
         batcher.listeners.append(lambda record: self._observe(watched, record))
+
+    def unwatch(self, model: str, version: str = "1") -> None:
+        """Stop exporting model ``model``'s Batcher (it was unloaded)."""
+        with self._lock:
+            self._models.pop((model, version), None)
+
+    def collect(self, source: Callable[[], Iterable[Family]]) -> None:
+        """Export the families ``source`` yields on every render (the model store's)."""
+        self._sources.append(source)
 
     def failed(self, model: str, version: str = "1") -> None:
         """Count a request that failed before it reached the model's Batcher (a bad body, say)."""
@@ -189,6 +202,13 @@ class Metrics:
                     lines.append(f"{name}_sum{{{w.labels}}} {_num(window.total)}")
         if self._traffic:
             self._render_rollout(lines)
+        for source in self._sources:
+            for family, kind, about, collected in source():
+                labelled = [
+                    (",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()), value)
+                    for labels, value in collected
+                ]
+                _family(lines, family, kind, about, labelled)
         if self._gpu is not None:
             for name, (help_text, samples) in self._gpu.read().items():
                 _family(lines, name, "gauge", help_text, samples)
@@ -252,7 +272,9 @@ def _family(
 ) -> None:
     lines.append(f"# HELP {name} {help_text}")
     lines.append(f"# TYPE {name} {kind}")
-    lines.extend(f"{name}{{{labels}}} {_num(v)}" for labels, v in samples)
+    lines.extend(
+        f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}" for labels, v in samples
+    )
 
 
 def _num(v: float) -> str:

@@ -7,16 +7,19 @@ Health, server and model metadata, model readiness, model configuration (Triton'
 as typed contents or raw bytes (tritonclient sends raw). Requests are checked the way the
 HTTP front checks them: shape claims against the request's size before anything is
 allocated, then the model's signature. Errors map once through ``errors.grpc_code``.
-Methods servekit does not serve here (shared memory, repository control, statistics,
-trace, logging) answer UNIMPLEMENTED.
+With a model store (``servekit.store``) behind it, Triton's repository extension too:
+the index with each model's state, and loads and unloads behind the control token.
+Methods servekit does not serve here (shared memory, trace, logging, and repository
+control without a store) answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -24,6 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._version import __version__
 from ..errors import (
+    CONTROL_TOKEN_HEADER,
     GRPC_HEADER_PREFIX,
     INFERENCE_TOKEN_HEADER,
     InvalidInput,
@@ -41,7 +45,7 @@ from ..protocol.kserve import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from ..protocol.models import ModelRegistry
+from ..protocol.models import ModelRegistry, RepositoryControl
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 
 GRPC_TOKEN_KEY = GRPC_HEADER_PREFIX + INFERENCE_TOKEN_HEADER
 """Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
+GRPC_CONTROL_KEY = GRPC_HEADER_PREFIX + CONTROL_TOKEN_HEADER
+"""Where a gRPC client puts the control token (repository load and unload)."""
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -129,10 +135,12 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         *,
         ready: Callable[[], bool] = lambda: True,
         inference_token: str | None = None,
+        control_token: str | None = None,
         on_failure: Callable[[str], None] = lambda _: None,
     ) -> None:
         self.models, self._ready = models, ready
         self._token = inference_token.encode() if inference_token else None
+        self._control = control_token.encode() if control_token else None
         self._on_failure = on_failure
 
     async def _fail(self, context: Any, exc: BaseException) -> None:
@@ -204,21 +212,67 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         index = service_pb2.RepositoryIndexResponse()
+        if isinstance(self.models, RepositoryControl):
+            fields = ("name", "version", "state", "reason")
+            for entry in self.models.index():
+                if not request.ready or entry["state"] == "READY":
+                    index.models.add(**{k: entry[k] for k in fields if k in entry})
+            return index
         for entry in repository_index(self.models.loaded()):
             index.models.add(**entry)
         return index
 
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        control = await self._repository(context, "load")
+        try:
+            self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
+            files = sorted(k for k in request.parameters if k.startswith("file:"))
+            if files:
+                raise InvalidInput(
+                    f"repository load: model files in the request ({files}) are not taken; "
+                    "put them in the store's root"
+                )
+            override = None
+            if "config" in request.parameters:
+                text = _parameter(request.parameters["config"])
+                override = json.loads(text) if isinstance(text, str) and text else None
+                if override is not None and not isinstance(override, dict):
+                    raise InvalidInput("repository load: parameters.config must be a JSON object")
+            await control.load(request.model_name, override)
+        except json.JSONDecodeError as exc:
+            await self._fail(context, InvalidInput(f"repository load: parameters.config: {exc}"))
+        except Exception as exc:
+            await self._fail(context, exc)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        control = await self._repository(context, "unload")
+        try:
+            self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
+            await control.unload(request.model_name)
+        except Exception as exc:
+            await self._fail(context, exc)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    async def _repository(self, context: Any, action: str) -> RepositoryControl:
+        """The registry's repository control; UNIMPLEMENTED where models are fixed at start."""
+        if not isinstance(self.models, RepositoryControl):
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"repository {action}: this server's models are fixed at start (no [store])",
+            )
+        return cast(RepositoryControl, self.models)
+
     def _authenticate(self, context: Any) -> None:
-        if self._token is None:
+        self._check(context, GRPC_TOKEN_KEY, self._token, INFERENCE_TOKEN_HEADER)
+
+    @staticmethod
+    def _check(context: Any, key: str, token: bytes | None, header: str) -> None:
+        if token is None:
             return
-        given = next(
-            (v for k, v in context.invocation_metadata() or () if k.lower() == GRPC_TOKEN_KEY),
-            "",
-        )
-        if not hmac.compare_digest(
-            given.encode() if isinstance(given, str) else given, self._token
-        ):
-            raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} metadata")
+        given = next((v for k, v in context.invocation_metadata() or () if k.lower() == key), "")
+        if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, token):
+            raise Unauthenticated(f"missing or wrong {header} metadata")
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         name = request.model_name

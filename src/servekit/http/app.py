@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ from ..protocol.models import (
     ModelRegistry,
     PassThrough,
     PassThroughRegistry,
+    RepositoryControl,
     as_registry,
 )
 from ..protocol.routed import RoutedModel, infer_answered
@@ -73,6 +75,7 @@ _MODEL = re.compile(
 _NOT_SERVED = re.compile(
     r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
 )
+_REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
 _HEADER_LENGTH = HEADER_LENGTH.encode()
 _TOKEN = INFERENCE_TOKEN_HEADER.encode()
 _JSON = {"content-type": "application/json"}
@@ -212,9 +215,14 @@ class KServeApp:
         if method == "GET" and path == "/v2":
             return self._json(200, server_metadata())
         behind = self._behind
+        control = self.models if isinstance(self.models, RepositoryControl) else None
         if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
-            if method == "POST":
-                self._index_request(request)
+            ready_only = self._index_request(request) if method == "POST" else False
+            if control is not None and method == "POST":
+                index = control.index()
+                return self._json(
+                    200, [e for e in index if e["state"] == "READY" or not ready_only]
+                )
             if behind is not None:
                 return await behind.fetch(method, path)
             loaded = self.models.loaded()
@@ -226,6 +234,11 @@ class KServeApp:
             "/v2/cudasharedmemory/status",
         ):
             return self._json(200, [])  # nothing registered: the front takes no regions
+        repository = _REPOSITORY_MODEL.match(path) if control is not None else None
+        if repository is not None and control is not None and method == "POST":
+            return await self._repository(
+                control, repository["name"], repository["action"], request
+            )
         if _NOT_SERVED.match(path):
             return self._json(403, {"error": f"{method} {request.path} {NOT_SERVED}"})
         m = _MODEL.match(path)
@@ -267,9 +280,7 @@ class KServeApp:
         if not isinstance(model, RoutedModel):
             raise ModelNotFound(f"model {name!r} has one version: no traffic split to show or set")
         if request.method == "POST":
-            given = request.headers.get(CONTROL_TOKEN_HEADER, "").encode("latin-1")
-            if self._control is not None and not hmac.compare_digest(given, self._control):
-                raise Unauthenticated(f"missing or wrong {CONTROL_TOKEN_HEADER} header")
+            self._check_control(request)
             data = parse_json(self._body(request), "traffic request")
             if not isinstance(data, dict) or set(data) != {"split"}:
                 raise InvalidInput(
@@ -284,11 +295,51 @@ class KServeApp:
             return self._json(405, {"error": f"{request.method} not allowed on {request.path}"})
         return self._json(200, model.traffic.state_dict())
 
-    def _index_request(self, request: HttpRequest) -> None:
-        """The repository index's body, checked as Triton checks it (``{"ready": bool}``)."""
+    async def _repository(
+        self, control: RepositoryControl, quoted: str, action: str, request: HttpRequest
+    ) -> Answer:
+        """``POST /v2/repository/models/<m>/load|unload`` (Triton's repository extension),
+        behind the control token; a load's ``parameters.config`` is Triton's model config
+        JSON (batching and instances)."""
+        self._check_control(request)
+        name = urllib.parse.unquote(quoted)
+        body = self._body(request)
+        data = parse_json(body, f"repository {action} request") if body.strip() else {}
+        params = data.get("parameters", {}) if isinstance(data, dict) else None
+        if not isinstance(params, dict):
+            raise InvalidInput(
+                f'repository {action} request: expected {{"parameters": {{...}}}}, got {str(data)[:200]}'
+            )
+        files = sorted(k for k in params if k.startswith("file:"))
+        if files:
+            raise InvalidInput(
+                f"repository {action}: model files in the request ({files}) are not taken; put them in the store's root"
+            )
+        if action == "unload":
+            await control.unload(name)
+            return 200, b"", {}
+        config = params.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidInput(
+                f"repository load: parameters.config must be a JSON string, got {type(config).__name__}"
+            )
+        override = parse_json(config.encode(), "parameters.config") if config else None
+        if override is not None and not isinstance(override, dict):
+            raise InvalidInput("repository load: parameters.config must be a JSON object")
+        await control.load(name, override)
+        return 200, b"", {}
+
+    def _check_control(self, request: HttpRequest) -> None:
+        given = request.headers.get(CONTROL_TOKEN_HEADER, "").encode("latin-1")
+        if self._control is not None and not hmac.compare_digest(given, self._control):
+            raise Unauthenticated(f"missing or wrong {CONTROL_TOKEN_HEADER} header")
+
+    def _index_request(self, request: HttpRequest) -> bool:
+        """The repository index's body, checked as Triton checks it (``{"ready": bool}``);
+        whether it asks for ready models only."""
         body = self._body(request)
         if not body.strip():
-            return
+            return False
         data = parse_json(body, "repository index request")
         if not isinstance(data, dict):
             raise InvalidInput(
@@ -298,6 +349,7 @@ class KServeApp:
             raise InvalidInput(
                 f"repository index request: 'ready' must be a boolean, got {data['ready']!r}"
             )
+        return bool(data.get("ready", False))
 
     def _check_token(self, given: bytes) -> None:
         if self._token is not None and not hmac.compare_digest(given, self._token):

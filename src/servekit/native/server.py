@@ -10,6 +10,7 @@ Readiness turns true once every model is warm.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ..batching import Batcher
@@ -17,9 +18,11 @@ from ..config import ServeConfig
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
+from ..metrics import Metrics
 from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
 from ..runtime.base import ServedModel, load_models, reload_models
+from ..store import ModelStore, StoreModels, catalog
 
 __all__ = ["NativeServer"]
 
@@ -36,6 +39,8 @@ class NativeServer:
         self.app: KServeApp | None = None
         self.traffic: dict[str, Traffic] = {}
         """Each versioned model's split and canary, kept across restarts."""
+        self.store: ModelStore | None = None
+        """The ``[store]``'s models, when the config has one."""
         self._threads: list[H1Server] = []
         self._ready = False
 
@@ -49,6 +54,9 @@ class NativeServer:
         if c.server.log_verbose:
             logging.getLogger("servekit").setLevel(logging.DEBUG)
         try:
+            if c.store.active:
+                self._start_store()
+                return self
             if not self.models:  # a restart keeps the warm runners
                 self.models = [m for model in c.models for m in load_models(model, c.cache_dir)]
                 for m in self.models:
@@ -67,35 +75,68 @@ class NativeServer:
                 inference_token=c.server.inference_token,
                 control_token=c.server.control_token,
             )
-            app = self.app
-            grpc = GrpcService(
-                app.models,
-                ready=lambda: self._ready,
-                inference_token=c.server.inference_token,
-                on_failure=app.metrics.failed,
-            )
-            on_loop = GrpcOnLoop(
-                grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
-                c.server.exit_timeout_s,
-            )  # fmt: skip
-            self._threads = [
-                H1Server(
-                    app.handle,
-                    c.server.host,
-                    c.server.http_port,
-                    ports={c.server.metrics_port: metrics_handler(app.metrics.render)},
-                    max_body_bytes=c.server.max_body_bytes,
-                    name="servekit-native",
-                    on_start=on_loop.start,
-                    on_exit=on_loop.stop,
-                ).start(),
-            ]
+            self._listen(self.app)
         except BaseException:
             self._shutdown()
             raise
         self._ready = True
         log.info("serving %s on %s", list(self.batchers), c.server.http_url)
         return self
+
+    def _listen(self, app: KServeApp) -> H1Server:
+        """Serve ``app`` on the HTTP, gRPC and metrics ports, all on one event loop."""
+        c = self.config
+        grpc = GrpcService(
+            app.models,
+            ready=lambda: self._ready,
+            inference_token=c.server.inference_token,
+            control_token=c.server.control_token,
+            on_failure=app.metrics.failed,
+        )
+        on_loop = GrpcOnLoop(
+            grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
+            c.server.exit_timeout_s,
+        )  # fmt: skip
+        server = H1Server(
+            app.handle,
+            c.server.host,
+            c.server.http_port,
+            ports={c.server.metrics_port: metrics_handler(app.metrics.render)},
+            max_body_bytes=c.server.max_body_bytes,
+            name="servekit-native",
+            on_start=on_loop.start,
+            on_exit=on_loop.stop,
+        ).start()
+        self._threads = [server]
+        return server
+
+    def _start_store(self) -> None:
+        """Serve the ``[store]``: listen at once, then load what it loads at start (pins;
+        every model when ``load = "eager"``); ready once those are resident."""
+        c = self.config
+        metrics = Metrics()
+        self.store = ModelStore(
+            catalog(c),
+            budget_bytes=c.store.budget_bytes,
+            pin=c.store.pin,
+            on_demand=c.store.load == "on_demand",
+            cache_dir=c.cache_dir,
+            watch=lambda name, batcher: metrics.watch(batcher, name),
+            unwatch=metrics.unwatch,
+        )
+        metrics.collect(self.store.figures)
+        self.app = KServeApp(
+            StoreModels(self.store),
+            max_body_bytes=c.server.max_body_bytes,
+            ready=lambda: self._ready,
+            metrics=metrics,
+            inference_token=c.server.inference_token,
+            control_token=c.server.control_token,
+        )
+        server = self._listen(self.app)
+        asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
+        self._ready = True
+        log.info("serving a store of %d models on %s", len(self.store.known()), c.server.http_url)
 
     def problem(self) -> str | None:
         dead = [t.name for t in self._threads if not t.is_alive()]
@@ -107,10 +148,19 @@ class NativeServer:
 
     def reload(self) -> list[str]:
         """Read each model's file again and swap it in between batches (no request fails)."""
+        if self.store is not None:
+            raise ValueError(
+                "a [store]'s models reload through the repository API "
+                "(POST /v2/repository/models/<m>/load), not on SIGHUP"
+            )
         return reload_models(self.config, self.models)
 
     def _shutdown(self) -> None:
         self._ready = False
+        if self.store is not None and self._threads:
+            done = asyncio.run_coroutine_threadsafe(self.store.close(), self._threads[0].loop)
+            done.result(self.config.server.exit_timeout_s + 30)
+        self.store = None
         for thread in self._threads:
             thread.stop(self.config.server.exit_timeout_s + 5)
         self._threads = []

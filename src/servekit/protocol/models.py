@@ -27,6 +27,7 @@ __all__ = [
     "ModelRegistry",
     "PassThrough",
     "PassThroughRegistry",
+    "RepositoryControl",
     "RunnerModel",
     "StaticModels",
     "as_registry",
@@ -104,6 +105,25 @@ class ModelRegistry(Protocol):
 
     def loaded(self) -> Mapping[str, FrontModel]:
         """The models known right now (for metrics)."""
+        ...
+
+
+@runtime_checkable
+class RepositoryControl(Protocol):
+    """A registry that answers Triton's model repository extension itself: the index with
+    each model's state, and loads and unloads (``servekit.store``)."""
+
+    def index(self) -> list[dict[str, Any]]:
+        """``{"name", "version", "state", "reason"?}`` for every model known, loaded or not."""
+        ...
+
+    async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
+        """Load ``name``; ``config`` is Triton's model configuration JSON overriding its
+        batching and instances (it reloads a loaded model)."""
+        ...
+
+    async def unload(self, name: str) -> None:
+        """Unload ``name`` once the requests holding it are answered."""
         ...
 
 

@@ -1,0 +1,14 @@
+"""Many models on shared hardware: a catalog of every model known, loads on demand
+(one load per model however many requests wait for it), and a memory budget held by
+evicting the least recently used idle, unpinned model.
+
+``ModelStore`` is the core every runtime that honours ``[store]`` uses; ``StoreModels``
+serves it to servekit's front (HTTP and gRPC), Triton's repository extension included.
+"""
+
+from .catalog import catalog
+from .memory import rss_bytes
+from .registry import StoreModels
+from .store import ModelStore, Resident
+
+__all__ = ["ModelStore", "Resident", "StoreModels", "catalog", "rss_bytes"]

@@ -1,0 +1,99 @@
+"""The model store as servekit's front sees it: a ``ModelRegistry`` whose models load on
+demand, and Triton's repository extension (``RepositoryControl``) answered from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..batching import Batcher
+from ..batching.policy import BatchingPolicy
+from ..errors import InvalidInput, ModelNotFound
+from ..spec import ModelSpec
+from .store import READY, ModelStore
+
+__all__ = ["StoreModels", "StoredModel"]
+
+
+class StoredModel:
+    """One served model of the store: each request holds it (``ModelStore.lease``) from
+    admission to answer, loading it first where it is not resident."""
+
+    versioned = False
+    batcher: Batcher | None = None
+    """The store watches each Batcher as it comes and goes (``ModelStore(watch=...)``)."""
+
+    def __init__(self, store: ModelStore, name: str, spec: ModelSpec) -> None:
+        self.store, self.name, self.spec = store, name, spec
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        async with self.store.lease(self.name) as batcher:
+            return await batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
+
+
+class StoreModels:
+    """``ModelRegistry`` and ``RepositoryControl`` over a ``ModelStore``."""
+
+    def __init__(self, store: ModelStore) -> None:
+        self.store = store
+
+    async def lookup(self, name: str) -> StoredModel:
+        return StoredModel(self.store, name, await self.store.spec(name))
+
+    async def is_ready(self, name: str, version: str | None) -> bool:
+        if version not in (None, "", "1"):
+            return False
+        try:
+            return self.store.state(name) == READY
+        except ModelNotFound:
+            return False
+
+    def loaded(self) -> Mapping[str, StoredModel]:
+        return {
+            served: StoredModel(self.store, served, batcher.spec)
+            for resident in self.store.resident().values()
+            for served, batcher in resident.batchers.items()
+        }
+
+    def index(self) -> list[dict[str, Any]]:
+        return self.store.index()
+
+    async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
+        owner = self.store.owner(name)
+        base = self.store.config(owner)
+        await self.store.load(owner, overridden(base, config) if config else None)
+
+    async def unload(self, name: str) -> None:
+        await self.store.unload(self.store.owner(name))
+
+
+def overridden(model: Any, config: Mapping[str, Any]) -> Any:
+    """``model`` (a ``ModelConfig``) with what Triton's model configuration JSON ``config``
+    sets of its batching (``max_batch_size``, ``dynamic_batching``) and instances
+    (``instance_group`` counts); its other fields are Triton's own and not taken."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        message = json_format.ParseDict(config, model_config_pb2.ModelConfig())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"repository load: parameters.config: {exc}") from None
+    changes: dict[str, Any] = {}
+    if "max_batch_size" in config or "dynamic_batching" in config:
+        changes["batching"] = BatchingPolicy.from_triton(message)
+    if "instance_group" in config:
+        changes["instances"] = max(1, sum(g.count or 1 for g in message.instance_group))
+    try:
+        return dataclasses.replace(model, **changes)
+    except ValueError as exc:
+        raise InvalidInput(f"repository load: parameters.config: {exc}") from None

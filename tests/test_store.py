@@ -1,0 +1,206 @@
+"""The model store's core: which models are resident under a memory budget, on-demand
+loads shared by every request waiting for them, LRU eviction of idle unpinned models,
+unloads that wait for the requests holding a model, and refusals that name the figures.
+
+Models are real (add_sub on ONNX Runtime); what each load adds to memory is set by the
+test through ``measure``, so the budget's arithmetic is exact here. The served store,
+with RSS measured for real, is in test_store_served.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servekit import ModelConfig
+from servekit.errors import ModelNotFound, ModelNotReady, Overloaded
+from servekit.runtime.base import ServedModel
+from servekit.store import ModelStore
+from servekit.store.store import _load
+
+MB = 1024 * 1024
+X = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+
+
+class Memory:
+    """What the store measures: each load adds ``sizes[name]`` MB; unloads free it."""
+
+    def __init__(self, sizes: dict[str, float]) -> None:
+        self.sizes, self.used, self.loads = sizes, 0, []
+
+    def measure(self) -> int:
+        return self.used
+
+    def loader(self, config: ModelConfig) -> list[ServedModel]:
+        served = _load(config, None)
+        self.loads.append(config.name)
+        self.used += int(self.sizes[config.name] * MB)
+        return served
+
+
+def make_store(
+    add_sub_path, names, *, budget_mb=0.0, sizes=None, **kwargs
+) -> tuple[ModelStore, Memory]:
+    memory = Memory({n: (sizes or {}).get(n, 10.0) for n in names})
+    models = {n: ModelConfig(str(add_sub_path), n, image=False) for n in names}
+    store = ModelStore(
+        models, budget_bytes=int(budget_mb * MB), loader=memory.loader,
+        measure=memory.measure, **kwargs,
+    )  # fmt: skip
+    return store, memory
+
+
+async def answer(store: ModelStore, name: str) -> np.ndarray:
+    async with store.lease(name) as batcher:
+        return (await batcher.infer(X))["OUTPUT0"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(trace=st.lists(st.sampled_from("abcdef"), min_size=1, max_size=30))
+def test_evictions_follow_the_least_recently_used_order_the_trace_implies(add_sub_path, trace):
+    store, _ = make_store(add_sub_path, list("abcdef"), budget_mb=30)
+
+    async def run() -> list[str]:
+        for name in trace:
+            assert (await answer(store, name)).tolist() == [[2.0] * 16]
+        evicted = [e["model"] for e in store.events if e["event"] == "evict"]
+        await store.close()
+        return evicted
+
+    expected, resident = [], []  # the reference: a list in order of last use
+    for name in trace:
+        if name in resident:
+            resident.remove(name)
+        elif len(resident) == 3:
+            expected.append(resident.pop(0))
+        resident.append(name)
+    assert asyncio.run(run()) == expected
+
+
+def test_a_flood_of_first_requests_to_a_cold_model_causes_one_load(add_sub_path):
+    store, memory = make_store(add_sub_path, ["cold"])
+
+    async def run() -> list[np.ndarray]:
+        answers = await asyncio.gather(*(answer(store, "cold") for _ in range(50)))
+        await store.close()
+        return answers
+
+    assert all(a.tolist() == [[2.0] * 16] for a in asyncio.run(run()))
+    assert memory.loads == ["cold"]
+
+
+def test_pinned_models_are_loaded_at_start_and_never_evicted(add_sub_path):
+    store, memory = make_store(add_sub_path, list("pabc"), budget_mb=30, pin=["p"])
+
+    async def run() -> None:
+        await store.start()
+        assert memory.loads == ["p"]
+        for name in "abcabc":
+            await answer(store, name)
+        assert store.state("p") == "READY"
+        assert sorted(store.resident()) == ["b", "c", "p"]  # 30 MB: the pin and the last two
+        await store.close()
+
+    asyncio.run(run())
+    assert "p" not in [e["model"] for e in store.events if e["event"] == "evict"]
+
+
+def test_an_unload_waits_for_the_requests_holding_the_model(add_sub_path):
+    store, _ = make_store(add_sub_path, ["m"])
+    held = threading.Event()
+
+    async def run() -> list[str]:
+        seen = []
+        async with store.lease("m"):
+            held.set()
+            unload = asyncio.create_task(store.unload("m"))
+            await asyncio.sleep(0.05)
+            seen.append(store.state("m"))  # still holding it: the unload waits
+            assert not unload.done()
+        await unload
+        seen.append(store.state("m"))
+        assert (await answer(store, "m")).tolist() == [[2.0] * 16]  # loads again on demand
+        seen.append(store.state("m"))
+        await store.close()
+        return seen
+
+    assert asyncio.run(run()) == ["UNLOADING", "UNAVAILABLE", "READY"]
+
+
+def test_a_model_larger_than_the_whole_budget_is_refused_with_the_figures(add_sub_path):
+    store, _ = make_store(add_sub_path, ["big"], budget_mb=5, sizes={"big": 8})
+
+    async def run() -> None:
+        with pytest.raises(
+            ModelNotReady,
+            match=r"'big' takes 8.0 MB resident \(measured after its load and warm-up\), "
+            r"more than the whole budget of 5.0 MB",
+        ):
+            await answer(store, "big")
+        assert store.resident() == {}
+        assert "load failed" in store.index()[0]["reason"]
+        with pytest.raises(ModelNotReady, match=r"takes 8.0 MB resident, more than the whole"):
+            await answer(store, "big")  # its size is known now: refused before loading
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_budget_held_by_models_in_use_refuses_a_load_for_now(add_sub_path):
+    store, _ = make_store(add_sub_path, ["a", "b"], budget_mb=15)
+
+    async def run() -> None:
+        async with store.lease("a"):
+            with pytest.raises(Overloaded, match=r"'b' needs .* held by models in use or pinned"):
+                await answer(store, "b")
+        assert (await answer(store, "b")).tolist() == [[2.0] * 16]  # a is idle now: evicted
+        assert list(store.resident()) == ["b"]
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again(
+    add_sub_path, tmp_path
+):
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    models = {"m": ModelConfig(str(broken), "m", image=False)}
+    store = ModelStore(models)
+
+    async def run() -> None:
+        results = await asyncio.gather(
+            *(answer(store, "m") for _ in range(5)), return_exceptions=True
+        )
+        assert all(isinstance(r, ValueError) and "broken.onnx" in str(r) for r in results)
+        (row,) = store.index()
+        assert row["state"] == "UNAVAILABLE" and "broken.onnx: cannot load" in row["reason"]
+        broken.write_bytes(add_sub_path.read_bytes())
+        assert (await answer(store, "m")).tolist() == [[2.0] * 16]
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_an_unknown_model_is_not_found_and_eager_stores_never_load_on_request(add_sub_path):
+    store, memory = make_store(add_sub_path, ["a", "b"], on_demand=False)
+
+    async def run() -> None:
+        with pytest.raises(ModelNotFound, match="unknown model 'zzz'"):
+            await answer(store, "zzz")
+        await store.start()
+        assert memory.loads == ["a", "b"]
+        await store.unload("a")
+        with pytest.raises(
+            ModelNotReady, match=r"'a' is not loaded .*/v2/repository/models/a/load"
+        ):
+            await answer(store, "a")
+        await store.load("a")
+        assert (await answer(store, "a")).tolist() == [[2.0] * 16]
+        await store.close()
+
+    asyncio.run(run())
