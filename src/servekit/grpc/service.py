@@ -270,7 +270,9 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
     def _check(context: Any, key: str, token: bytes | None, header: str) -> None:
         if token is None:
             return
-        given = next((v for k, v in context.invocation_metadata() or () if k.lower() == key), "")
+        # Triton's key for a restricted protocol (prefixed), or the header's own name.
+        keys = (key, key.removeprefix(GRPC_HEADER_PREFIX))
+        given = next((v for k, v in context.invocation_metadata() or () if k.lower() in keys), "")
         if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, token):
             raise Unauthenticated(f"missing or wrong {header} metadata")
 

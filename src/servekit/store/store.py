@@ -371,6 +371,14 @@ class ModelStore:
 
     # ------------------------------------------------------------ reporting
 
+    def totals(self) -> dict[str, float]:
+        """Loads, unloads, evictions and load seconds over every model."""
+        out = {"loads": 0.0, "unloads": 0.0, "evictions": 0.0, "load_seconds": 0.0}
+        for entry in self._entries.values():
+            for key in out:
+                out[key] += entry.counts[key]
+        return out
+
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index of every known model, with what it is charged."""
         out = []

@@ -32,14 +32,27 @@ def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
     )
 
 
-def build_add_sub(width: int = 16, *, offset: float = 0.0, heavy: int = 0) -> onnx.ModelProto:
+def build_add_sub(
+    width: int = 16, *, offset: float = 0.0, heavy: int = 0, weights_mb: float = 0.0
+) -> onnx.ModelProto:
     """Triton's classic example: ``OUTPUT0 = INPUT0 + INPUT1``, ``OUTPUT1 = INPUT0 - INPUT1``.
 
     Other versions with the same signature, for rollout tests: ``offset`` is added to
     ``OUTPUT0`` (other answers); ``heavy`` passes ``INPUT0`` through that many 1024x1024
-    identity MatMuls first (the same answers, exactly, and much slower)."""
+    identity MatMuls first (the same answers, exactly, and much slower). ``weights_mb``
+    carries that many MB of weights that every request reads (``INPUT0`` through a random
+    matrix, then a zero one, added to ``OUTPUT0``: the same answers), so the model takes
+    real memory when loaded (the model store's tests)."""
     g = GraphBuilder()
     first = "INPUT0"
+    if weights_mb:
+        k = max(1, int(weights_mb * 1024 * 1024 / (8 * width)))
+        rng = np.random.default_rng(0)
+        g.const("spread", rng.random((width, k), dtype=np.float32))
+        g.const("gather", np.zeros((k, width), np.float32))
+        spread = g.node("MatMul", ["INPUT0", "spread"], "spread_out")
+        zeros = g.node("MatMul", [spread, "gather"], "zeros")
+        first = g.node("Add", ["INPUT0", zeros], "weighed")
     if heavy:
         wide = np.zeros((width, 1024), np.float32)
         wide[:, :width] = np.eye(width, dtype=np.float32)

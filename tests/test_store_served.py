@@ -1,0 +1,235 @@
+"""The model store served natively: 100 models in a folder under a memory budget, loaded
+on demand by requests from several clients; Triton's repository extension through
+tritonclient (HTTP and gRPC) behind the control token; and races of load, unload and
+infer that leave every model consistent and every request answered or refused clearly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import sample, scrape
+from servekit import ServeConfig, ServerConfig
+from servekit.config import StoreConfig
+from servekit.store import rss_bytes
+from servekit.zoo.tiny import build_add_sub
+
+pytest.importorskip("httptools", reason="needs the http extra")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from servekit.native import NativeServer  # noqa: E402
+
+MB = 1024 * 1024
+TOKEN = "let-me-in"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tiny_cnn_path) -> Path:
+    """50 add_sub models carrying 2 MB of weights each (``add_<i>.onnx``) and 50 tiny CNNs
+    in Triton's layout (``cnn_<i>/1/model.onnx``)."""
+    root = tmp_path_factory.mktemp("store")
+    onnx.save(build_add_sub(weights_mb=2), root / "add_0.onnx")
+    for i in range(1, 50):
+        shutil.copyfile(root / "add_0.onnx", root / f"add_{i}.onnx")
+    for i in range(50):
+        (root / f"cnn_{i}" / "1").mkdir(parents=True)
+        shutil.copyfile(tiny_cnn_path, root / f"cnn_{i}" / "1" / "model.onnx")
+    return root
+
+
+@contextlib.contextmanager
+def served(root: Path, **store) -> Iterator[NativeServer]:
+    config = ServeConfig(
+        (), ServerConfig(exit_timeout_s=2, control_token=TOKEN), runtime="native",
+        store=StoreConfig(root=str(root), **store),
+    ).on_loopback()  # fmt: skip
+    server = NativeServer(config).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def inputs_for(name: str, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], str]:
+    if name.startswith("add"):
+        a = rng.random((1, 16), dtype=np.float32)
+        return {"INPUT0": a, "INPUT1": a}, "OUTPUT0"
+    return {"input": rng.random((1, 3, 32, 32), dtype=np.float32)}, "logits"
+
+
+def http_infer(client, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    tensors = []
+    for key, array in inputs.items():
+        t = httpclient.InferInput(key, list(array.shape), "FP32")
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+    result = client.infer(name, tensors)
+    return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
+
+
+def test_a_hundred_models_answer_from_a_budget_that_holds_a_few_of_them(folder):
+    budget_mb = 60
+    with served(folder, memory_budget_mb=budget_mb, load="on_demand", pin=["cnn_0"]) as server:
+        store, url = server.store, server.config.server.http_url.removeprefix("http://")
+        base, peaks, charged, stop = rss_bytes(), [], [], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                peaks.append(rss_bytes() - base)
+                charged.append(store.resident_bytes)
+                time.sleep(0.005)
+
+        failures: list[str] = []
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(k)
+            c = httpclient.InferenceServerClient(url)
+            try:
+                for _ in range(60):
+                    name = random.Random(int(rng.integers(1 << 30))).choice(store.known())
+                    x, out = inputs_for(name, rng)
+                    got = http_infer(c, name, x)
+                    if name.startswith("add") and not np.array_equal(got[out], 2 * x["INPUT0"]):
+                        failures.append(f"{name}: {got[out]} != {2 * x['INPUT0']}")
+                    if name.startswith("cnn") and got[out].shape != (1, 10):
+                        failures.append(f"{name}: shape {got[out].shape}")
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                c.close()
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        stop.set()
+        watcher.join()
+        assert not failures, failures[:5]
+        assert len(store.known()) == 100
+        assert max(charged) <= budget_mb * MB
+        # RSS, sampled: what the budget charges, plus the clients' own buffers and threads.
+        assert max(peaks) <= (budget_mb + 48) * MB, f"{max(peaks) / MB:.0f} MB over the start"
+        metrics = scrape(server.config.server.metrics_url)
+
+        def total(metric: str) -> float:
+            return sum(v for (n, _), v in metrics.items() if n == metric)
+
+        assert store.state("cnn_0") == "READY"
+        assert sample(metrics, "servekit_store_evictions", model="cnn_0") == 0
+        assert total("servekit_store_evictions") > 0
+        assert total("servekit_store_loads") == store.totals()["loads"] >= 50
+        assert sample(metrics, "servekit_store_budget_bytes") == budget_mb * MB
+        assert total("servekit_store_resident_bytes") == store.resident_bytes <= budget_mb * MB
+
+
+def test_tritonclient_drives_the_repository_extension_over_http_and_grpc(folder):
+    with served(folder, load="on_demand") as server:
+        s = server.config.server
+        headers = {"servekit-control-token": TOKEN}
+        http = httpclient.InferenceServerClient(s.http_url.removeprefix("http://"))
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+        try:
+            index = http.get_model_repository_index()
+            assert len(index) == 100 and {e["state"] for e in index} == {"UNAVAILABLE"}
+            assert not http.is_model_ready("add_3")
+            with pytest.raises(InferenceServerException, match="servekit-control-token"):
+                http.load_model("add_3")
+            http.load_model("add_3", headers=headers)
+            assert http.is_model_ready("add_3") and grpc.is_model_ready("add_3")
+            config = '{"max_batch_size": 4, "instance_group": [{"count": 2}]}'
+            grpc.load_model("cnn_7", config=config, headers=headers)
+            assert server.store.config("cnn_7").batching.max_batch_size == 4
+            assert server.store.config("cnn_7").instances == 2
+            ready = {m.name for m in grpc.get_model_repository_index().models if m.state == "READY"}
+            assert ready == {"add_3", "cnn_7"}
+            request = urllib.request.Request(
+                f"{s.http_url}/v2/repository/index", b'{"ready": true}', method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=10) as r:
+                assert {e["name"] for e in json.loads(r.read())} == {"add_3", "cnn_7"}
+            with pytest.raises(InferenceServerException, match="servekit-control-token"):
+                grpc.unload_model("add_3")
+            grpc.unload_model("add_3", headers=headers)
+            assert not grpc.is_model_ready("add_3")
+            (row,) = [e for e in http.get_model_repository_index() if e["name"] == "add_3"]
+            assert row["state"] == "UNAVAILABLE" and row["reason"] == "unloaded on request"
+            with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+                http.load_model("nope", headers=headers)
+            with pytest.raises(InferenceServerException, match="parameters.config"):
+                http.load_model("add_3", config='{"max_batch_sizes": 4}', headers=headers)
+            with pytest.raises(InferenceServerException, match="model files in the request"):
+                http.load_model("add_3", files={"file:1/model.onnx": b"x"}, headers=headers)
+        finally:
+            http.close()
+            grpc.close()
+
+
+def test_races_of_load_unload_and_infer_leave_every_model_consistent(folder):
+    names = ["add_1", "add_2", "cnn_1", "cnn_2"]
+    with served(folder, load="on_demand", memory_budget_mb=30) as server:
+        s = server.config.server
+        headers = {"servekit-control-token": TOKEN}
+        outcomes: list[str] = []
+
+        def worker(k: int) -> None:
+            rng = np.random.default_rng(100 + k)
+            c = httpclient.InferenceServerClient(s.http_url.removeprefix("http://"))
+            try:
+                for _ in range(30):
+                    name, op = (
+                        names[rng.integers(4)],
+                        ("load", "unload", "infer", "infer")[rng.integers(4)],
+                    )
+                    try:
+                        if op == "load":
+                            c.load_model(name, headers=headers)
+                        elif op == "unload":
+                            c.unload_model(name, headers=headers)
+                        else:
+                            x, out = inputs_for(name, rng)
+                            got = http_infer(c, name, x)
+                            assert not name.startswith("add") or np.array_equal(
+                                got[out], 2 * x["INPUT0"]
+                            )
+                        outcomes.append("ok")
+                    except InferenceServerException as exc:
+                        outcomes.append(f"{exc.status()} {exc.message()}")
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        refused = [o for o in outcomes if o != "ok"]
+        assert len(outcomes) == 180
+        # A load can meet a budget held by models in use (503, with the figures); nothing else.
+        assert all(o.startswith("503") and "budget" in o for o in refused), refused[:5]
+        client = httpclient.InferenceServerClient(s.http_url.removeprefix("http://"))
+        try:
+            index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
+            assert set(index.values()) <= {"READY", "UNAVAILABLE"}
+            rng = np.random.default_rng(7)
+            for name in names:
+                assert (index[name] == "READY") == client.is_model_ready(name)
+                x, _ = inputs_for(name, rng)
+                http_infer(client, name, x)  # every model answers (loading it on demand)
+        finally:
+            client.close()
