@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 from conftest import sample, scrape
-from servekit import ServeConfig, ServerConfig
+from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import StoreConfig
 from servekit.store import rss_bytes
 from servekit.zoo.tiny import build_add_sub
@@ -231,5 +231,35 @@ def test_races_of_load_unload_and_infer_leave_every_model_consistent(folder):
                 assert (index[name] == "READY") == client.is_model_ready(name)
                 x, _ = inputs_for(name, rng)
                 http_infer(client, name, x)  # every model answers (loading it on demand)
+        finally:
+            client.close()
+
+
+def test_the_runtimes_without_a_store_refuse_it_by_name_and_pytriton_refuses_model_control(
+    folder, add_sub_path
+):
+    store = StoreConfig(root=str(folder))
+    for runtime, why in [
+        ("pytriton", r"\[store\] \(PyTriton cannot unload a model \(pytriton#21\)\)"),
+        ("triton", r"\[store\] \(not yet on the Triton backend"),
+        ("ray", r"\[store\] \(not yet on Ray\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"the {runtime} runtime cannot honour: {why}"):
+            ServeConfig((), runtime=runtime, store=store).check()
+    pytest.importorskip("pytriton", reason="needs the triton extra")
+    from servekit.pytriton import TritonServer
+
+    config = ServeConfig(
+        (ModelConfig(str(add_sub_path), "m"),), ServerConfig(exit_timeout_s=2), runtime="pytriton"
+    ).on_loopback()
+    with TritonServer.from_config(config) as server:
+        client = httpclient.InferenceServerClient(server.server.http_url.removeprefix("http://"))
+        try:
+            with pytest.raises(
+                InferenceServerException,
+                match=r"\[403\].*PyTriton cannot load or unload a model \(pytriton#21\)",
+            ):
+                client.unload_model("m")
+            assert client.is_model_ready("m")
         finally:
             client.close()

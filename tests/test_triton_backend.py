@@ -339,6 +339,39 @@ def test_explicit_load_unload_and_a_specific_version_policy(tmp_path):
             admin.close()
 
 
+def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(tmp_path):
+    """servekit triton --model-control-mode explicit: tritonclient's load, unload and index
+    through servekit's front reach tritonserver, which checks the client's control token."""
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    write_adder(tmp_path, "adder", versions=(1,))
+    server = ServerConfig.on_loopback(exit_timeout_s=2, control_token="ctl")
+    with TritonProcess(TritonOptions(tmp_path, server, model_control_mode="explicit")):
+        client = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        try:
+            assert client.get_server_metadata()["name"] == "servekit"  # the front answers
+            with pytest.raises(
+                InferenceServerException, match="restricted.*servekit-control-token"
+            ):
+                client.load_model("adder")
+            token = {"servekit-control-token": "ctl"}
+            client.load_model("adder", headers=token)
+            a = np.ones((1, 4), np.float32)
+            with Client(server.http_url) as c:
+                assert c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
+            index = {
+                e["name"]: e["state"] for e in client.get_model_repository_index(headers=token)
+            }
+            assert index == {"adder": "READY"}
+            client.unload_model("adder", headers=token)
+            wait_until(lambda: not client.is_model_ready("adder"), "adder unloaded", 30)
+            with pytest.raises(InferenceServerException, match="adder"):
+                client.infer("adder", [])
+        finally:
+            client.close()
+
+
 def test_repo_build_and_triton_commands(tmp_path, model_cache):
     from typer.testing import CliRunner
 

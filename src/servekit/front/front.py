@@ -179,16 +179,21 @@ async def version_ready(model: RoutedModel, version: str | None, http_url: str) 
 
 
 async def triton_fetch(
-    http_url: str, headers: Mapping[str, str], method: str, path: str
+    http_url: str,
+    headers: Mapping[str, str],
+    method: str,
+    path: str,
+    body: bytes | None = None,
 ) -> tuple[int, bytes, dict[str, str]]:
-    """tritonserver's answer to a bodiless request on its private HTTP port, as it is."""
+    """tritonserver's answer to a request on its private HTTP port, as it is (a POST
+    without ``body`` sends ``{}``)."""
 
     def call() -> tuple[int, bytes, dict[str, str]]:
         request = urllib.request.Request(
             f"{http_url}{path}",
             method=method,
             headers=dict(headers),
-            data=b"{}" if method == "POST" else None,
+            data=(body or b"{}") if method == "POST" else None,
         )
         try:
             with urllib.request.urlopen(request, timeout=10) as r:
@@ -266,6 +271,15 @@ class PyTritonModels(StaticModels):
             )
         return await triton_fetch(self.http_url, self._headers, method, path)
 
+    async def control(
+        self, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        why = (
+            f"POST {path}: PyTriton cannot load or unload a model (pytriton#21): its models "
+            "are bound at start (the native runtime's [store] and the triton runtime can)"
+        )
+        return 403, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
+
     async def aclose(self) -> None:
         for model in self.forwarded.values():
             await model.aclose()
@@ -292,6 +306,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
         self.traffic = dict(traffic or {})
         self._routed: dict[str, RoutedModel] = {}
+        self._retired: list[ForwardedModel] = []
 
     def _get(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.http_url}{path}", headers=self._headers)
@@ -312,16 +327,29 @@ class TritonModels(Mapping[str, ForwardedModel]):
         """Triton's own answer on its private HTTP port (``PassThroughRegistry``)."""
         return await triton_fetch(self.http_url, self._headers, method, path)
 
+    async def control(
+        self, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """Model control passed to tritonserver with the client's own control header (Triton
+        checks it); the model is looked up afresh after."""
+        answer = await triton_fetch(self.http_url, headers, "POST", path, body)
+        name = urllib.parse.unquote(path.split("/")[4])
+        cached = self._cache.get(name)
+        if cached is not None:  # looked up afresh next time (kept while it serves the same spec)
+            self._cache[name] = (float("-inf"), cached[1])
+        return answer
+
     def _fetch(self, name: str) -> ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")
         spec = spec_from_config(self._get(f"/v2/models/{quoted}/config"))
         now = time.monotonic()
         cached = self._cache.get(name)
-        model = (
-            cached[1]
-            if cached is not None and cached[1].spec == spec
-            else ForwardedModel(name, spec, self.grpc_url, self._token, http_url=self.http_url)
-        )
+        if cached is not None and cached[1].spec == spec:
+            model = cached[1]
+        else:
+            if cached is not None:  # requests may still use it: closed with the registry
+                self._retired.append(cached[1])
+            model = ForwardedModel(name, spec, self.grpc_url, self._token, http_url=self.http_url)
         self._cache[name] = (now, model)
         return model
 
@@ -368,7 +396,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         return len(self._cache)
 
     async def aclose(self) -> None:
-        for _, model in list(self._cache.values()):
+        for model in [*(m for _, m in self._cache.values()), *self._retired]:
             await model.aclose()
 
 

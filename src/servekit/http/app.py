@@ -234,11 +234,15 @@ class KServeApp:
             "/v2/cudasharedmemory/status",
         ):
             return self._json(200, [])  # nothing registered: the front takes no regions
-        repository = _REPOSITORY_MODEL.match(path) if control is not None else None
-        if repository is not None and control is not None and method == "POST":
+        repository = _REPOSITORY_MODEL.match(path) if method == "POST" else None
+        if repository is not None and control is not None:
             return await self._repository(
                 control, repository["name"], repository["action"], request
             )
+        if repository is not None and behind is not None:  # tritonserver checks the token
+            given = request.headers.get(CONTROL_TOKEN_HEADER)
+            headers = {CONTROL_TOKEN_HEADER: given} if given is not None else {}
+            return await behind.control(path, self._body(request), headers)
         if _NOT_SERVED.match(path):
             return self._json(403, {"error": f"{method} {request.path} {NOT_SERVED}"})
         m = _MODEL.match(path)

@@ -92,6 +92,14 @@ class PassThroughRegistry(Protocol):
         fast path); None sends the request down the full path, which looks it up."""
         ...
 
+    async def control(
+        self, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """That server's answer to a model control request (``POST /v2/repository/models/
+        <m>/load|unload``) with the client's own control header, or an error saying why
+        it cannot take one."""
+        ...
+
 
 @runtime_checkable
 class ModelRegistry(Protocol):

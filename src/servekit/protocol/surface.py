@@ -33,10 +33,10 @@ EXTENSIONS = (
 unloading are Triton's control APIs, see ``NOT_SERVED``)."""
 
 NOT_SERVED = (
-    "is not served by servekit's front: model control, shared-memory registration, trace "
+    "is not served by servekit's front here: model control (load, unload) needs a [store] "
+    "(native) or tritonserver behind the front (triton); shared-memory registration, trace "
     "and logging are Triton's control APIs, served on the gRPC port of the triton and "
-    "pytriton runtimes with the servekit-control-token; the native and ray runtimes do "
-    "not offer them"
+    "pytriton runtimes with the servekit-control-token"
 )
 
 
