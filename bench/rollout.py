@@ -1,13 +1,14 @@
-"""How many requests each canary verdict took, on the native runtime under steady load.
+"""How many requests each canary verdict took, on a runtime under steady load.
 
 Three scenarios with add_sub as version 1: a slow version 2 (the same answers through 200
 identity MatMuls) at 20 %, an identical version 2 at 10 % promoted along [10, 50, 100],
 and a version 2 whose OUTPUT0 is off by one, at 0 % with every request shadowed on it.
-Each is served by servekit's native server in this process and driven by ``--threads``
+Each is served by ``--runtime`` (native, pytriton or triton) from this process and driven by ``--threads``
 closed-loop HTTP clients until the canary's judgement ends; every verdict event is
 reported with the requests each version had in its window and the time since the start.
 
     python bench/rollout.py --out bench/results/rollout
+    python bench/rollout.py --runtime triton --out bench/results/rollout_triton
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import numpy as np
 import onnx
 
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
-from servekit.native import NativeServer
 from servekit.rollout import CanaryPolicy, ModelVersion, TrafficPolicy
+from servekit.serving import create_runtime
 from servekit.zoo.tiny import build_add_sub
 
 BODY = json.dumps(
@@ -48,7 +49,9 @@ SCENARIOS = {
 }
 
 
-def run(name: str, folder: Path, min_requests: int, threads: int, timeout_s: float) -> dict:
+def run(
+    name: str, folder: Path, min_requests: int, threads: int, timeout_s: float, runtime: str
+) -> dict:
     v2_args, traffic, until = SCENARIOS[name]
     onnx.save(build_add_sub(), folder / "v1.onnx")
     onnx.save(build_add_sub(**v2_args), folder / "v2.onnx")
@@ -57,8 +60,9 @@ def run(name: str, folder: Path, min_requests: int, threads: int, timeout_s: flo
         str(folder / "v1.onnx"), "m", batching=BatchingPolicy(max_batch_size=8),
         versions=(ModelVersion(2, str(folder / "v2.onnx")),), traffic=traffic, canary=canary,
     )  # fmt: skip
-    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2), runtime="native").on_loopback()
-    server = NativeServer(config).start()
+    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2), runtime=runtime).on_loopback()
+    server = create_runtime(config)
+    server.start()
     stop, sent, failed = threading.Event(), [0], [0]
 
     def client() -> None:
@@ -75,7 +79,7 @@ def run(name: str, folder: Path, min_requests: int, threads: int, timeout_s: flo
     start = time.monotonic()
     for w in workers:
         w.start()
-    traffic_state = server.traffic["m"]
+    traffic_state = server.traffic["m"]  # type: ignore[attr-defined]
     try:
         while traffic_state.state != until and time.monotonic() - start < timeout_s:
             time.sleep(0.05)
@@ -107,6 +111,7 @@ def run(name: str, folder: Path, min_requests: int, threads: int, timeout_s: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--runtime", default="native", choices=["native", "pytriton", "triton"])
     ap.add_argument("--min-requests", type=int, default=200)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=120.0)
@@ -115,7 +120,9 @@ def main() -> None:
     results = []
     for name in SCENARIOS:
         with tempfile.TemporaryDirectory() as tmp:
-            results.append(run(name, Path(tmp), args.min_requests, args.threads, args.timeout))
+            results.append(
+                run(name, Path(tmp), args.min_requests, args.threads, args.timeout, args.runtime)
+            )
         print(json.dumps(results[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -177,7 +177,7 @@ class ServerProcess:
                 raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
             try:
                 with Client(url) as client:
-                    if all(client.is_ready(m) for m in models):
+                    if client.is_ready() and all(client.is_ready(m) for m in models):
                         return
             except Exception:
                 pass

@@ -159,6 +159,11 @@ class TritonVersion:
             inputs, priority=priority, timeout_us=timeout_us, version=self.version
         )
 
+    def pass_through(self) -> tuple[ForwardedModel, str] | None:
+        """Triton's answer names the routed model and version as they are only where the
+        version is Triton's own (the triton runtime), not a model of its own (PyTriton's)."""
+        return (self.model, self.version) if self.version else None
+
     async def ready(self, http_url: str) -> bool:
         return await triton_ready(http_url, self.model.name, self.version or None)
 

@@ -473,6 +473,12 @@ class KServeApp:
         if isinstance(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             body, length = self._pass_through(name, model, body, raw)
             return await model.forward(body, length, version)
+        if isinstance(model, RoutedModel) and not whole and model.passes_through:
+            body, length = self._pass_through(name, model, body, raw)
+            header = model.traffic.sticky
+            sticky = http.headers.get(header) if header else None
+            answer, _ = await model.forward_routed(body, length, version, sticky)
+            return answer
         if whole:  # the whole body is the one input
             try:
                 request = raw_binary_request(model.spec, body)

@@ -29,6 +29,7 @@ __all__ = [
     "PassThroughRegistry",
     "RepositoryControl",
     "RunnerModel",
+    "VersionTarget",
     "StaticModels",
     "as_registry",
 ]
@@ -74,6 +75,17 @@ class PassThrough(Protocol):
         done: Callable[[tuple[int, bytes, dict[str, str]] | ServekitError], None],
     ) -> None:
         """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop."""
+        ...
+
+
+@runtime_checkable
+class VersionTarget(Protocol):
+    """One version of a routed model that another server answers for."""
+
+    def pass_through(self) -> tuple[PassThrough, str] | None:
+        """The model and version to send a checked request's bytes to, when that server's
+        answer names the routed model and version as they are; else None (the request
+        takes the full path)."""
         ...
 
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ..config import ServeConfig
 from ..errors import InvalidInput
 from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
-from .models import FrontModel, as_front_model
+from .models import FrontModel, VersionTarget, as_front_model
 
 __all__ = ["RoutedModel", "follow_file", "infer_answered", "route", "traffic_of"]
 
@@ -49,6 +49,35 @@ class RoutedModel:
         self.batcher: Batcher | None = first.batcher
         self.max_shadows = max_shadows
         self._shadows: set[asyncio.Task[None]] = set()
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether a request can go on as bytes (``forward_routed``): every version is
+        answered by another server under the routed name, and no shadow needs the answer."""
+        return self.traffic.shadow is None and all(
+            isinstance(m, VersionTarget) and m.pass_through() is not None
+            for m in self.versions.values()
+        )
+
+    async def forward_routed(
+        self, body: bytes, header_length: int | None, version: str, sticky: str | None
+    ) -> tuple[tuple[int, bytes, dict[str, str]], str]:
+        """A checked request's bytes to the version the split chooses (``passes_through``):
+        the other server's answer as it is, and the version; the canary sees its outcome."""
+        traffic = self.traffic
+        chosen = traffic.version(version) if version else traffic.choose(sticky)
+        target = cast(VersionTarget, self.versions[chosen]).pass_through()
+        assert target is not None, "forward_routed needs passes_through"
+        model, target_version = target
+        start = time.perf_counter()
+        try:
+            status, payload, headers = await model.forward(body, header_length, target_version)
+        except Exception:
+            traffic.record(chosen, time.perf_counter() - start, False)
+            raise
+        if status != 400:  # a 400 is the request's fault, not the version's
+            traffic.record(chosen, time.perf_counter() - start, status == 200)
+        return (status, payload, headers), str(chosen)
 
     def batchers(self) -> dict[str, Batcher]:
         """Each version's Batcher, by version (for metrics)."""

@@ -5,10 +5,10 @@ served name (a model and its image model). A request holds its model (``lease``)
 admission to answer, so a model with requests in flight or queued is never evicted or
 unloaded under them: an unload waits for them, and an eviction picks only idle models.
 Loads run one at a time, so the resident memory each one adds is its own: the process's
-RSS growth across the load and warm-up (never less than the file's size, since RSS
-reads low when the allocator reuses memory an eviction freed). Before a load the store
-makes room for the model's last measured size (its file's size the first time), after
-it for what it measured; a model larger than the budget alone is refused with the
+RSS growth across the load and warm-up. RSS reads low when the allocator reuses memory
+freed earlier, so a model is charged at least its file's size and at least the most any
+of its loads measured. Before a load the store makes room for that charge (its file's
+size the first time), after it for what it measured; a model larger than the budget alone is refused with the
 figures. Concurrent requests for a model that is loading wait on that one load.
 
 Everything here runs on the serving event loop; loads, warm-ups and closes run on
@@ -278,7 +278,9 @@ class ModelStore:
             await self._make_room(name, entry.charge or size)
             start, before = time.perf_counter(), self._measure()
             served = await asyncio.to_thread(self._loader, config)
-            charged = max(self._measure() - before, size)
+            # RSS growth reads low when a load reuses memory freed earlier: a model is
+            # charged the most any of its loads measured.
+            charged = max(self._measure() - before, size, entry.charge or 0)
             batchers = {
                 m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
                 for m in served
