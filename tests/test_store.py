@@ -49,7 +49,7 @@ def make_store(
     models = {n: ModelConfig(str(add_sub_path), n, image=False) for n in names}
     store = ModelStore(
         models, budget_bytes=int(budget_mb * MB), loader=memory.loader,
-        measure=memory.measure, **kwargs,
+        measure=memory.measure, prime=False, **kwargs,
     )  # fmt: skip
     return store, memory
 
@@ -170,7 +170,7 @@ def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again(
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"not a model")
     models = {"m": ModelConfig(str(broken), "m", image=False)}
-    store = ModelStore(models)
+    store = ModelStore(models, prime=False)
 
     async def run() -> None:
         results = await asyncio.gather(
@@ -204,3 +204,27 @@ def test_an_unknown_model_is_not_found_and_eager_stores_never_load_on_request(ad
         await store.close()
 
     asyncio.run(run())
+
+
+def test_the_first_load_is_done_twice_so_no_model_is_charged_the_engine_s_start(add_sub_path):
+    memory = Memory({"a": 10.0, "b": 10.0})
+    first = [True]
+
+    def loader(config: ModelConfig) -> list[ServedModel]:
+        if first[0]:  # the engine's one-time start: 30 MB that no model holds
+            memory.used += 30 * MB
+            first[0] = False
+        return memory.loader(config)
+
+    models = {n: ModelConfig(str(add_sub_path), n, image=False) for n in "ab"}
+    store = ModelStore(models, budget_bytes=25 * MB, loader=loader, measure=memory.measure)
+
+    async def run() -> dict[str, int]:
+        await answer(store, "a")
+        await answer(store, "b")
+        charges = {n: r.charged for n, r in store.resident().items()}
+        await store.close()
+        return charges
+
+    assert asyncio.run(run()) == {"a": 10 * MB, "b": 10 * MB}
+    assert memory.loads == ["a", "a", "b"]

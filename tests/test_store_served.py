@@ -242,7 +242,6 @@ def test_the_runtimes_without_a_store_refuse_it_by_name_and_pytriton_refuses_mod
     for runtime, why in [
         ("pytriton", r"\[store\] \(PyTriton cannot unload a model \(pytriton#21\)\)"),
         ("triton", r"\[store\] \(not yet on the Triton backend"),
-        ("ray", r"\[store\] \(not yet on Ray\)"),
     ]:
         with pytest.raises(ValueError, match=rf"the {runtime} runtime cannot honour: {why}"):
             ServeConfig((), runtime=runtime, store=store).check()
@@ -263,3 +262,44 @@ def test_the_runtimes_without_a_store_refuse_it_by_name_and_pytriton_refuses_mod
             assert client.is_model_ready("m")
         finally:
             client.close()
+
+
+def test_ray_serves_the_store_in_its_ingress_replica(folder):
+    """The same store on Ray: models load on demand in the ingress replica under the budget,
+    and tritonclient's repository calls reach it (the control token guarding them)."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    import warnings
+
+    from conftest import ray_serve
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
+        from ray import serve
+
+        from servekit.ray import build_app
+    config = ServeConfig(
+        (), ServerConfig(control_token=TOKEN), runtime="ray",
+        store=StoreConfig(root=str(folder), memory_budget_mb=12, load="on_demand", pin=["cnn_0"]),
+    )  # fmt: skip
+    with ray_serve() as url:
+        serve.run(build_app(config), name="servekit", route_prefix="/")
+        client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        try:
+            rng = np.random.default_rng(3)
+            for name in [*(f"add_{i}" for i in range(1, 9)), "cnn_5", "add_1"]:
+                x, out = inputs_for(name, rng)
+                got = http_infer(client, name, x)
+                assert not name.startswith("add") or np.array_equal(got[out], 2 * x["INPUT0"])
+            index = {e["name"]: e for e in client.get_model_repository_index()}
+            assert len(index) == 100 and index["cnn_0"]["state"] == "READY"
+            assert sum(e.get("resident_bytes", 0) for e in index.values()) <= 12 * MB
+            assert "evicted" in " ".join(e.get("reason", "") for e in index.values())
+            with pytest.raises(InferenceServerException, match="servekit-control-token"):
+                client.unload_model("cnn_0")
+            client.unload_model("cnn_0", headers={"servekit-control-token": TOKEN})
+            assert not client.is_model_ready("cnn_0")
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                assert "servekit_store_loads_total" in r.read().decode()
+        finally:
+            client.close()
+            serve.delete("servekit")

@@ -363,7 +363,6 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "ray": "Ray deployment options",
     },
     "ray": {
-        "store": "not yet on Ray",
         "grpc_port": "Ray's ingress is HTTP only",
         "metrics_port": "metrics are served on the HTTP port at /metrics",
         "front": "Ray's ingress is always servekit's front",

@@ -312,12 +312,14 @@ class KServeApp:
         params = data.get("parameters", {}) if isinstance(data, dict) else None
         if not isinstance(params, dict):
             raise InvalidInput(
-                f'repository {action} request: expected {{"parameters": {{...}}}}, got {str(data)[:200]}'
+                f'repository {action} request: expected {{"parameters": {{...}}}}, '
+                f"got {str(data)[:200]}"
             )
         files = sorted(k for k in params if k.startswith("file:"))
         if files:
             raise InvalidInput(
-                f"repository {action}: model files in the request ({files}) are not taken; put them in the store's root"
+                f"repository {action}: model files in the request ({files}) are not taken; "
+                "put them in the store's root"
             )
         if action == "unload":
             await control.unload(name)
@@ -325,7 +327,8 @@ class KServeApp:
         config = params.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidInput(
-                f"repository load: parameters.config must be a JSON string, got {type(config).__name__}"
+                "repository load: parameters.config must be a JSON string, "
+                f"got {type(config).__name__}"
             )
         override = parse_json(config.encode(), "parameters.config") if config else None
         if override is not None and not isinstance(override, dict):

@@ -18,11 +18,10 @@ from ..config import ServeConfig
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
-from ..metrics import Metrics
 from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
 from ..runtime.base import ServedModel, load_models, reload_models
-from ..store import ModelStore, StoreModels, catalog
+from ..store import ModelStore, store_app
 
 __all__ = ["NativeServer"]
 
@@ -114,25 +113,7 @@ class NativeServer:
         """Serve the ``[store]``: listen at once, then load what it loads at start (pins;
         every model when ``load = "eager"``); ready once those are resident."""
         c = self.config
-        metrics = Metrics()
-        self.store = ModelStore(
-            catalog(c),
-            budget_bytes=c.store.budget_bytes,
-            pin=c.store.pin,
-            on_demand=c.store.load == "on_demand",
-            cache_dir=c.cache_dir,
-            watch=lambda name, batcher: metrics.watch(batcher, name),
-            unwatch=metrics.unwatch,
-        )
-        metrics.collect(self.store.figures)
-        self.app = KServeApp(
-            StoreModels(self.store),
-            max_body_bytes=c.server.max_body_bytes,
-            ready=lambda: self._ready,
-            metrics=metrics,
-            inference_token=c.server.inference_token,
-            control_token=c.server.control_token,
-        )
+        self.app, self.store = store_app(c, ready=lambda: self._ready)
         server = self._listen(self.app)
         asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
         self._ready = True
@@ -157,7 +138,7 @@ class NativeServer:
 
     def _shutdown(self) -> None:
         self._ready = False
-        if self.store is not None and self._threads:
+        if self.store is not None and self._threads and self._threads[0].is_alive():
             done = asyncio.run_coroutine_threadsafe(self.store.close(), self._threads[0].loop)
             done.result(self.config.server.exit_timeout_s + 30)
         self.store = None

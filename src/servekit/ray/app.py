@@ -191,6 +191,13 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             chains: Mapping[str, tuple[ModelSpec, tuple[Any, ...], Any]],
             fused: tuple[ModelConfig, ...] = (),
         ) -> None:
+            self.store: Any = None
+            if config.store.active:
+                from ..store import store_app
+
+                self.app, self.store = store_app(config)
+                self._started: Any = None
+                return
             models: dict[str, Any] = {
                 name: _Remote(name, spec, handles, policy, in_flight)
                 for name, (spec, handles, (policy, in_flight)) in chains.items()
@@ -214,6 +221,18 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         async def __call__(self, request: Any) -> Any:
             from starlette.responses import Response
 
+            if self.store is not None:  # pins (every model, eager) load on the replica's loop
+                import asyncio
+                import json
+
+                from ..errors import http_status
+
+                self._started = self._started or asyncio.ensure_future(self.store.start())
+                try:
+                    await asyncio.shield(self._started)
+                except ServekitError as exc:  # every request says why, as the app would
+                    body = json.dumps({"error": f"the store did not start: {exc}"}).encode()
+                    return Response(body, http_status(exc), media_type="application/json")
             sent: list[dict[str, Any]] = []
 
             async def send(message: dict[str, Any]) -> None:
@@ -229,6 +248,12 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 },
             )
 
+    if config.store.active:  # the store lives in the one ingress replica, as fused models do
+        return Ingress.options(  # type: ignore[attr-defined]
+            num_replicas=1,
+            max_ongoing_requests=ray.max_ongoing_requests or 64,
+            ray_actor_options={"num_cpus": ray.model_cpus},
+        ).bind({})
     if ray.fuse:
         return _fused(config, Ingress)
 

@@ -6,9 +6,10 @@ evicting the least recently used idle, unpinned model.
 serves it to servekit's front (HTTP and gRPC), Triton's repository extension included.
 """
 
+from .app import store_app
 from .catalog import catalog
 from .memory import rss_bytes
 from .registry import StoreModels
 from .store import ModelStore, Resident
 
-__all__ = ["ModelStore", "Resident", "StoreModels", "catalog", "rss_bytes"]
+__all__ = ["ModelStore", "Resident", "StoreModels", "catalog", "rss_bytes", "store_app"]

@@ -5,11 +5,13 @@ served name (a model and its image model). A request holds its model (``lease``)
 admission to answer, so a model with requests in flight or queued is never evicted or
 unloaded under them: an unload waits for them, and an eviction picks only idle models.
 Loads run one at a time, so the resident memory each one adds is its own: the process's
-RSS growth across the load and warm-up. RSS reads low when the allocator reuses memory
+RSS growth across the load and warm-up (the store's first load is done twice, the first
+time unmeasured, so no model is charged the engine's one-time start). RSS reads low when the allocator reuses memory
 freed earlier, so a model is charged at least its file's size and at least the most any
 of its loads measured. Before a load the store makes room for that charge (its file's
-size the first time), after it for what it measured; a model larger than the budget alone is refused with the
-figures. Concurrent requests for a model that is loading wait on that one load.
+size the first time), after it for what it measured; a model larger than the budget
+alone is refused with the figures. Concurrent requests for a model that is loading wait
+on that one load.
 
 Everything here runs on the serving event loop; loads, warm-ups and closes run on
 worker threads.
@@ -101,6 +103,7 @@ class ModelStore:
         unwatch: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
         measure: Callable[[], int] = rss_bytes,
+        prime: bool = True,
     ) -> None:
         self.budget, self.pin, self.on_demand = budget_bytes, frozenset(pin), on_demand
         self._cache_dir = cache_dir
@@ -115,6 +118,7 @@ class ModelStore:
             if config.image:
                 self._owner.setdefault(image_model_name(name), name)
         self._load_lock: asyncio.Lock | None = None
+        self._primed = not prime
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
 
     # ------------------------------------------------------------ what is known
@@ -276,6 +280,9 @@ class ModelStore:
         size = _file_size(config, self._cache_dir)
         async with self._lock():
             await self._make_room(name, entry.charge or size)
+            if not self._primed:  # the engine's one-time start is no model's memory
+                await self._release_served(await asyncio.to_thread(self._loader, config))
+                self._primed = True
             start, before = time.perf_counter(), self._measure()
             served = await asyncio.to_thread(self._loader, config)
             # RSS growth reads low when a load reuses memory freed earlier: a model is
@@ -355,10 +362,13 @@ class ModelStore:
     async def _release(self, resident: Resident) -> None:
         for batcher in resident.batchers.values():
             await batcher.aclose()
+        await self._release_served(resident.served)
 
+    @staticmethod
+    async def _release_served(served: list[ServedModel]) -> None:
         def close() -> None:
             closed: set[int] = set()
-            for m in resident.served:
+            for m in served:
                 if id(m.runner) not in closed:
                     closed.add(id(m.runner))
                     m.runner.close()

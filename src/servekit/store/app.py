@@ -1,0 +1,42 @@
+"""A ``[store]`` served: its ``ModelStore`` and the ``KServeApp`` over it, the same on every
+runtime that honours it (native; Ray, in its ingress replica)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..config import ServeConfig
+from ..http.app import KServeApp
+from ..metrics import Metrics
+from .catalog import catalog
+from .registry import StoreModels
+from .store import ModelStore
+
+__all__ = ["store_app"]
+
+
+def store_app(
+    config: ServeConfig, *, ready: Callable[[], bool] | None = None
+) -> tuple[KServeApp, ModelStore]:
+    """The app serving ``config``'s store (Triton's repository extension included), its
+    Batchers' and the store's series on ``/metrics``; start the store on the app's loop."""
+    metrics = Metrics()
+    store = ModelStore(
+        catalog(config),
+        budget_bytes=config.store.budget_bytes,
+        pin=config.store.pin,
+        on_demand=config.store.load == "on_demand",
+        cache_dir=config.cache_dir,
+        watch=lambda name, batcher: metrics.watch(batcher, name),
+        unwatch=metrics.unwatch,
+    )
+    metrics.collect(store.figures)
+    app = KServeApp(
+        StoreModels(store),
+        max_body_bytes=config.server.max_body_bytes,
+        ready=ready,
+        metrics=metrics,
+        inference_token=config.server.inference_token,
+        control_token=config.server.control_token,
+    )
+    return app, store
