@@ -294,9 +294,11 @@ def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions
     )  # fmt: skip
     assert not [r for r in results if isinstance(r, Exception)]
     assert state["split"] == {"1": 100, "2": 0}
-    assert "2" in results[:after] and set(results[after + 8 :]) == {
-        "1"
-    }  # 8: in flight at the switch
+    assert "2" in results[:after]
+    # Each of the 4 client threads has at most one request out: at most 4 answers from
+    # version 2 come back after the switch, however late (a slow one may finish behind
+    # many fast answers from version 1), and none once those are in.
+    assert results[after:].count("2") <= 4 and set(results[-50:]) == {"1"}
     event = state["events"][-1]
     assert event["event"] == "rollback" and "the baseline's" in event["why"]
 

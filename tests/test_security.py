@@ -63,8 +63,9 @@ def test_inference_needs_the_inference_token(triton, protocol):
 def test_model_control_needs_the_other_token_and_health_stays_open(triton):
     index = f"{triton.http_url}/v2/repository/index"
     unload = f"{triton.http_url}/v2/repository/models/tiny/unload"
-    if triton.front:  # the front carries no model control (gRPC does, with the token)
-        assert http_status(unload, "POST", {CONTROL_TOKEN_HEADER: "control-secret"}) == 403
+    if triton.front:  # model control passes to tritonserver, which checks the client's token
+        assert http_status(unload, "POST", {CONTROL_TOKEN_HEADER: "infer-secret"}) == 403
+        assert http_status(unload, "POST") == 403
         assert http_status(index, "POST") == 200  # the read-only index is open, as metadata is
         # Metadata: the front reads the model's config from Triton with the control token.
         assert http_status(f"{triton.http_url}/v2/models/tiny") == 200

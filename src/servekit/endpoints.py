@@ -38,10 +38,28 @@ class Endpoints:
         return cls(**{"host": "127.0.0.1", **ports, **fields})
 
 
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback TCP port nothing listens on right now (for tests and benchmarks)."""
+    """A loopback TCP port nothing listens on right now (for tests and benchmarks).
+
+    Chosen below Linux's ephemeral range (32768-60999), where no client connection's own
+    port can take it before the server listens, and never the same twice per process."""
+    import random
     import socket
 
+    for _ in range(200):
+        port = random.randint(20000, 32767)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
