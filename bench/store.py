@@ -10,10 +10,11 @@ Measured on each server, sequentially from one client (tritonclient HTTP):
   random models of it: a set of 10 (it fits) and of 30 (it does not: loads and evictions
   all along), requests/s and p50/p99.
 
-Servers: servekit native with ``[store] load = "on_demand"`` (loads on a request), and
+Servers: servekit native with ``[store] load = "on_demand"`` (loads on a request);
 Triton's explicit model control driven by the client as a Triton user must (on "not
 ready", load the model; past 10 loaded, unload the one it used least recently), on
-servekit's Triton backend with the same files.
+servekit's Triton backend with the same files; and a plain Ray Serve app with
+``@serve.multiplexed(max_num_models_per_replica=10)`` (bench/plain_ray_multiplex.py).
 
     python bench/store.py --out bench/results/store
 """
@@ -22,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +46,7 @@ from tritonclient.utils import InferenceServerException
 from servekit import BatchingPolicy, ServeConfig, ServerConfig
 from servekit.bench.compare import ServerProcess
 from servekit.config import StoreConfig
+from servekit.endpoints import free_port
 from servekit.protocol.pbtxt import model_config, render
 from servekit.runners import load_runner
 from servekit.triton.launcher import TritonOptions, TritonProcess
@@ -114,7 +118,7 @@ X = np.ones((1, 16), np.float32)
 def infer(c: httpclient.InferenceServerClient, name: str) -> None:
     tensors = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
     for t in tensors:
-        t.set_data_from_numpy(X)
+        t.set_data_from_numpy(X, binary_data=False)  # JSON on every server (the plain app's)
     out = c.infer(name, tensors).as_numpy("OUTPUT0")
     assert out is not None and out[0, 0] == 2.0, out
 
@@ -214,6 +218,11 @@ def main() -> None:
                 Native(config.server.http_url[7:]), args.seconds
             )
             print(json.dumps(results), flush=True)
+        with plain_ray_multiplex(root) as url:
+            results["plain Ray Serve app, @serve.multiplexed (10 per replica)"] = measure(
+                Native(url), args.seconds
+            )
+            print(json.dumps(results), flush=True)
         server = ServerConfig.on_loopback(exit_timeout_s=2, control_token=TOKEN)
         options = TritonOptions(root / "triton", server, model_control_mode="explicit")
         with TritonProcess(options):
@@ -234,7 +243,7 @@ def main() -> None:
     lines = [
         f"`{command}` on {machine}: {MODELS} add_sub models with {args.weights_mb:g} MB of "
         f"weights each, budget {budget} MB; one client for cold/evicting/warm (medians), four "
-        "threads for the working sets.",
+        "threads for the working sets; KServe JSON bodies.",
         "",
         "| server | cold ms | evicting ms | warm ms | set of 10: req/s | p50 | p99 | set of 30: req/s | p50 | p99 | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -248,6 +257,34 @@ def main() -> None:
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+@contextlib.contextmanager
+def plain_ray_multiplex(root: Path) -> Iterator[str]:
+    """bench/plain_ray_multiplex.py in a process of its own; its host:port once it answers."""
+    port = free_port()
+    script = Path(__file__).with_name("plain_ray_multiplex.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--root", str(root), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(Exception):
+                if httpclient.InferenceServerClient(url).is_server_live():
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the plain Ray app did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def store_config(root: Path, budget_mb: float) -> ServeConfig:

@@ -298,6 +298,8 @@ def test_ray_serves_the_store_in_its_ingress_replica(folder):
                 client.unload_model("cnn_0")
             client.unload_model("cnn_0", headers={"servekit-control-token": TOKEN})
             assert not client.is_model_ready("cnn_0")
+            client.load_model("cnn_0", headers={"servekit-control-token": TOKEN})
+            assert client.is_model_ready("cnn_0")
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
                 assert "servekit_store_loads_total" in r.read().decode()
         finally:
