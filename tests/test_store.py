@@ -228,3 +228,31 @@ def test_the_first_load_is_done_twice_so_no_model_is_charged_the_engine_s_start(
 
     assert asyncio.run(run()) == {"a": 10 * MB, "b": 10 * MB}
     assert memory.loads == ["a", "a", "b"]
+
+
+def test_a_caller_that_goes_away_does_not_cancel_a_load_others_wait_for(add_sub_path):
+    store, memory = make_store(add_sub_path, ["m"])
+    gate = threading.Event()
+    load = memory.loader
+
+    def slow(config: ModelConfig) -> list[ServedModel]:
+        gate.wait(10)
+        return load(config)
+
+    store._loader = slow
+
+    async def run() -> np.ndarray:
+        first = asyncio.create_task(answer(store, "m"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(answer(store, "m"))
+        await asyncio.sleep(0.05)
+        first.cancel()  # its client went away mid-load
+        await asyncio.sleep(0.05)
+        gate.set()
+        out = await second
+        assert first.cancelled() and store.state("m") == "READY"
+        await store.close()
+        return out
+
+    assert asyncio.run(run()).tolist() == [[2.0] * 16]
+    assert memory.loads == ["m"]

@@ -223,20 +223,23 @@ class ModelStore:
                 return
             else:
                 break
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry.state, entry.loading, entry.reason = LOADING, future, ""
+        entry.state, entry.reason = LOADING, ""
         if config is not None:
             entry.config = config
+        # A task of its own: a caller that goes away (its client disconnected) does not
+        # cancel a load that others wait for, or leave a half-loaded model behind.
+        task = asyncio.ensure_future(self._load_task(entry))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+        entry.loading = task
+        await asyncio.shield(task)
+
+    async def _load_task(self, entry: _Entry) -> None:
         try:
             await self._load_one(entry)
         except BaseException as exc:
             entry.state, entry.reason = UNAVAILABLE, f"load failed: {exc}"
-            future.set_exception(exc)
-            future.exception()  # retrieved: every waiter re-raises it
-            self._event("load failed", name, why=str(exc))
+            self._event("load failed", entry.config.name, why=str(exc))
             raise
-        else:
-            future.set_result(None)
         finally:
             entry.loading = None
 
