@@ -22,18 +22,15 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from servekit import BatchingPolicy, Client, ModelConfig, ServeConfig, ServerConfig, zoo
 from servekit.bench import MeasureConfig
-from servekit.bench.compare import ServerProcess, Setup
+from servekit.bench.compare import ServerProcess, Setup, spawned
 from servekit.bench.loadgen import closed_loop, open_loop
+from servekit.bench.report import machine as report_machine
 from servekit.bench.targets import open_target
 from servekit.config import RayOptions
 from servekit.endpoints import free_port
@@ -63,28 +60,16 @@ RUNS = [
 def plain_ray(model: Path, name: str, max_batch_size: int) -> Iterator[tuple[str, int]]:
     port = free_port()
     script = Path(__file__).with_name("plain_ray_app.py")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--model", str(model), "--name", name,
-         "--port", str(port), "--max-batch-size", str(max_batch_size)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(Exception), Client(url) as c:
-                if c.is_ready(name):
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the plain Ray app did not start")
-            time.sleep(0.5)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+    def ready() -> bool:
+        with Client(url) as c:
+            return c.is_ready(name)
+
+    argv = [sys.executable, str(script), "--model", str(model), "--name", name,
+            "--port", str(port), "--max-batch-size", str(max_batch_size)]  # fmt: skip
+    with spawned(argv, ready, "the plain Ray app") as pid:
+        yield url, pid
 
 
 def measure(
@@ -155,7 +140,7 @@ def main() -> None:
         if chosen:
             measure_group(chosen, model, path, setup, cfg, args, rounds)
     rows = [median_row(measured) for measured in rounds.values()]
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = report_machine()
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(

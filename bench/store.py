@@ -25,12 +25,9 @@ import argparse
 import collections
 import contextlib
 import json
-import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +41,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from servekit import BatchingPolicy, ServeConfig, ServerConfig
-from servekit.bench.compare import ServerProcess
+from servekit.bench.compare import ServerProcess, spawned
+from servekit.bench.report import machine as report_machine
 from servekit.config import StoreConfig
 from servekit.endpoints import free_port
 from servekit.protocol.pbtxt import model_config, render
@@ -229,7 +227,7 @@ def main() -> None:
             results["tritonserver explicit mode, client-driven (keeps 10)"] = measure(
                 TritonExplicit(server.http_url[7:], keep=10), args.seconds
             )
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = report_machine()
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -264,27 +262,11 @@ def plain_ray_multiplex(root: Path) -> Iterator[str]:
     """bench/plain_ray_multiplex.py in a process of its own; its host:port once it answers."""
     port = free_port()
     script = Path(__file__).with_name("plain_ray_multiplex.py")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--root", str(root), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     url = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(Exception):
-                if httpclient.InferenceServerClient(url).is_server_live():
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the plain Ray app did not start")
-            time.sleep(0.5)
+    argv = [sys.executable, str(script), "--root", str(root), "--port", str(port)]
+    ready = httpclient.InferenceServerClient(url).is_server_live
+    with spawned(argv, ready, "the plain Ray multiplexing app"):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def store_config(root: Path, budget_mb: float) -> ServeConfig:

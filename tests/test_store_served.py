@@ -305,3 +305,26 @@ def test_ray_serves_the_store_in_its_ingress_replica(folder):
         finally:
             client.close()
             serve.delete("servekit")
+
+
+def test_a_model_file_that_does_not_load_is_a_503_naming_it_and_the_others_serve(
+    tmp_path, add_sub_path
+):
+    shutil.copyfile(add_sub_path, tmp_path / "good.onnx")
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    with served(tmp_path, load="on_demand") as server:
+        client = httpclient.InferenceServerClient(server.config.server.http_url[7:])
+        try:
+            x = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+            with pytest.raises(
+                InferenceServerException,
+                match=r"\[503\] model 'broken' cannot be loaded: .*broken.onnx",
+            ):
+                http_infer(client, "broken", x)
+            with pytest.raises(
+                InferenceServerException, match=r"\[503\] model 'broken' cannot be loaded"
+            ):
+                client.load_model("broken", headers={"servekit-control-token": TOKEN})
+            assert http_infer(client, "good", x)["OUTPUT0"].tolist() == [[2.0] * 16]
+        finally:
+            client.close()

@@ -41,6 +41,7 @@ __all__ = [
     "Setup",
     "compare",
     "markdown_report",
+    "spawned",
     "target_url",
 ]
 
@@ -135,6 +136,31 @@ def target_url(config: ServeConfig, protocol: str = "grpc") -> str:
     if protocol == "grpc" and config.runtime != "ray":
         return config.server.grpc_url
     return config.server.http_url
+
+
+@contextlib.contextmanager
+def spawned(
+    argv: Sequence[str], ready: Callable[[], bool], what: str, timeout_s: float = 180.0
+) -> Iterator[int]:
+    """A peer server (a plain Ray app, say) in a process of its own: its pid once ``ready()``
+    is true; terminated (killed if it lingers) on the way out."""
+    proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(Exception):
+                if ready():
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start")
+            time.sleep(0.5)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class ServerProcess:

@@ -8,10 +8,11 @@ than throughput does.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from pathlib import Path
+
+from ..store.memory import rss_bytes
 
 __all__ = ["PeakRss", "TreeCpu", "descendants", "tree_cpu_s", "tree_rss_bytes"]
 
@@ -68,13 +69,9 @@ class TreeCpu:
 
 
 def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid``'s live tree (shared pages count once per process)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for p in descendants(pid):
-        with contextlib.suppress(OSError, IndexError, ValueError):  # exited meanwhile
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * page
-    return total
+    """Resident memory of ``pid``'s live tree (shared pages count once per process; a
+    process that exited meanwhile counts 0)."""
+    return sum(rss_bytes(p) for p in descendants(pid))
 
 
 class PeakRss:

@@ -65,7 +65,7 @@ class RoutedModel:
         """A checked request's bytes to the version the split chooses (``passes_through``):
         the other server's answer as it is, and the version; the canary sees its outcome."""
         traffic = self.traffic
-        chosen = traffic.version(version) if version else traffic.choose(sticky)
+        chosen = traffic.route(version, sticky)
         target = cast(VersionTarget, self.versions[chosen]).pass_through()
         assert target is not None, "forward_routed needs passes_through"
         model, target_version = target
@@ -107,7 +107,7 @@ class RoutedModel:
     ) -> tuple[dict[str, np.ndarray], str]:
         """The answer and the version that gave it."""
         traffic = self.traffic
-        chosen = traffic.version(version) if version else traffic.choose(sticky)
+        chosen = traffic.route(version, sticky)
         start = time.perf_counter()
         try:
             outputs = await self.versions[chosen].infer(

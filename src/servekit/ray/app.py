@@ -202,14 +202,12 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 name: _Remote(name, spec, handles, policy, in_flight)
                 for name, (spec, handles, (policy, in_flight)) in chains.items()
             }
-            for model in fused:
-                from ..runtime.base import load_model_runner
+            for model in fused:  # every version, each checked against version 1's signature
+                from ..runtime.base import load_models
 
-                for version in model.version_numbers:
-                    runner = load_model_runner(model.for_version(version), config.cache_dir)
-                    runner.warmup()
-                    batcher = Batcher(runner, model.batching, name=model.name)
-                    models[_key(model.name, version)] = batcher
+                for m in load_models(model, config.cache_dir):
+                    m.runner.warmup()
+                    models[_key(m.name, m.version)] = Batcher(m.runner, m.policy, name=m.name)
             # One Traffic per ingress replica: the split is decided here, for every model.
             self.app = KServeApp(
                 route(_by_name(models), traffic_of(config)),

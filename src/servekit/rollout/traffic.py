@@ -110,6 +110,10 @@ class Traffic:
             )
         return version
 
+    def route(self, named: str, sticky_value: str | None = None) -> int:
+        """The version that answers a request: the one it names, else the split's choice."""
+        return self.version(named) if named else self.choose(sticky_value)
+
     def shadow_of(self, version: int) -> int | None:
         """The version that also runs a copy of a request answered by ``version``."""
         shadow = self.shadow

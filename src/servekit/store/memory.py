@@ -11,10 +11,11 @@ __all__ = ["release_freed", "rss_bytes"]
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def rss_bytes() -> int:
-    """This process's resident set size in bytes (Linux ``/proc/self/statm``; 0 elsewhere)."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set size in bytes (Linux ``/proc/<pid>/statm``; 0 where it cannot
+    be read: another system, or the process exited)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0

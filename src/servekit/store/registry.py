@@ -3,15 +3,16 @@ demand, and Triton's repository extension (``RepositoryControl``) answered from 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..batching import Batcher
 from ..batching.policy import BatchingPolicy
-from ..errors import InvalidInput, ModelNotFound
+from ..errors import InvalidInput, ModelNotFound, ModelNotReady, ServekitError
 from ..spec import ModelSpec
 from .store import READY, ModelStore
 
@@ -37,8 +38,21 @@ class StoredModel:
         timeout_us: int | None = None,
         version: str = "",
     ) -> dict[str, np.ndarray]:
-        async with self.store.lease(self.name) as batcher:
-            return await batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
+        with failed_load(self.name):
+            async with self.store.lease(self.name) as batcher:
+                return await batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
+
+
+@contextlib.contextmanager
+def failed_load(name: str) -> Iterator[None]:
+    """A model file that does not load is the model's state, not the server's fault: a
+    ``ModelNotReady`` (503) naming the model and why, instead of an internal error."""
+    try:
+        yield
+    except ServekitError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise ModelNotReady(f"model {name!r} cannot be loaded: {exc}") from exc
 
 
 class StoreModels:
@@ -48,7 +62,8 @@ class StoreModels:
         self.store = store
 
     async def lookup(self, name: str) -> StoredModel:
-        return StoredModel(self.store, name, await self.store.spec(name))
+        with failed_load(name):
+            return StoredModel(self.store, name, await self.store.spec(name))
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         if version not in (None, "", "1"):
@@ -71,7 +86,8 @@ class StoreModels:
     async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
         owner = self.store.owner(name)
         base = self.store.config(owner)
-        await self.store.load(owner, overridden(base, config) if config else None)
+        with failed_load(owner):
+            await self.store.load(owner, overridden(base, config) if config else None)
 
     async def unload(self, name: str) -> None:
         await self.store.unload(self.store.owner(name))
