@@ -16,7 +16,7 @@ PACKAGE = SRC / "servekit"
 # packages in one layer are independent of each other.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "tables"},
-    {"endpoints", "compression", "samples"},
+    {"endpoints", "compression", "samples", "storage"},
     {"spec"},
     {"runners"},  # the Runner contract (runners.base) and the engines, imported lazily
     {"batching", "rollout", "stages", "zoo"},

@@ -36,7 +36,7 @@ class Memory:
         return self.used
 
     def loader(self, config: ModelConfig) -> list[ServedModel]:
-        served = _load(config, None)
+        served = _load(config, None, None)
         self.loads.append(config.name)
         self.used += int(self.sizes[config.name] * MB)
         return served

@@ -45,6 +45,7 @@ from .batching.policy import BatchingPolicy
 from .endpoints import Endpoints
 from .rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
 from .runners import ENGINES
+from .storage import StorageConfig, is_remote
 from .tables import check_keys
 
 __all__ = [
@@ -74,8 +75,15 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def model_name(source: str | os.PathLike[str]) -> str:
-    """The served name of a zoo model or an ONNX file (its stem)."""
-    return os.path.splitext(os.path.basename(os.fspath(source)))[0]
+    """The served name of a zoo model or an ONNX file (its stem); for an object in a store
+    laid out as a repository (``.../<name>/model.onnx``, ``.../<name>/<version>/model.onnx``)
+    the name's folder."""
+    text = os.fspath(source)
+    parts = [p for p in text.split("/") if p]
+    if is_remote(text) and parts[-1] == "model.onnx" and len(parts) > 3:
+        folder = parts[-2] if not parts[-2].isdigit() or len(parts) < 5 else parts[-3]
+        return folder
+    return os.path.splitext(os.path.basename(text))[0]
 
 
 def image_model_name(name: str) -> str:
@@ -382,11 +390,15 @@ class ServeConfig:
     """Zoo model cache (default ``$SERVEKIT_CACHE`` or ``~/.cache/servekit/models``)."""
     ray: RayOptions = field(default_factory=RayOptions)
     store: StoreConfig = field(default_factory=StoreConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """How ``s3://`` and ``gs://`` sources are reached and cached (``servekit.storage``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
         if isinstance(self.store, Mapping):
             object.__setattr__(self, "store", StoreConfig.from_dict(self.store))
+        if isinstance(self.storage, Mapping):
+            object.__setattr__(self, "storage", StorageConfig.from_dict(self.storage))
         if not self.models and self.store.root is None:
             raise ValueError(
                 "nothing to serve: a ServeConfig needs at least one model or a [store] root"
@@ -472,6 +484,8 @@ class ServeConfig:
             data["ray"] = self.ray.to_dict()
         if self.store.active:
             data["store"] = self.store.to_dict()
+        if self.storage != StorageConfig():
+            data["storage"] = self.storage.to_dict()
         return data
 
     @classmethod
@@ -479,7 +493,7 @@ class ServeConfig:
         """A config from a file's tables; an unknown key is named with its section."""
         data = dict(data)
         model_keys = {f.name for f in dataclasses.fields(ModelConfig)} | {"model"}
-        top = {"runtime", "server", "models", "cache_dir", "ray", "store"}
+        top = {"runtime", "server", "models", "cache_dir", "ray", "store", "storage"}
         check_keys("top level", data, top | (model_keys if "models" not in data else set()))
         flat = {k: data.pop(k) for k in list(data) if k in model_keys}
         if "model" in flat:  # the one-model shorthand
@@ -499,6 +513,7 @@ class ServeConfig:
             cache_dir=data.get("cache_dir"),
             ray=RayOptions.from_dict(data.get("ray", {})),
             store=StoreConfig.from_dict(data.get("store", {})),
+            storage=StorageConfig.from_dict(data.get("storage", {})),
         )
 
     @classmethod

@@ -9,6 +9,7 @@
     ├── Unauthenticated       the access token is missing or wrong: HTTP 401, gRPC UNAUTHENTICATED
     ├── ModelNotFound         no such model or version: HTTP 404, gRPC NOT_FOUND
     ├── ModelNotReady         loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
+    │   └── FetchFailed       its file could not be fetched from object storage (why, where)
     ├── Overloaded            queue full, retry later: HTTP 503, gRPC UNAVAILABLE
     ├── DeadlineExceeded      the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
     ├── UpdateRefused         a new version cannot replace the serving one: HTTP 400, gRPC FAILED_PRECONDITION
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 __all__ = [
     "CONTROL_TOKEN_HEADER",
     "DeadlineExceeded",
+    "FetchFailed",
     "INFERENCE_TOKEN_HEADER",
     "InvalidInput",
     "ModelNotFound",
@@ -72,6 +74,11 @@ class ModelNotFound(ServekitError, LookupError):
 
 class ModelNotReady(ServekitError):
     """The model exists but cannot take requests now (loading, draining or closed)."""
+
+
+class FetchFailed(ModelNotReady):
+    """A model file could not be fetched from object storage; the message names the object
+    (bucket, key) and the error. Nothing half-written is left, and a serving version stays."""
 
 
 class Overloaded(ServekitError):

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import storage
 from .batching import Batcher, BatchRecord
 from .rollout import Traffic
 
@@ -114,7 +115,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._gpu = _Nvml() if gpu else None
         self._traffic: dict[str, Traffic] = {}
-        self._sources: list[Callable[[], Iterable[Family]]] = []
+        # This process's downloads from object storage (none until one happens).
+        self._sources: list[Callable[[], Iterable[Family]]] = [storage.figures]
 
     def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
         """Export ``batcher``'s traffic as model ``model``, version ``version``."""

@@ -57,7 +57,9 @@ class NativeServer:
                 self._start_store()
                 return self
             if not self.models:  # a restart keeps the warm runners
-                self.models = [m for model in c.models for m in load_models(model, c.cache_dir)]
+                self.models = [
+                    m for model in c.models for m in load_models(model, c.cache_dir, c.storage)
+                ]
                 for m in self.models:
                     m.runner.warmup()
             self.batchers = {}

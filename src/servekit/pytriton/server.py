@@ -89,7 +89,9 @@ class TritonServer:
         if not self.models:  # loaded here, so a signal can interrupt it (``Supervisor``)
             assert self.config is not None
             self.models = [
-                m for model in self.config.models for m in load_models(model, self.config.cache_dir)
+                m
+                for model in self.config.models
+                for m in load_models(model, self.config.cache_dir, self.config.storage)
             ]
         apply_triton_environment()
         from pytriton.triton import (

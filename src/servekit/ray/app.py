@@ -81,7 +81,7 @@ def _fused(config: ServeConfig, ingress: Any) -> Any:
     """The app as one deployment: the ingress replicas serve the models themselves."""
     busiest = 16
     for model in config.models:
-        probe = probe_model(model, config.cache_dir)
+        probe = probe_model(model, config.cache_dir, config.storage)
         if probe.image_spec is not None:
             raise ValueError(
                 f"[ray] fuse: {model.name!r} is an image classifier, whose stages are "
@@ -169,7 +169,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
             from ..runtime.base import load_model_runner
 
-            runner = load_model_runner(model, cache_dir)
+            runner = load_model_runner(model, cache_dir, config.storage)
             runner.warmup()
             super().__init__(runner, model.batching, model.name)
 
@@ -205,7 +205,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             for model in fused:  # every version, each checked against version 1's signature
                 from ..runtime.base import load_models
 
-                for m in load_models(model, config.cache_dir):
+                for m in load_models(model, config.cache_dir, config.storage):
                     m.runner.warmup()
                     models[_key(m.name, m.version)] = Batcher(m.runner, m.policy, name=m.name)
             # One Traffic per ingress replica: the split is decided here, for every model.
@@ -258,10 +258,10 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     chains: dict[str, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
     busiest = 16
     for model in config.models:
-        probe = probe_model(model, config.cache_dir)
+        probe = probe_model(model, config.cache_dir, config.storage)
         spec, image_spec, meta = probe.spec, probe.image_spec, probe.metadata
         for version in model.version_numbers[1:]:
-            other = probe_model(model.for_version(version), config.cache_dir).spec
+            other = probe_model(model.for_version(version), config.cache_dir, config.storage).spec
             check_compatible(spec, other, f"{model.name} version {version}")
         max_batch = model.batching.effective_max_batch_size(spec.max_batch_size) or 1
         ongoing = ray.max_ongoing_requests or max(4 * max_batch, 16)

@@ -61,6 +61,9 @@ class VersionedRunner:
         self._current = _Version(version, runner)
         self._previous: _Version | None = None
         self._spec = runner.spec
+        self.origin: object = None
+        """What the serving version was loaded from (its cached file, for a model from
+        object storage): a reload from the same origin has nothing to swap."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -122,6 +125,7 @@ class VersionedRunner:
             if self._previous is None:
                 raise UpdateRefused(f"{self.name}: no previous version to roll back to")
             self._current, self._previous = self._previous, self._current
+            self.origin = None
             self._current.retired = False
             self._previous.retired = True
             return self._current.number

@@ -20,6 +20,7 @@ from ..errors import UpdateRefused
 from ..runners.base import Runner
 from ..runners.versioned import VersionedRunner, check_compatible
 from ..spec import ModelSpec
+from ..storage import StorageConfig
 
 __all__ = [
     "ModelProbe",
@@ -75,18 +76,25 @@ class Runtime(Protocol):
         ...
 
 
-def load_model_runner(model: ModelConfig, cache_dir: str | None = None) -> Runner:
-    """The model's file on its engine, read from disk now (what a reload runs again).
+def load_model_runner(
+    model: ModelConfig,
+    cache_dir: str | None = None,
+    storage: StorageConfig | None = None,
+    path: Path | None = None,
+) -> Runner:
+    """The model's file on its engine, read from disk now (what a reload runs again);
+    ``path`` is the file ``zoo.resolve`` found for it, when the caller has it already.
 
     Raises:
-        ModelNotFound: the zoo name or file does not exist.
+        ModelNotFound: the zoo name, object or file does not exist.
+        FetchFailed: the object could not be fetched from its store.
         ValueError: the file does not load, naming it and the engine's error.
     """
     from .. import zoo
     from ..errors import ServekitError
     from ..runners import load_runner
 
-    path = zoo.resolve(model.source, cache_dir)
+    path = path or zoo.resolve(model.source, cache_dir, storage)
     try:
         return load_runner(
             path,
@@ -103,7 +111,20 @@ def load_model_runner(model: ModelConfig, cache_dir: str | None = None) -> Runne
         raise ValueError(f"{model.source}: cannot load: {type(exc).__name__}: {exc}") from None
 
 
-def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[ServedModel]:
+def _versioned(
+    model: ModelConfig, name: str, cache_dir: str | None, storage: StorageConfig | None
+) -> VersionedRunner:
+    from .. import zoo
+
+    path = zoo.resolve(model.source, cache_dir, storage)
+    runner = VersionedRunner(load_model_runner(model, cache_dir, storage, path), name=name)
+    runner.origin = path
+    return runner
+
+
+def load_models(
+    model: ModelConfig, cache_dir: str | None = None, storage: StorageConfig | None = None
+) -> list[ServedModel]:
     """The tensor model (each of its versions) and, for an image classifier with
     ``model.image``, its image model (encoded images in, top-k out; over version 1). A model
     and its image model share one ``VersionedRunner``, so an update of the tensor model
@@ -114,16 +135,17 @@ def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[Served
     """
     from ..pipeline import image_classifier, is_image_classifier
 
-    runner = VersionedRunner(load_model_runner(model, cache_dir), name=model.name)
+    runner = _versioned(model, model.name, cache_dir, storage)
     served = [ServedModel(model.name, runner, model.batching, model.instances)]
     for number in model.version_numbers[1:]:
-        other = load_model_runner(model.for_version(number), cache_dir)
+        versioned = _versioned(
+            model.for_version(number), f"{model.name} v{number}", cache_dir, storage
+        )
         try:
-            check_compatible(runner.spec, other.spec, f"{model.name} version {number}")
+            check_compatible(runner.spec, versioned.spec, f"{model.name} version {number}")
         except UpdateRefused:
-            other.close()
+            versioned.close()
             raise
-        versioned = VersionedRunner(other, name=f"{model.name} v{number}")
         served.append(ServedModel(model.name, versioned, model.batching, model.instances, number))
     if model.image and runner.spec.batched and is_image_classifier(runner.spec):
         clf = image_classifier(runner, top_k=model.top_k, labels=model.labels)
@@ -135,17 +157,29 @@ def load_models(model: ModelConfig, cache_dir: str | None = None) -> list[Served
 
 def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[str]:
     """Read each configured model's file again and swap it into its ``VersionedRunner``
-    (the in-process runtimes' SIGHUP); returns one line per model."""
+    (the in-process runtimes' SIGHUP); returns one line per model. A model from object
+    storage is re-checked against its store and swapped only when the object changed."""
+    from .. import zoo
+    from ..storage import is_remote
+
     by_name = {(m.name, m.version): m.runner for m in served}
     done = []
     for model in config.models:
         for version in model.version_numbers:
             versioned = by_name[(model.name, version)]
             assert isinstance(versioned, VersionedRunner)
-            number = versioned.update(
-                load_model_runner(model.for_version(version), config.cache_dir)
-            )
             which = f"{model.name}" if version == 1 else f"{model.name} version {version}"
+            source = model.for_version(version)
+            path = zoo.resolve(source.source, config.cache_dir, config.storage)
+            if is_remote(source.source) and path == versioned.origin:
+                done.append(
+                    f"{which}: unchanged ({source.source}), still version {versioned.version}"
+                )
+                continue
+            number = versioned.update(
+                load_model_runner(source, config.cache_dir, config.storage, path)
+            )
+            versioned.origin = path
             done.append(f"{which}: now serving version {number}")
     return done
 
@@ -162,7 +196,9 @@ class ModelProbe:
     image_spec: ModelSpec | None
 
 
-def probe_model(model: ModelConfig, cache_dir: str | None = None) -> ModelProbe:
+def probe_model(
+    model: ModelConfig, cache_dir: str | None = None, storage: StorageConfig | None = None
+) -> ModelProbe:
     """Load the model's file once with ONNX Runtime (the signature is the file's, whatever
     engine serves it) to read its signature; a file that does not load fails here, naming it.
     """
@@ -172,7 +208,8 @@ def probe_model(model: ModelConfig, cache_dir: str | None = None) -> ModelProbe:
     probe = dataclasses.replace(
         model, engine="onnxruntime", precision="fp32", device=None, threads=1
     )
-    runner = load_model_runner(probe, cache_dir)
+    path = zoo.resolve(model.source, cache_dir, storage)
+    runner = load_model_runner(probe, cache_dir, storage, path)
     try:
         spec = runner.spec
         meta = dict(getattr(runner, "metadata", None) or {})
@@ -181,6 +218,6 @@ def probe_model(model: ModelConfig, cache_dir: str | None = None) -> ModelProbe:
             pre, post = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)
             image_spec = ImageClassifier([pre, runner, post]).spec
             pre.close()
-        return ModelProbe(zoo.resolve(model.source, cache_dir), spec, meta, image_spec)
+        return ModelProbe(path, spec, meta, image_spec)
     finally:
         runner.close()

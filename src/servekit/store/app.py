@@ -27,6 +27,7 @@ def store_app(
         pin=config.store.pin,
         on_demand=config.store.load == "on_demand",
         cache_dir=config.cache_dir,
+        storage=config.storage,
         watch=lambda name, batcher: metrics.watch(batcher, name),
         unwatch=metrics.unwatch,
     )

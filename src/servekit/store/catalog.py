@@ -1,36 +1,56 @@
-"""Every model a store knows: the config's own models, and each one found under ``root``."""
+"""Every model a store knows: the config's own models, and each one found under ``root``
+(a folder, or an ``s3://``/``gs://`` prefix listed without fetching a model)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from ..config import ModelConfig, ServeConfig
+from ..storage import StorageConfig, is_remote
+from ..storage.objects import listing
 
 __all__ = ["catalog"]
 
 
-def _found(root: Path) -> dict[str, Path]:
-    """``<name>.onnx``, ``<name>/model.onnx`` or ``<name>/<version>/model.onnx`` (highest)."""
-    found: dict[str, Path] = {}
-    for entry in sorted(root.iterdir()):
-        if entry.is_file() and entry.suffix == ".onnx":
-            name, path = entry.stem, entry
-        elif entry.is_dir() and (entry / "model.onnx").is_file():
-            name, path = entry.name, entry / "model.onnx"
-        elif entry.is_dir():
-            versions = [
-                v for v in entry.iterdir() if v.name.isdigit() and (v / "model.onnx").is_file()
-            ]
-            if not versions:
-                continue
-            name, path = entry.name, max(versions, key=lambda v: int(v.name)) / "model.onnx"
+def _found(files: list[str], where: str) -> dict[str, str]:
+    """Name -> relative file, from a root's relative file paths: ``<name>.onnx``,
+    ``<name>/model.onnx`` or ``<name>/<version>/model.onnx`` (the highest version)."""
+    found: dict[str, tuple[int, str]] = {}
+    for rel in files:
+        parts = rel.split("/")
+        if len(parts) == 1 and rel.endswith(".onnx"):
+            name, version = rel[: -len(".onnx")], -1
+        elif len(parts) == 2 and parts[1] == "model.onnx":
+            name, version = parts[0], -1
+        elif len(parts) == 3 and parts[2] == "model.onnx" and parts[1].isdigit():
+            name, version = parts[0], int(parts[1])
         else:
             continue
-        if name in found:
-            raise ValueError(f"[store] {root}: two models named {name!r} ({found[name]}, {path})")
-        found[name] = path
-    return found
+        if name in found and (found[name][0] < 0 or version < 0):
+            raise ValueError(
+                f"[store] {where}: two models named {name!r} ({found[name][1]}, {rel})"
+            )
+        if name not in found or version > found[name][0]:
+            found[name] = (version, rel)
+    return {name: rel for name, (_, rel) in found.items()}
+
+
+def _files(root: str, storage: StorageConfig) -> list[str]:
+    """Every file up to three levels under ``root`` (a folder, or a store's prefix)."""
+    if is_remote(root):
+        return listing(root, storage)
+    folder = Path(root)
+    if not folder.is_dir():
+        raise ValueError(f"[store] root {root!r} is not a folder")
+    files = []
+    for path, dirs, names in os.walk(folder):
+        depth = len(Path(path).relative_to(folder).parts)
+        if depth >= 2:
+            dirs.clear()
+        files += [str((Path(path) / n).relative_to(folder)) for n in names]
+    return sorted(files)
 
 
 def catalog(config: ServeConfig) -> dict[str, ModelConfig]:
@@ -39,16 +59,14 @@ def catalog(config: ServeConfig) -> dict[str, ModelConfig]:
     models = {m.name: m for m in config.models}
     root = config.store.root
     if root is not None:
-        folder = Path(root)
-        if not folder.is_dir():
-            raise ValueError(f"[store] root {root!r} is not a folder")
         template = ModelConfig(image=False)
-        for name, path in _found(folder).items():
+        for name, rel in _found(_files(root, config.storage), root).items():
             if name not in models:
+                source = f"{root.rstrip('/')}/{rel}" if is_remote(root) else str(Path(root, rel))
                 try:
-                    models[name] = dataclasses.replace(template, source=str(path), name=name)
+                    models[name] = dataclasses.replace(template, source=source, name=name)
                 except ValueError as exc:
-                    raise ValueError(f"[store] {path}: {exc}") from None
+                    raise ValueError(f"[store] {source}: {exc}") from None
     unknown = sorted(set(config.store.pin) - set(models))
     if unknown:
         raise ValueError(f"[store] pin names unknown model(s) {unknown}")

@@ -31,9 +31,10 @@ from typing import Any
 
 from ..batching import Batcher
 from ..config import ModelConfig, image_model_name
-from ..errors import ModelNotFound, ModelNotReady, Overloaded
+from ..errors import FetchFailed, ModelNotFound, ModelNotReady, Overloaded
 from ..runtime.base import ServedModel, load_models, probe_model
 from ..spec import ModelSpec
+from ..storage import StorageConfig
 from .memory import release_freed, rss_bytes
 
 __all__ = ["ModelStore", "Resident"]
@@ -77,8 +78,10 @@ class _Entry:
     )
 
 
-def _load(config: ModelConfig, cache_dir: str | None) -> list[ServedModel]:
-    served = load_models(config, cache_dir)
+def _load(
+    config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None
+) -> list[ServedModel]:
+    served = load_models(config, cache_dir, storage)
     for m in served:
         m.runner.warmup()
     return served
@@ -98,6 +101,7 @@ class ModelStore:
         pin: Iterable[str] = (),
         on_demand: bool = True,
         cache_dir: str | None = None,
+        storage: StorageConfig | None = None,
         loader: Callable[[ModelConfig], list[ServedModel]] | None = None,
         watch: Callable[[str, Batcher], None] = lambda name, batcher: None,
         unwatch: Callable[[str], None] = lambda name: None,
@@ -106,8 +110,8 @@ class ModelStore:
         prime: bool = True,
     ) -> None:
         self.budget, self.pin, self.on_demand = budget_bytes, frozenset(pin), on_demand
-        self._cache_dir = cache_dir
-        self._loader = loader or (lambda config: _load(config, cache_dir))
+        self._cache_dir, self._storage = cache_dir, storage
+        self._loader = loader or (lambda config: _load(config, cache_dir, storage))
         self._watch, self._unwatch, self._clock, self._measure = watch, unwatch, clock, measure
         self._entries = {name: _Entry(config) for name, config in models.items()}
         for entry in self._entries.values():
@@ -151,7 +155,9 @@ class ModelStore:
         """``served``'s signature: from its last load, else read from its file once."""
         entry = self._entries[self.owner(served)]
         if served not in entry.specs:
-            probe = await asyncio.to_thread(probe_model, entry.config, self._cache_dir)
+            probe = await asyncio.to_thread(
+                probe_model, entry.config, self._cache_dir, self._storage
+            )
             entry.specs.setdefault(entry.config.name, probe.spec)
             if probe.image_spec is not None:
                 entry.specs.setdefault(image_model_name(entry.config.name), probe.image_spec)
@@ -280,7 +286,7 @@ class ModelStore:
 
     async def _load_one(self, entry: _Entry) -> None:
         name, config = entry.config.name, entry.config
-        size = _file_size(config, self._cache_dir)
+        size = _file_size(config, self._cache_dir, self._storage)
         async with self._lock():
             await self._make_room(name, entry.charge or size)
             if not self._primed:  # the engine's one-time start is no model's memory
@@ -432,11 +438,11 @@ class ModelStore:
         )  # fmt: skip
 
 
-def _file_size(config: ModelConfig, cache_dir: str | None) -> int:
+def _file_size(config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None) -> int:
     """The model's file size: the first estimate of what it will take resident."""
     from .. import zoo
 
     try:
-        return os.path.getsize(zoo.resolve(config.source, cache_dir))
-    except (OSError, ModelNotFound):
+        return os.path.getsize(zoo.resolve(config.source, cache_dir, storage))
+    except (OSError, ModelNotFound, FetchFailed):
         return 0

@@ -165,10 +165,10 @@ def model_repository(
     config.check("triton")
     out: list[RepositoryModel] = []
     for model in config.models:
-        probe = probe_model(model, config.cache_dir)
+        probe = probe_model(model, config.cache_dir, config.storage)
         own: dict[int, str | os.PathLike[str]] = {}
         for number in model.version_numbers[1:]:
-            other = probe_model(model.for_version(number), config.cache_dir)
+            other = probe_model(model.for_version(number), config.cache_dir, config.storage)
             check_compatible(probe.spec, other.spec, f"{model.name} version {number}")
             own[number] = other.path
         out.append(

@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 
 from ..errors import ModelNotFound
+from ..storage import StorageConfig, fetch, is_remote
 from ._onnx import param_count
 from .efficientnet import build_efficientnet_lite0
 from .resnet import RESNET50_PARAMS_WITH_BN, build_resnet50
@@ -93,14 +94,22 @@ def build(
     return path
 
 
-def resolve(model: str | os.PathLike[str], directory: str | os.PathLike[str] | None = None) -> Path:
-    """A zoo model's built file (building it on first use), or an existing model file.
+def resolve(
+    model: str | os.PathLike[str],
+    directory: str | os.PathLike[str] | None = None,
+    storage: StorageConfig | None = None,
+) -> Path:
+    """A zoo model's built file (building it on first use), an ``s3://``/``gs://`` object's
+    file in the node-local cache (``servekit.storage.fetch``), or an existing model file.
 
     Raises:
-        ModelNotFound: ``model`` is neither a zoo name nor an existing file.
+        ModelNotFound: ``model`` is neither a zoo name, an object nor an existing file.
+        FetchFailed: the object could not be fetched, naming it and why.
     """
     if str(model) in MODELS:
         return build(str(model), directory)
+    if is_remote(model):
+        return fetch(str(model), storage)
     path = Path(model)
     if not path.is_file():
         raise ModelNotFound(f"no zoo model or model file {str(model)!r}; zoo: {sorted(MODELS)}")
