@@ -61,7 +61,8 @@ Models = Annotated[
     typer.Option(
         "--model",
         metavar="MODEL",
-        help="Zoo model name or ONNX file; repeat for several (replaces the file's).",
+        help="Zoo model name, ONNX file or s3:// / gs:// object; repeat for several "
+        "(replaces the file's).",
     ),
 ]
 Name = Annotated[str | None, typer.Option(help="Served name (one model; default: its stem).")]

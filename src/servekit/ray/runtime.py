@@ -25,6 +25,7 @@ class RayRuntime:
         self.config = ray_config(config)
         self.address, self.num_cpus = address, num_cpus
         self._owns_ray = False
+        self._origins: dict[str, object] | None = None
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RayRuntime:
@@ -35,6 +36,7 @@ class RayRuntime:
         from ray import serve
 
         app = build_app(self.config)  # fails on the driver before the cluster is touched
+        self._origins = _origins(self.config)
         if not ray.is_initialized():
             ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
             self._owns_ray = True
@@ -50,9 +52,15 @@ class RayRuntime:
         self.reload()
 
     def reload(self) -> list[str]:
+        """Deploy again, unless every model comes from object storage and no object
+        changed (each is re-checked against its store; a replica fetches from the cache)."""
         from ray import serve
 
+        origins = _origins(self.config)
+        if origins is not None and origins == self._origins:
+            return [f"{APP_NAME}: unchanged ({', '.join(origins)})"]
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
+        self._origins = origins
         return [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
 
     def deployments(self) -> dict[str, Any]:
@@ -80,3 +88,15 @@ class RayRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _origins(config: ServeConfig) -> dict[str, object] | None:
+    """Each model source's fetched file, when every source is an object in a store (a
+    local file has no version to compare); None otherwise."""
+    from .. import zoo
+    from ..storage import is_remote
+
+    sources = [m.for_version(v).source for m in config.models for v in m.version_numbers]
+    if not sources or not all(is_remote(s) for s in sources):
+        return None
+    return {s: zoo.resolve(s, config.cache_dir, config.storage) for s in sources}

@@ -128,7 +128,7 @@ def filesystem(scheme: str, config: StorageConfig) -> Any:
             import s3fs
 
             kwargs = {"endpoint_url": config.s3_endpoint_url} if config.s3_endpoint_url else {}
-            return s3fs.S3FileSystem(retries=3, **kwargs)
+            return s3fs.S3FileSystem(**kwargs)
         # gcsfs's default class probes each bucket's layout over gRPC first; the plain one
         # speaks JSON only, which every GCS endpoint (and emulator) answers.
         from gcsfs.core import GCSFileSystem
