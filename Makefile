@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # One resolver run for every extra the suite exercises (PyTriton needs numpy < 2).
-EXTRAS ?= dev,triton,http,ray
+EXTRAS ?= dev,triton,http,ray,cloud
 
 .PHONY: serve demo test models bench lint clean
 

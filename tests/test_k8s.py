@@ -62,7 +62,26 @@ def overlay(request) -> tuple[str, list[dict]]:
 
 
 def test_there_is_an_overlay_per_runtime():
-    assert OVERLAYS == ["pytriton", "ray", "triton"]
+    assert OVERLAYS == ["bucket", "pytriton", "ray", "triton"]
+
+
+def test_the_bucket_overlay_reads_its_model_from_the_bucket_through_a_node_local_cache():
+    docs = render(K8S / "overlays" / "bucket")
+    (deployment,) = [
+        d for d in docs if d["metadata"]["name"] == "servekit" and d["kind"] == "Deployment"
+    ]
+    spec = deployment["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert any(a.startswith("gs://") for a in c["args"])
+    cache = {e["name"]: e["value"] for e in c["env"]}["SERVEKIT_OBJECT_CACHE"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == cache]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"]["path"] == cache  # node-local: outlives the pod
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert (
+        "iam.gke.io/gcp-service-account"
+        in accounts[spec["serviceAccountName"]]["metadata"]["annotations"]
+    )
 
 
 def test_every_resource_validates_against_the_kubernetes_schemas(overlay):
