@@ -271,7 +271,9 @@ def _metrics(url: str) -> str:
         return r.read().decode()
 
 
-def test_a_store_root_in_a_bucket_is_listed_and_loaded_on_demand(s3_url, tmp_path):
+def test_a_store_root_in_a_bucket_is_listed_loaded_on_demand_and_reloaded_when_changed(
+    s3_url, tmp_path
+):
     from servekit import Client
     from servekit.native import NativeServer
 
@@ -292,6 +294,19 @@ def test_a_store_root_in_a_bucket_is_listed_and_loaded_on_demand(s3_url, tmp_pat
             logits(build_tiny_cnn(seed=1).SerializeToString()),
             rtol=1e-5,
         )  # the highest version
+        # The repository load API re-checks a resident model's object: unchanged, nothing
+        # is downloaded; changed, the new one serves.
+        import tritonclient.http as httpclient
+
+        control = httpclient.InferenceServerClient(config.server.http_url.removeprefix("http://"))
+        before = downloads()
+        control.load_model("adder")
+        assert downloads() == before
+        put(s3_url, "zoo/adder.onnx", build_add_sub(offset=5.0).SerializeToString())
+        control.load_model("adder")
+        assert downloads() == before + 1
+        assert (c.infer("adder", a)["OUTPUT0"] == 7).all()
+        control.close()
 
 
 @pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
@@ -363,3 +378,22 @@ s3_endpoint_url = "{s3_url}"
     assert f"{uri}: downloading" in logs[0] and f"{uri}: fetched" in logs[0]
     assert "downloading" not in logs[1]
     assert f"tiny_cnn: unchanged ({uri}), still version 1" in logs[1]
+
+
+def test_a_triton_repository_takes_its_files_from_the_cache_and_long_downloads_say_progress(
+    s3_url, tmp_path, caplog
+):
+    import logging
+
+    from servekit.triton.repo import build_repository, model_repository
+
+    data = build_tiny_cnn(seed=5).SerializeToString()
+    uri = put(s3_url, "repo/tiny_cnn/1/model.onnx", data)
+    storage = StorageConfig(cache=str(tmp_path / "cache"), s3_endpoint_url=s3_url,
+                            progress_s=1e-9)  # a line per chunk  # fmt: skip
+    config = ServeConfig((ModelConfig(uri, image=False),), runtime="triton", storage=storage)
+    with caplog.at_level(logging.INFO, logger="servekit.storage"):
+        build_repository(tmp_path / "repo", model_repository(config))
+    assert (tmp_path / "repo" / "tiny_cnn" / "1" / "model.onnx").read_bytes() == data
+    assert any(r.getMessage().startswith(f"{uri}: ") and "MB/s" in r.getMessage()
+               and "of" in r.getMessage() for r in caplog.records)  # fmt: skip

@@ -32,9 +32,10 @@ from typing import Any
 from ..batching import Batcher
 from ..config import ModelConfig, image_model_name
 from ..errors import FetchFailed, ModelNotFound, ModelNotReady, Overloaded
-from ..runtime.base import ServedModel, load_models, probe_model
+from ..runners.versioned import VersionedRunner
+from ..runtime.base import ServedModel, load_model_runner, load_models, probe_model
 from ..spec import ModelSpec
-from ..storage import StorageConfig
+from ..storage import StorageConfig, is_remote
 from .memory import release_freed, rss_bytes
 
 __all__ = ["ModelStore", "Resident"]
@@ -226,6 +227,7 @@ class ModelStore:
             elif entry.state == READY and config is not None:
                 await self.unload(name, why="reloaded with a new configuration")
             elif entry.state == READY:
+                await self._refresh(entry)
                 return
             else:
                 break
@@ -238,6 +240,26 @@ class ModelStore:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         entry.loading = task
         await asyncio.shield(task)
+
+    async def _refresh(self, entry: _Entry) -> None:
+        """A resident model from object storage, asked to load again: re-check the object
+        and swap a changed one in between batches (as SIGHUP does elsewhere)."""
+        from .. import zoo
+
+        resident = entry.resident
+        if resident is None or not is_remote(entry.config.source):
+            return
+        path = await asyncio.to_thread(
+            zoo.resolve, entry.config.source, self._cache_dir, self._storage
+        )
+        versioned = resident.served[0].runner
+        if isinstance(versioned, VersionedRunner) and versioned.origin != path:
+            runner = await asyncio.to_thread(
+                load_model_runner, entry.config, self._cache_dir, self._storage, path
+            )
+            number = await asyncio.to_thread(versioned.update, runner)
+            versioned.origin = path
+            log.info("store: %s now serving version %d (%s)", entry.config.name, number, path)
 
     async def _load_task(self, entry: _Entry) -> None:
         try:
