@@ -9,6 +9,7 @@ from .client import AsyncClient, Client
 from .config import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from .errors import (
     DeadlineExceeded,
+    FetchFailed,
     InvalidInput,
     ModelNotFound,
     ModelNotReady,
@@ -23,6 +24,7 @@ from .runners import BaseRunner, FunctionRunner, OnnxRuntimeRunner, Runner
 from .serving import create_runtime, serve
 from .spec import DType, ModelSpec, TensorSpec, as_dtype
 from .stages import Postprocess, Preprocess
+from .storage import StorageConfig
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +35,7 @@ __all__ = [
     "Client",
     "DType",
     "DeadlineExceeded",
+    "FetchFailed",
     "FunctionRunner",
     "ImageClassifier",
     "InvalidInput",
@@ -54,6 +57,7 @@ __all__ = [
     "ServeConfig",
     "ServekitError",
     "ServerConfig",
+    "StorageConfig",
     "TensorSpec",
     "TimeoutAction",
     "Unauthenticated",
