@@ -4,7 +4,8 @@ moto's S3 server on loopback, the same client library (s3fs) on both sides.
 Measured:
 - download: servekit's fetch into an empty cache (the store's HEAD, one streamed GET,
   MD5 and SHA-256 of the file, fsync, rename) against a plain ``get_file`` to a file, as
-  ``aws s3 cp`` does it with s3fs; alternated, each ``--rounds`` times, MB/s;
+  ``aws s3 cp`` does it with s3fs, and (where installed) obstore's streamed GET, the
+  other client library the issue names; alternated, each ``--rounds`` times, MB/s;
 - start-up: ``servekit serve`` (native) from the s3:// source until the model answers
   ready, with an empty cache (download, then load and warm-up) and with a warm one (a
   restart on the same node: the store's HEAD only).
@@ -22,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from servekit import ModelConfig, ServeConfig, ServerConfig, zoo
@@ -57,7 +59,37 @@ def download(url: str, rounds: int, size: int) -> dict[str, list[float]]:
             start = time.perf_counter()
             fs.get_file(f"{BUCKET}/{KEY}", f"{tmp}/model.onnx")
             out["s3fs get_file (aws s3 cp)"].append(size / 1e6 / (time.perf_counter() - start))
+        if obstore_get is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.perf_counter()
+                obstore_get(url, f"{tmp}/model.onnx")
+                out.setdefault("obstore get, streamed to a file", []).append(
+                    size / 1e6 / (time.perf_counter() - start)
+                )
     return out
+
+
+def _obstore() -> Callable[[str, str], None] | None:
+    """obstore (Rust's object_store) as the alternative client, where it is installed."""
+    try:
+        import obstore
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+
+    def get(url: str, path: str) -> None:
+        store = S3Store(
+            BUCKET, endpoint=url, region="us-east-1", access_key_id="bench",
+            secret_access_key="bench", client_options={"allow_http": True},
+        )  # fmt: skip
+        with open(path, "wb") as f:
+            for chunk in obstore.get(store, KEY).stream(min_chunk_size=8 << 20):
+                f.write(chunk)
+
+    return get
+
+
+obstore_get = _obstore()
 
 
 def start_up(url: str, cache: str) -> float:

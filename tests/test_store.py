@@ -256,3 +256,34 @@ def test_a_caller_that_goes_away_does_not_cancel_a_load_others_wait_for(add_sub_
 
     assert asyncio.run(run()).tolist() == [[2.0] * 16]
     assert memory.loads == ["m"]
+
+
+def test_the_charge_is_host_memory_plus_this_process_device_memory():
+    """Without a GPU (here) NVML answers nothing and the charge is RSS alone; the GPU test
+    below allocates device memory and sees it charged."""
+    from servekit.store import device_bytes, resident_bytes, rss_bytes
+
+    if device_bytes() == 0:
+        before = rss_bytes()
+        assert abs(resident_bytes() - before) < 16 * MB
+    else:  # pragma: no cover - a GPU machine
+        assert resident_bytes() >= device_bytes()
+
+
+@pytest.mark.gpu
+def test_device_memory_a_load_allocates_is_charged():
+    pytest.importorskip("pynvml", reason="needs nvidia-ml-py")
+    cudart = pytest.importorskip("cuda.cudart", reason="needs cuda-python")
+    from servekit.store import device_bytes
+
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        pytest.skip("no CUDA device")
+    cudart.cudaFree(0)  # the context first: its own memory is not the allocation's
+    before = device_bytes()
+    err, ptr = cudart.cudaMalloc(256 * MB)
+    assert err == cudart.cudaError_t.cudaSuccess
+    try:
+        assert device_bytes() - before >= 256 * MB
+    finally:
+        cudart.cudaFree(ptr)

@@ -8,8 +8,17 @@ serves it to servekit's front (HTTP and gRPC), Triton's repository extension inc
 
 from .app import store_app
 from .catalog import catalog
-from .memory import rss_bytes
+from .memory import device_bytes, resident_bytes, rss_bytes
 from .registry import StoreModels
 from .store import ModelStore, Resident
 
-__all__ = ["ModelStore", "Resident", "StoreModels", "catalog", "rss_bytes", "store_app"]
+__all__ = [
+    "ModelStore",
+    "Resident",
+    "StoreModels",
+    "catalog",
+    "device_bytes",
+    "resident_bytes",
+    "rss_bytes",
+    "store_app",
+]

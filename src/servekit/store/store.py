@@ -36,7 +36,7 @@ from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_model_runner, load_models, probe_model
 from ..spec import ModelSpec
 from ..storage import StorageConfig, is_remote
-from .memory import release_freed, rss_bytes
+from .memory import release_freed, resident_bytes
 
 __all__ = ["ModelStore", "Resident"]
 
@@ -107,7 +107,7 @@ class ModelStore:
         watch: Callable[[str, Batcher], None] = lambda name, batcher: None,
         unwatch: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
-        measure: Callable[[], int] = rss_bytes,
+        measure: Callable[[], int] = resident_bytes,
         prime: bool = True,
     ) -> None:
         self.budget, self.pin, self.on_demand = budget_bytes, frozenset(pin), on_demand
