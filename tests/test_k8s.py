@@ -16,7 +16,9 @@ kv = pytest.importorskip("kubernetes_validate")
 from conftest import parse_metrics
 from kustomize import KustomizeError, render
 from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
-from servekit.metrics import GPU_GAUGES, Metrics
+from servekit.metrics import GPU_GAUGES, ROLLOUT, Metrics
+from servekit.storage.cache import COUNTERS as STORAGE
+from servekit.store import ModelStore
 from servekit.ray.app import ray_config
 from servekit.triton.stub_metrics import FAILURE_METRIC
 
@@ -28,14 +30,15 @@ K8S_VERSION = "1.31"  # GKE's regular channel
 
 def exported_metric_names() -> set[str]:
     """Families servekit exports (live, from a rendered exposition) plus those that need a
-    GPU or a Triton stub to appear."""
+    GPU, a Triton stub, a rollout, a model store or a fetch from object storage to appear."""
     spec = ModelSpec((TensorSpec("x", np.float32, [1]),), (TensorSpec("y", np.float32, [1]),), 4)
     metrics = Metrics(gpu=False)
     metrics.watch(Batcher(FunctionRunner(lambda d: {"y": d["x"]}, spec)), "m")
     names = {
         re.sub(r"(_summary_us)_(count|sum)$", r"\1", n) for n, _ in parse_metrics(metrics.render())
     }
-    return names | set(GPU_GAUGES) | {FAILURE_METRIC}
+    store = {family for family, *_ in ModelStore({}).figures()}
+    return names | set(GPU_GAUGES) | {FAILURE_METRIC} | set(ROLLOUT) | store | set(STORAGE)
 
 
 def pod_specs(doc: dict) -> list[tuple[dict, dict]]:

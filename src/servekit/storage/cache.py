@@ -27,11 +27,11 @@ from typing import Any
 from ..errors import FetchFailed, ModelNotFound
 from .objects import ObjectInfo, ObjectRef, StorageConfig, download, parse, stat
 
-__all__ = ["ObjectCache", "fetch", "figures", "stats"]
+__all__ = ["COUNTERS", "ObjectCache", "fetch", "figures", "stats"]
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = {
+COUNTERS = {
     "servekit_storage_downloads_total": "Objects downloaded from object storage",
     "servekit_storage_download_bytes_total": "Bytes downloaded from object storage",
     "servekit_storage_cache_hits_total": "Fetches answered by the node-local cache",
@@ -67,7 +67,7 @@ def figures() -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
     schemes = sorted({scheme for _, scheme in counts})
     return [
         (name, "counter", about, [({"scheme": s}, counts.get((name, s), 0.0)) for s in schemes])
-        for name, about in _COUNTERS.items()
+        for name, about in COUNTERS.items()
     ]
 
 
