@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .autoscale import AutoscalePolicy
 from .batching.policy import BatchingPolicy
 from .endpoints import Endpoints
 from .rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
@@ -129,8 +130,12 @@ class ModelConfig:
     """How requests that name no version split over the versions (default: all to 1)."""
     canary: CanaryPolicy | None = None
     """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
+    autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
+    """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.autoscale, Mapping):
+            object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
         object.__setattr__(self, "source", os.fspath(self.source))
         if not self.name:
             object.__setattr__(self, "name", model_name(self.source))
@@ -198,7 +203,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
-        rollout = ("batching", "versions", "traffic", "canary")
+        rollout = ("batching", "versions", "traffic", "canary", "autoscale")
         data = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -211,6 +216,8 @@ class ModelConfig:
             data["traffic"] = self.traffic.to_dict()
         if self.canary is not None:
             data["canary"] = self.canary.to_dict()
+        if self.autoscale != AutoscalePolicy():
+            data["autoscale"] = self.autoscale.to_dict()
         return data
 
     @classmethod
@@ -230,6 +237,10 @@ class ModelConfig:
             kwargs["traffic"] = TrafficPolicy.from_dict(data["traffic"], f"{section}.traffic")
         if "canary" in data:
             kwargs["canary"] = CanaryPolicy.from_dict(data["canary"], f"{section}.canary")
+        if "autoscale" in data:
+            kwargs["autoscale"] = AutoscalePolicy.from_dict(
+                data["autoscale"], f"{section}.autoscale"
+            )
         return cls(**kwargs)
 
 

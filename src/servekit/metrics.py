@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from . import storage
+from .autoscale import AutoscalePolicy, Counters, Demand
 from .batching import Batcher, BatchRecord
 from .rollout import Traffic
 
 Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]
 """A metric family from elsewhere (``Metrics.collect``): name, kind, help, (labels, value)s."""
 
-__all__ = ["CONTENT_TYPE", "COUNTERS", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
+__all__ = ["CONTENT_TYPE", "COUNTERS", "DEMAND", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -42,8 +43,16 @@ COUNTERS = {
     "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds",
     "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds",
 }
+FAILURE_METRIC = "servekit_request_failure"
+FAILURE_HELP = "Requests a servekit model answered with an error response"
+"""The failures Triton's own counters miss: its Python backend's error responses (counted
+in the stub, ``triton.stub_metrics``) and requests servekit's front refused before they
+reached tritonserver (counted here)."""
+DEMAND = "servekit_replicas_needed"
 GAUGES = {
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model",
+    DEMAND: "Replicas of this server the model's traffic over the autoscaling window needs "
+    "(servekit.autoscale); summed over servers, the replicas to ask for",
 }
 SUMMARIES = {
     "nv_inference_request_summary_us": "Summary of inference request duration in microseconds",
@@ -89,6 +98,8 @@ class _Watched:
     batcher: Batcher
     labels: str
     summaries: dict[str, _Window]
+    demand: Demand
+    model: str
     front_failures: int = 0
     compute_us: float = 0.0
     """Per request, as Triton counts it: each request adds its whole batch's compute time."""
@@ -117,6 +128,9 @@ class Metrics:
         self._traffic: dict[str, Traffic] = {}
         # This process's downloads from object storage (none until one happens).
         self._sources: list[Callable[[], Iterable[Family]]] = [storage.figures]
+        self._refused: dict[tuple[str, str], int] = {}
+        self.autoscale: dict[str, AutoscalePolicy] = {}
+        """Model name -> its ``[models.autoscale]`` (the defaults for a model not named)."""
 
     def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
         """Export ``batcher``'s traffic as model ``model``, version ``version``."""
@@ -127,6 +141,8 @@ class Metrics:
             batcher,
             f'model="{_escape(model)}",version="{_escape(version)}"',
             {name: _Window(self.window_s) for name in SUMMARIES},
+            Demand(batcher.policy.max_batch_size or 1, clock=self._clock),
+            model,
         )
         self._models[key] = watched
         batcher.listeners.append(lambda record: self._observe(watched, record))
@@ -143,9 +159,12 @@ class Metrics:
     def failed(self, model: str, version: str = "1") -> None:
         """Count a request that failed before it reached the model's Batcher (a bad body, say)."""
         watched = self._models.get((model, version))
-        if watched is not None:
-            with self._lock:
+        with self._lock:
+            if watched is not None:
                 watched.front_failures += 1
+            else:  # a front before tritonserver: counted where Triton's own are not
+                key = (model, version)
+                self._refused[key] = self._refused.get(key, 0) + 1
 
     @property
     def models(self) -> list[tuple[str, str]]:
@@ -189,10 +208,17 @@ class Metrics:
                     ("nv_inference_pending_request_count", w.batcher.pending),
                 ):
                     values[name].append((w.labels, float(value)))
+                w.demand.policy = self.autoscale.get(w.model, w.demand.policy)
+                counters = Counters(
+                    s.request_success, s.inference_count, s.execution_count, s.queue_us,
+                    w.compute_us,
+                )  # fmt: skip
+                values[DEMAND].append((w.labels, w.demand.observe(counters)))
             for name, help_text in COUNTERS.items():
                 _family(lines, name, "counter", help_text, values[name])
             for name, help_text in GAUGES.items():
-                _family(lines, name, "gauge", help_text, values[name])
+                if name != DEMAND or values[name]:  # a front's comes from Triton's counters
+                    _family(lines, name, "gauge", help_text, values[name])
             for name, help_text in SUMMARIES.items():
                 lines.append(f"# HELP {name} {help_text}")
                 lines.append(f"# TYPE {name} summary")
@@ -202,6 +228,12 @@ class Metrics:
                         lines.append(f'{name}{{{w.labels},quantile="{q}"}} {_num(v)}')
                     lines.append(f"{name}_count{{{w.labels}}} {window.count}")
                     lines.append(f"{name}_sum{{{w.labels}}} {_num(window.total)}")
+            if self._refused:
+                refused = [
+                    (f'model="{_escape(m)}",version="{_escape(v)}",code="INVALID_ARG"', float(n))
+                    for (m, v), n in sorted(self._refused.items())
+                ]
+                _family(lines, FAILURE_METRIC, "counter", FAILURE_HELP, refused)
         if self._traffic:
             self._render_rollout(lines)
         for source in self._sources:

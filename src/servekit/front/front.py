@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -43,6 +43,7 @@ from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp
 from ..http.h1 import H1Server
+from ..metrics import Family
 from ..protocol.kserve import HEADER_LENGTH
 from ..protocol.models import FrontModel, StaticModels
 from ..protocol.routed import RoutedModel
@@ -414,7 +415,8 @@ class Front:
     ``traffic``: each routed model's split (with ``routes`` on PyTriton: name -> version ->
     Triton model); ``grpc_port``: serve gRPC there too, over the same models (needed
     once a model is routed; ``grpc_url`` is then tritonserver's private gRPC port).
-    ``control_token`` guards ``POST /v2/models/<m>/traffic``.
+    ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
+    signal's source (``TritonDemand``), exported on the front's ``/metrics``.
     """
 
     def __init__(
@@ -434,6 +436,7 @@ class Front:
         grpc_port: int | None = None,
         control_token: str | None = None,
         exit_timeout_s: float = 10.0,
+        demand: Callable[[], Iterable[Family]] | None = None,
     ) -> None:
         self.registry: TritonModels | PyTritonModels = (
             models
@@ -458,6 +461,8 @@ class Front:
         )
         for t in (traffic or {}).values():
             self.app.metrics.watch_traffic(t)
+        if demand is not None:
+            self.app.metrics.collect(demand)
         self._grpc = (
             GrpcOnLoop(
                 GrpcService(

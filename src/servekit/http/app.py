@@ -10,6 +10,7 @@ bad requests are 400 naming the tensor, unknown models 404, a full queue 503 wit
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -211,7 +212,9 @@ class KServeApp:
         if method == "GET" and path == "/v2/health/ready":
             return (200 if self._ready() else 503), b"", {}
         if method == "GET" and path == "/metrics":
-            return 200, self.metrics.render().encode(), {"content-type": CONTENT_TYPE}
+            # Off the loop: a source may read another server (a front reads tritonserver's).
+            text = await asyncio.to_thread(self.metrics.render)
+            return 200, text.encode(), {"content-type": CONTENT_TYPE}
         if method == "GET" and path == "/v2":
             return self._json(200, server_metadata())
         behind = self._behind
@@ -437,8 +440,12 @@ class KServeApp:
                         (body, length) if header is None else (header + body[length:], len(header))
                     )
         request = self._decode(name, body, raw)
-        scheduling(request.parameters)
-        spec.validate_inputs(request.inputs)
+        try:
+            scheduling(request.parameters)
+            spec.validate_inputs(request.inputs)
+        except InvalidInput:
+            self.metrics.failed(name)  # refused here: tritonserver never sees it
+            raise
         checked, checked_length = explicit_binary(body, int(raw) if raw else None, request)
         if key is not None and all(a.dtype.kind != "O" for a in request.inputs.values()):
             if len(self._checked) >= _CHECKED_MAX:

@@ -152,6 +152,7 @@ class TritonServer:
                 )
             triton.run()
             if c.front:
+                from ..front.demand import TritonDemand
                 from ..front.front import Front
 
                 routes: dict[str, dict[int, str]] = {}
@@ -172,6 +173,11 @@ class TritonServer:
                     grpc_port=c.grpc_port if self.traffic else None,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
+                    demand=TritonDemand(
+                        c.metrics_url,
+                        f"http://127.0.0.1:{triton_http_port}",
+                        {m.name: m.autoscale for m in (self.config.models if self.config else ())},
+                    ),
                 ).start()
         except BaseException:
             if self._front is not None:

@@ -215,6 +215,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,
             )
+            self.app.metrics.autoscale.update({m.name: m.autoscale for m in config.models})
 
         async def __call__(self, request: Any) -> Any:
             from starlette.responses import Response
@@ -273,7 +274,10 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             "ray_actor_options": {"num_cpus": ray.model_cpus},
         }
         if ray.autoscaling:
-            options["autoscaling_config"] = dict(ray.autoscaling)
+            # Ray counts batches in flight per model replica (the ingress batches): a replica
+            # at the autoscaling signal's target fill has one running and one forming.
+            target = 2 * model.autoscale.target_batch_fill
+            options["autoscaling_config"] = {"target_ongoing_requests": target, **ray.autoscaling}
             replicas = int(ray.autoscaling.get("max_replicas", replicas))
         else:
             options["num_replicas"] = replicas

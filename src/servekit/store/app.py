@@ -21,8 +21,10 @@ def store_app(
     """The app serving ``config``'s store (Triton's repository extension included), its
     Batchers' and the store's series on ``/metrics``; start the store on the app's loop."""
     metrics = Metrics()
+    models = catalog(config)
+    metrics.autoscale.update({name: m.autoscale for name, m in models.items()})
     store = ModelStore(
-        catalog(config),
+        models,
         budget_bytes=config.store.budget_bytes,
         pin=config.store.pin,
         on_demand=config.store.load == "on_demand",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..autoscale import AutoscalePolicy
 from ..config import ServerConfig
 from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
@@ -102,10 +103,16 @@ class TritonProcess:
     """
 
     def __init__(
-        self, options: TritonOptions, *, traffic: Mapping[str, Traffic] | None = None
+        self,
+        options: TritonOptions,
+        *,
+        traffic: Mapping[str, Traffic] | None = None,
+        autoscale: Mapping[str, AutoscalePolicy] | None = None,
     ) -> None:
         self.options = options
         self.traffic = dict(traffic or {})
+        self.autoscale = dict(autoscale or {})
+        """Model name -> the targets of its autoscaling signal (the front computes it)."""
         if self.traffic and not options.server.front:
             raise ValueError(
                 f"models {sorted(self.traffic)} have a traffic split: it runs in servekit's "
@@ -191,6 +198,7 @@ class TritonProcess:
         return self
 
     def _start_front(self) -> None:
+        from ..front.demand import TritonDemand
         from ..front.front import Front, TritonModels
 
         s = self.options.server
@@ -214,6 +222,7 @@ class TritonProcess:
             grpc_port=s.grpc_port if self.traffic else None,
             control_token=s.control_token,
             exit_timeout_s=s.exit_timeout_s,
+            demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
         ).start()
 
     def _http_ok(self, path: str) -> bool:

@@ -45,7 +45,9 @@ class TritonRuntime:
             models = model_repository(self.config)
             build_repository(self._root, models, cache_dir=self.config.cache_dir)
             self.process = TritonProcess(
-                TritonOptions(self._root, self.config.server), traffic=self.traffic
+                TritonOptions(self._root, self.config.server),
+                traffic=self.traffic,
+                autoscale={m.name: m.autoscale for m in self.config.models},
             ).start()
             self.process.wait_ready(
                 [m.name for m in models]

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FAILURE_METRIC", "FailureCounter"]
+from ..metrics import FAILURE_HELP, FAILURE_METRIC
 
-FAILURE_METRIC = "servekit_request_failure"
+__all__ = ["FAILURE_METRIC", "FailureCounter"]
 
 
 class FailureCounter:
@@ -28,7 +28,7 @@ class FailureCounter:
         try:
             self._family = pb_utils.MetricFamily(
                 name=FAILURE_METRIC,
-                description="Requests a servekit model answered with an error response",
+                description=FAILURE_HELP,
                 kind=pb_utils.MetricFamily.COUNTER,
             )
         except Exception:  # metrics disabled in this tritonserver

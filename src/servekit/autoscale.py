@@ -1,0 +1,129 @@
+"""One autoscaling signal for every runtime: how many replicas a model's traffic needs.
+
+Each server exports, per model, ``servekit_replicas_needed``: the replicas of itself that
+the traffic it saw over the last ``window_s`` needs, at the policy's targets. Summed over
+a model's servers it is the replica count to ask for (an HPA with an ``AverageValue``
+target of 1, or KEDA's Prometheus scaler with a threshold of 1, does exactly that sum).
+
+It reads the counters every runtime exports with Triton's meanings (``nv_inference_*``):
+
+    fill     = rows per execution / max_batch_size            how full the batches are
+    queue    = queue time per request                          what waiting costs
+    compute  = compute time per request
+    slack    = max(latency_budget - compute, latency_budget / 10)
+    needed   = max(fill / target_batch_fill, queue / (target_queue_share * slack))
+
+Under dynamic batching a replica that keeps up runs small batches with almost no queue;
+as load rises the batches fill (the first term nears 1 before any latency is lost), and
+past capacity the queue grows into the latency budget (the second term grows with it,
+however full the batches already are). When the traffic stops both fall to 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .tables import check_keys
+
+__all__ = ["AutoscalePolicy", "Counters", "Demand", "replicas_needed"]
+
+
+@dataclass(frozen=True)
+class AutoscalePolicy:
+    """A model's targets for ``servekit_replicas_needed`` (``[models.autoscale]``)."""
+
+    latency_budget_ms: float = 100.0
+    """The request latency the model should keep (the p99 it is judged by)."""
+    target_batch_fill: float = 0.8
+    """Rows per execution, as a share of max_batch_size, that one replica should run at."""
+    target_queue_share: float = 0.5
+    """The share of the budget left after compute that queueing may take."""
+    window_s: float = 30.0
+    """How far back the counters are read."""
+
+    def __post_init__(self) -> None:
+        for key in ("latency_budget_ms", "window_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"[models.autoscale] {key} must be > 0, got {getattr(self, key)}")
+        for key in ("target_batch_fill", "target_queue_share"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(
+                    f"[models.autoscale] {key} must be in (0, 1], got {getattr(self, key)}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], section: str = "models.autoscale"
+    ) -> AutoscalePolicy:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative counts with Triton's meanings: successful requests, rows
+    (``nv_inference_count``), executions, and queue and compute microseconds summed over
+    requests (``nv_inference_queue_duration_us``, ``..._compute_infer_duration_us``)."""
+
+    requests: float = 0.0
+    rows: float = 0.0
+    executions: float = 0.0
+    queue_us: float = 0.0
+    compute_us: float = 0.0
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
+    def astuple(self) -> tuple[float, ...]:
+        return dataclasses.astuple(self)
+
+
+def replicas_needed(delta: Counters, max_batch_size: int, policy: AutoscalePolicy) -> float:
+    """The formula above, over what happened in ``delta``; 0 without traffic."""
+    if delta.requests <= 0 or delta.executions <= 0:
+        return 0.0
+    fill = delta.rows / delta.executions / max(max_batch_size, 1)
+    queue_ms = delta.queue_us / delta.requests / 1e3
+    compute_ms = delta.compute_us / delta.requests / 1e3
+    budget = policy.latency_budget_ms
+    slack = max(budget - compute_ms, budget / 10)
+    return max(fill / policy.target_batch_fill, queue_ms / (policy.target_queue_share * slack))
+
+
+class Demand:
+    """One model's signal: readings of its counters, the oldest within the window as the
+    base. A reading whose counters went down (the server restarted) starts afresh."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        policy: AutoscalePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_batch_size, self.policy, self._clock = (
+            max_batch_size,
+            policy or AutoscalePolicy(),
+            clock,
+        )
+        self._readings: collections.deque[tuple[float, Counters]] = collections.deque()
+
+    def observe(self, counters: Counters) -> float:
+        """Record a reading now; the replicas the traffic since the window's start needs."""
+        now = self._clock()
+        if self._readings and counters.requests < self._readings[-1][1].requests:
+            self._readings.clear()  # counters restart from zero with their server
+            self._readings.append((now, Counters()))
+        self._readings.append((now, counters))
+        start = now - self.policy.window_s
+        while len(self._readings) > 2 and self._readings[1][0] <= start:
+            self._readings.popleft()
+        base = self._readings[0][1]
+        return replicas_needed(counters - base, self.max_batch_size, self.policy)
