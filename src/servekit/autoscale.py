@@ -41,8 +41,11 @@ class AutoscalePolicy:
     """The request latency the model should keep (the p99 it is judged by)."""
     target_batch_fill: float = 0.8
     """Rows per execution, as a share of max_batch_size, that one replica should run at."""
-    target_queue_share: float = 0.5
-    """The share of the budget left after compute that queueing may take."""
+    target_queue_share: float = 0.15
+    """The share of the budget left after compute that the mean queue time may take. A
+    queue's p99 runs at several times its mean (4-5x in bench/autoscale.py's Poisson
+    arrivals at a batching server), and the window's mean lags a rising load: 0.15 asks
+    for a replica before the p99 reaches the budget (BENCHMARKS.md, "Autoscaling")."""
     window_s: float = 30.0
     """How far back the counters are read."""
 
