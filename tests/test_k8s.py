@@ -16,11 +16,10 @@ kv = pytest.importorskip("kubernetes_validate")
 from conftest import parse_metrics
 from kustomize import KustomizeError, render
 from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
-from servekit.metrics import GPU_GAUGES, ROLLOUT, Metrics
+from servekit.metrics import FAILURE_METRIC, GPU_GAUGES, ROLLOUT, Metrics
+from servekit.ray.app import ray_config
 from servekit.storage.cache import COUNTERS as STORAGE
 from servekit.store import ModelStore
-from servekit.ray.app import ray_config
-from servekit.triton.stub_metrics import FAILURE_METRIC
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
