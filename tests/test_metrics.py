@@ -144,3 +144,24 @@ def test_the_http_front_serves_metrics_for_its_batchers(front):
     assert sample(got, "nv_inference_exec_count", **labels) == 5
     assert sample(got, "nv_inference_count", **labels) == 5
     assert not any(dict(k[1]).get("model") == "plain" for k in got), "a Runner has no batcher"
+
+
+def test_a_model_is_ready_only_while_its_server_is_and_its_queue_is_open():
+    from conftest import parse_metrics
+
+    metrics = Metrics(gpu=False)
+    batcher = Batcher(FunctionRunner(slow_or_failing, SPEC))
+    metrics.watch(batcher, "m")
+    server = [True]
+    metrics.ready = lambda: server[0]
+    labels = frozenset({"model": "m", "version": "1"}.items())
+
+    def ready() -> float:
+        return parse_metrics(metrics.render())[("servekit_model_ready", labels)]
+
+    assert ready() == 1
+    server[0] = False
+    assert ready() == 0
+    server[0] = True
+    asyncio.run(batcher.aclose())
+    assert ready() == 0

@@ -168,6 +168,7 @@ def test_promtool_checks_every_rules_file_and_the_rules_name_exported_metrics():
               for r in g["rules"] if "alert" in r}  # fmt: skip
     for wanted in (
         "ServekitDown",
+        "ServekitModelNotReady",
         "ServekitErrorRate",
         "ServekitP99OverBudget",
         "ServekitQueueBacklog",
@@ -259,6 +260,7 @@ def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runt
             # speak of: far below one replica, and above none.
             needed = total(prom, f"sum(servekit_replicas_needed{model})")
             assert 0 < needed < 1, needed
+            assert query(prom, f"min(servekit_model_ready{model})") == [({}, 1.0)]
             rules = json.loads(urllib.request.urlopen(f"{prom}/api/v1/rules", timeout=10).read())
             groups = rules["data"]["groups"]
             assert groups and all(r["health"] == "ok" for g in groups for r in g["rules"]), groups

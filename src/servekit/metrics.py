@@ -30,7 +30,16 @@ from .rollout import Traffic
 Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]
 """A metric family from elsewhere (``Metrics.collect``): name, kind, help, (labels, value)s."""
 
-__all__ = ["CONTENT_TYPE", "COUNTERS", "DEMAND", "GAUGES", "QUANTILES", "SUMMARIES", "Metrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "COUNTERS",
+    "DEMAND",
+    "GAUGES",
+    "QUANTILES",
+    "READY",
+    "SUMMARIES",
+    "Metrics",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -49,7 +58,10 @@ FAILURE_HELP = "Requests a servekit model answered with an error response"
 in the stub, ``triton.stub_metrics``) and requests servekit's front refused before they
 reached tritonserver (counted here)."""
 DEMAND = "servekit_replicas_needed"
+READY = "servekit_model_ready"
 GAUGES = {
+    READY: "Whether the model takes requests now (1) or not (0): the server ready, the model "
+    "loaded and its queue open",
     "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution per-model",
     DEMAND: "Replicas of this server the model's traffic over the autoscaling window needs "
     "(servekit.autoscale); summed over servers, the replicas to ask for",
@@ -129,6 +141,8 @@ class Metrics:
         # This process's downloads from object storage (none until one happens).
         self._sources: list[Callable[[], Iterable[Family]]] = [storage.figures]
         self._refused: dict[tuple[str, str], int] = {}
+        self.ready: Callable[[], bool] = lambda: True
+        """The server's readiness (its app sets it): a model is ready only while it is."""
         self.autoscale: dict[str, AutoscalePolicy] = {}
         """Model name -> its ``[models.autoscale]`` (the defaults for a model not named)."""
 
@@ -192,6 +206,7 @@ class Metrics:
                 (w, w.batcher.stats.snapshot(), w.front_failures) for w in self._models.values()
             ]
             values: dict[str, list[tuple[str, float]]] = {n: [] for n in (*COUNTERS, *GAUGES)}
+            server_ready = bool(rows) and self.ready()
             for w, s, front in rows:
                 request_us = w.summaries["nv_inference_request_summary_us"].total
                 for name, value in (
@@ -206,6 +221,7 @@ class Metrics:
                     ("nv_inference_queue_duration_us", s.queue_us),
                     ("nv_inference_compute_infer_duration_us", w.compute_us),
                     ("nv_inference_pending_request_count", w.batcher.pending),
+                    (READY, server_ready and not w.batcher.closed),
                 ):
                     values[name].append((w.labels, float(value)))
                 w.demand.policy = self.autoscale.get(w.model, w.demand.policy)
@@ -217,7 +233,7 @@ class Metrics:
             for name, help_text in COUNTERS.items():
                 _family(lines, name, "counter", help_text, values[name])
             for name, help_text in GAUGES.items():
-                if name != DEMAND or values[name]:  # a front's comes from Triton's counters
+                if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])
             for name, help_text in SUMMARIES.items():
                 lines.append(f"# HELP {name} {help_text}")

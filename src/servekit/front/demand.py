@@ -1,7 +1,8 @@
-"""The autoscaling signal on the Triton runtimes: tritonserver runs the batches, so the
-front reads its counters (``nv_inference_*`` on its metrics port, the same meanings
-servekit's runtimes export) at each scrape of the front and exports
-``servekit_replicas_needed`` per model from them (``servekit.autoscale``)."""
+"""The autoscaling signal and model readiness on the Triton runtimes: tritonserver runs
+the batches, so the front reads its counters (``nv_inference_*`` on its metrics port, the
+same meanings servekit's runtimes export) and each model's readiness at each scrape of
+the front, and exports ``servekit_replicas_needed`` (``servekit.autoscale``) and
+``servekit_model_ready`` per model from them, as servekit's own runtimes do."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 from collections.abc import Mapping
 
 from ..autoscale import AutoscalePolicy, Counters, Demand
-from ..metrics import DEMAND, GAUGES, Family
+from ..metrics import DEMAND, GAUGES, READY, Family
 
 __all__ = ["TritonDemand", "parse_counters"]
 
@@ -52,6 +53,14 @@ class TritonDemand:
         self._demand: dict[tuple[str, str], Demand] = {}
         self._lock = threading.Lock()
 
+    def _ready(self, model: str, version: str) -> bool:
+        url = f"{self.http_url}/v2/models/{model}/versions/{version}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def _max_batch(self, model: str) -> int:
         url = f"{self.http_url}/v2/models/{model}/config"
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -67,8 +76,10 @@ class TritonDemand:
                 counters = parse_counters(r.read().decode())
         except OSError:  # tritonserver restarting: no reading this time
             return []
-        samples = []
+        samples, ready = [], []
         for (model, version), now in sorted(counters.items()):
+            labels = {"model": model, "version": version}
+            ready.append((labels, float(self._ready(model, version))))
             # Readings start at first sight; the model's max_batch_size (its config, which
             # a busy tritonserver may be slow to answer) is asked for until it comes.
             demand = self._demand.setdefault((model, version), Demand(0))
@@ -79,5 +90,5 @@ class TritonDemand:
             demand.policy = self.policies.get(re.sub(r"\.v\d+$", "", model), demand.policy)
             needed = demand.observe(now)
             if demand.max_batch_size:
-                samples.append(({"model": model, "version": version}, needed))
-        return [(DEMAND, "gauge", GAUGES[DEMAND], samples)]
+                samples.append((labels, needed))
+        return [(DEMAND, "gauge", GAUGES[DEMAND], samples), (READY, "gauge", GAUGES[READY], ready)]

@@ -124,6 +124,7 @@ class KServeApp:
         self.max_body_bytes = max_body_bytes
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
+        self.metrics.ready = self._ready
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None]] = {}
         for name, model in self.models.loaded().items():

@@ -29,6 +29,7 @@ __all__ = [
     "load_model_runner",
     "load_models",
     "probe_model",
+    "refresh",
     "reload_models",
 ]
 
@@ -159,9 +160,6 @@ def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[st
     """Read each configured model's file again and swap it into its ``VersionedRunner``
     (the in-process runtimes' SIGHUP); returns one line per model. A model from object
     storage is re-checked against its store and swapped only when the object changed."""
-    from .. import zoo
-    from ..storage import is_remote
-
     by_name = {(m.name, m.version): m.runner for m in served}
     done = []
     for model in config.models:
@@ -170,18 +168,33 @@ def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[st
             assert isinstance(versioned, VersionedRunner)
             which = f"{model.name}" if version == 1 else f"{model.name} version {version}"
             source = model.for_version(version)
-            path = zoo.resolve(source.source, config.cache_dir, config.storage)
-            if is_remote(source.source) and path == versioned.origin:
+            number = refresh(versioned, source, config.cache_dir, config.storage)
+            if number is None:
                 done.append(
                     f"{which}: unchanged ({source.source}), still version {versioned.version}"
                 )
-                continue
-            number = versioned.update(
-                load_model_runner(source, config.cache_dir, config.storage, path)
-            )
-            versioned.origin = path
-            done.append(f"{which}: now serving version {number}")
+            else:
+                done.append(f"{which}: now serving version {number}")
     return done
+
+
+def refresh(
+    versioned: VersionedRunner,
+    model: ModelConfig,
+    cache_dir: str | None = None,
+    storage: StorageConfig | None = None,
+) -> int | None:
+    """Swap the model's file in between batches; returns the new version number, or None
+    for a model from object storage whose object has not changed (nothing to swap)."""
+    from .. import zoo
+    from ..storage import is_remote
+
+    path = zoo.resolve(model.source, cache_dir, storage)
+    if is_remote(model.source) and path == versioned.origin:
+        return None
+    number = versioned.update(load_model_runner(model, cache_dir, storage, path))
+    versioned.origin = path
+    return number
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..batching import Batcher
 from ..config import ModelConfig, image_model_name
 from ..errors import FetchFailed, ModelNotFound, ModelNotReady, Overloaded
 from ..runners.versioned import VersionedRunner
-from ..runtime.base import ServedModel, load_model_runner, load_models, probe_model
+from ..runtime.base import ServedModel, load_models, probe_model, refresh
 from ..spec import ModelSpec
 from ..storage import StorageConfig, is_remote
 from .memory import release_freed, resident_bytes
@@ -244,22 +244,16 @@ class ModelStore:
     async def _refresh(self, entry: _Entry) -> None:
         """A resident model from object storage, asked to load again: re-check the object
         and swap a changed one in between batches (as SIGHUP does elsewhere)."""
-        from .. import zoo
-
         resident = entry.resident
         if resident is None or not is_remote(entry.config.source):
             return
-        path = await asyncio.to_thread(
-            zoo.resolve, entry.config.source, self._cache_dir, self._storage
-        )
         versioned = resident.served[0].runner
-        if isinstance(versioned, VersionedRunner) and versioned.origin != path:
-            runner = await asyncio.to_thread(
-                load_model_runner, entry.config, self._cache_dir, self._storage, path
-            )
-            number = await asyncio.to_thread(versioned.update, runner)
-            versioned.origin = path
-            log.info("store: %s now serving version %d (%s)", entry.config.name, number, path)
+        assert isinstance(versioned, VersionedRunner)
+        number = await asyncio.to_thread(
+            refresh, versioned, entry.config, self._cache_dir, self._storage
+        )
+        if number is not None:
+            log.info("store: %s now serving version %d", entry.config.name, number)
 
     async def _load_task(self, entry: _Entry) -> None:
         try:
