@@ -241,7 +241,7 @@ def test_the_runtimes_without_a_store_refuse_it_by_name_and_pytriton_refuses_mod
     store = StoreConfig(root=str(folder))
     for runtime, why in [
         ("pytriton", r"\[store\] \(PyTriton cannot unload a model \(pytriton#21\)\)"),
-        ("triton", r"\[store\] \(not yet on the Triton backend"),
+        ("triton", r"\[store\] \(tritonserver loads each model in a stub process"),
     ]:
         with pytest.raises(ValueError, match=rf"the {runtime} runtime cannot honour: {why}"):
             ServeConfig((), runtime=runtime, store=store).check()

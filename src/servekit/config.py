@@ -375,8 +375,9 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "triton": {
         "ray": "Ray deployment options",
-        "store": "not yet on the Triton backend: use servekit triton --model-control-mode "
-        "explicit and the repository API",
+        "store": "tritonserver loads each model in a stub process of its own, outside the "
+        "store's measure and eviction: use servekit triton --model-control-mode explicit and "
+        "the repository API (load/unload pass through the front)",
     },
     "native": {
         "ray": "Ray deployment options",
