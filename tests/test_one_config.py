@@ -49,6 +49,12 @@ instances = 2
 threads = 1
 top_k = 3
 
+[models.autoscale]
+latency_budget_ms = 250.0
+target_batch_fill = 0.7
+target_queue_share = 0.2
+window_s = 20.0
+
 [models.batching]
 max_batch_size = 6
 preferred_batch_sizes = [2, 4]
@@ -168,10 +174,12 @@ def test_native_runs_the_files_policy_instances_and_threads(config_file):
             assert batcher.instance_count == want[model].instances, name
         runners = {m.name: m.runner for m in server.models}
         assert runners["tiny"].runner.threads == want["tiny"].threads
+        assert server.app.metrics.autoscale["tiny"] == want["tiny"].autoscale
 
 
 def test_pytriton_runs_the_files_policy_instances_and_threads(config_file):
     pytest.importorskip("pytriton")
+    from servekit.front.demand import TritonDemand
     from servekit.pytriton import TritonServer
 
     path = config_file("pytriton")
@@ -185,6 +193,8 @@ def test_pytriton_runs_the_files_policy_instances_and_threads(config_file):
             assert config.instance_group[0].count == want[model].instances, name
         runners = {m.name: m.runner for m in server.models}
         assert runners["tiny"].runner.threads == want["tiny"].threads
+        (demand,) = [s for s in server._front.app.metrics._sources if isinstance(s, TritonDemand)]
+        assert demand.policies["tiny"] == want["tiny"].autoscale
 
 
 def test_the_triton_backend_runs_the_files_policy_instances_and_threads(

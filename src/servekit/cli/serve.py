@@ -198,7 +198,7 @@ def triton(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    process = TritonProcess(options)
+    process = TritonProcess(options, autoscale={m.name: m.autoscale for m in cfg.models})
     s = cfg.server
     via = f"servekit's front on {s.http_url}" if s.front else s.http_url
     console.print(f"starting tritonserver on {via} (gRPC {s.grpc_url}, metrics {s.metrics_url})")
