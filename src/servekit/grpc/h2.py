@@ -17,6 +17,14 @@ all the requests still arriving on one connection, 100 concurrent calls per conn
 (REFUSED_STREAM beyond), a 64 KiB header block. A connection that
 breaks HTTP/2 itself (bad preface, frame or header block) gets GOAWAY and is closed;
 every other connection and call goes on.
+
+Against a peer that means harm (the known HTTP/2 denial-of-service classes), as nghttp2
+and grpc-core do: a budget per connection of streams the peer resets (rapid reset,
+CVE-2023-44487) and of control frames it makes the server answer or do (PING,
+SETTINGS, empty DATA), past which it gets GOAWAY ENHANCE_YOUR_CALM; reading paused while
+the replies a peer does not read exceed ``max_unsent_bytes``; at most ``FRAMES_PER_TURN``
+frames of one connection per turn of the loop, so a flood on one cannot hold the others;
+a preface deadline, an idle timeout and a cap on connections.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ WINDOW_UPDATE, CONTINUATION = 8, 9
 END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+ENHANCE_YOUR_CALM = 11
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
 S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE = 1, 3, 4
 S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 5, 6
@@ -53,6 +62,29 @@ MAX_STREAMS = 100
 MAX_FRAME = 1 << 20
 """The largest frame this server takes (advertised); it sends at most the peer's."""
 MAX_HEADER_BLOCK = 64 * 1024
+FRAMES_PER_TURN = 256
+"""Frames of one connection handled per turn of the loop before the others get theirs."""
+RESETS = (1000, 100.0)
+"""Streams a peer may reset: a burst, then so many a second (a client cancelling calls
+stays far below; a rapid-reset attack runs at tens of thousands)."""
+CONTROL = (1000, 100.0)
+"""PING, SETTINGS and empty DATA frames a peer may send: a burst, then so many a second."""
+
+
+class _Budget:
+    """A token bucket: ``take()`` is False once the peer has spent more than it earns."""
+
+    def __init__(self, burst: int, rate: float, clock: Any) -> None:
+        self.burst, self.rate, self.clock = burst, rate, clock
+        self.tokens, self.at = float(burst), clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1
+        return self.tokens >= 0
+
 
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 2, 3, 4
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
@@ -217,11 +249,27 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         """Bytes of requests still arriving, on all streams (twice the message limit at most)."""
         self.going_away = False
+        self.hanging_up = False
+        clock = server.loop.time
+        self.resets = _Budget(server.resets[0], server.resets[1], clock)
+        self.control = _Budget(server.control[0], server.control[1], clock)
+        self.paused: set[str] = set()
+        """Why reading is paused: "writes" (the peer does not read), "turn" (its share of
+        the loop is spent for now)."""
+        self.active = clock()
+        self.timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.server.max_connections:
+            self.goaway(ENHANCE_YOUR_CALM, "too many connections")
+            return
         self.server.connections.add(self)
+        cast(asyncio.WriteTransport, transport).set_write_buffer_limits(
+            high=self.server.max_unsent_bytes
+        )
+        self.timer = self.server.loop.call_later(self.server.handshake_timeout_s, self._tick)
         settings = b"".join(
             key.to_bytes(2, "big") + value.to_bytes(4, "big")
             for key, value in (
@@ -239,19 +287,69 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.transport = None
+        if self.timer is not None:
+            self.timer.cancel()
         for stream in self.streams.values():
             _cancel(stream)
         self.streams.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self.hanging_up:
+            return
         self.buffer += data
+        self.active = self.server.loop.time()
+        self._turn()
+
+    def _turn(self) -> None:
+        """Handle up to ``FRAMES_PER_TURN`` frames; with more waiting, stop reading and
+        come back on the next turn of the loop, after the other connections."""
+        self._resume("turn")
         try:
-            self._frames()
+            more = self._frames()
         except _ConnectionError as exc:
             self.goaway(exc.code, str(exc))
+            return
         except Exception:  # a bug here closes this connection only, never the server
             log.exception("gRPC connection failed")
             self.goaway(INTERNAL_ERROR, "internal error")
+            return
+        if more and self.transport is not None and not self.hanging_up:
+            self._pause("turn")
+            self.server.loop.call_soon(self._turn)
+
+    def _pause(self, why: str) -> None:
+        if not self.paused and self.transport is not None:
+            self.transport.pause_reading()
+        self.paused.add(why)
+
+    def _resume(self, why: str) -> None:
+        if why in self.paused:
+            self.paused.discard(why)
+            if not self.paused and self.transport is not None:
+                self.transport.resume_reading()
+
+    def pause_writing(self) -> None:  # the peer leaves our replies unread
+        self._pause("writes")
+
+    def resume_writing(self) -> None:
+        self._resume("writes")
+
+    def _tick(self) -> None:
+        """The preface deadline, then the idle timeout: a connection with no call in flight
+        and no frame for ``idle_timeout_s`` is told GOAWAY and closed."""
+        server = self.server
+        if self.transport is None:
+            return
+        if not self.preface:
+            self.goaway(PROTOCOL_ERROR, "no HTTP/2 preface in time")
+            return
+        idle = server.loop.time() - self.active
+        if not self.streams and idle >= server.idle_timeout_s:
+            self.goaway(NO_ERROR, "idle")
+            self.close()
+            return
+        wait = server.idle_timeout_s - idle if not self.streams else server.idle_timeout_s
+        self.timer = server.loop.call_later(max(wait, 0.05), self._tick)
 
     def _write(self, data: bytes) -> None:
         if not self.out:
@@ -259,7 +357,7 @@ class _Connection(asyncio.Protocol):
         self.out.append(data)
 
     def _send_out(self) -> None:
-        if self.out and self.transport is not None:
+        if self.out and self.transport is not None and not self.hanging_up:
             self.transport.write(b"".join(self.out))
         self.out.clear()
 
@@ -276,23 +374,44 @@ class _Connection(asyncio.Protocol):
         self._write(_frame(GOAWAY, 0, 0, payload + reason.encode()[:256]))
         self.going_away = True
         if code != NO_ERROR:
-            self.close()
+            self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Send what is written and end our side, then drop what the peer still sends for
+        a moment before closing: closing on unread input would reset the connection and
+        the peer would never read the GOAWAY."""
+        transport = self.transport
+        if transport is None or self.hanging_up:
+            return
+        self._send_out()
+        self.hanging_up = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._resume("turn")
+        self._resume("writes")
+        self.server.loop.call_later(1.0, self.close)
 
     # frames
-    def _frames(self) -> None:
+    def _frames(self) -> bool:
+        """Handle the whole frames buffered, up to ``FRAMES_PER_TURN``; whether more wait."""
         buf = self.buffer
         pos = 0
+        handled = 0
         if not self.preface:
             if len(buf) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buf)):
                     raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
+                return False
             if buf[: len(PREFACE)] != PREFACE:
                 raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
             self.preface = True
             pos = len(PREFACE)
         end = len(buf)
         while end - pos >= 9 and self.transport is not None:
+            if handled == FRAMES_PER_TURN:
+                del buf[:pos]
+                return True
+            handled += 1
             length = int.from_bytes(buf[pos : pos + 3], "big")
             if length > MAX_FRAME:
                 raise _ConnectionError(
@@ -306,6 +425,7 @@ class _Connection(asyncio.Protocol):
             pos += 9 + length
             self._frame(kind, flags, stream, payload)
         del buf[:pos]
+        return False
 
     def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
         if self.block is not None and (kind != CONTINUATION or sid != self.block_stream):
@@ -319,6 +439,8 @@ class _Connection(asyncio.Protocol):
                 raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
             self._block(payload, flags)
         elif kind == SETTINGS:
+            if not flags & ACK:
+                self._spend(self.control, "SETTINGS")
             self._settings(flags, sid, payload)
         elif kind == WINDOW_UPDATE:
             self._window_update(sid, payload)
@@ -326,10 +448,12 @@ class _Connection(asyncio.Protocol):
             if sid != 0 or len(payload) != 8:
                 raise _ConnectionError(PROTOCOL_ERROR, "PING must be 8 bytes on stream 0")
             if not flags & ACK:
+                self._spend(self.control, "PING")
                 self._write(_frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             if sid == 0 or len(payload) != 4:
                 raise _ConnectionError(PROTOCOL_ERROR, "malformed RST_STREAM")
+            self._spend(self.resets, "RST_STREAM")
             stream = self.streams.pop(sid, None)
             if stream is not None:
                 self._release(stream)
@@ -343,6 +467,10 @@ class _Connection(asyncio.Protocol):
         elif kind == PRIORITY and len(payload) != 5:
             raise _ConnectionError(FRAME_SIZE_ERROR, "PRIORITY must be 5 bytes")
         # PRIORITY (advice only) and unknown frame types are ignored, as RFC 9113 asks.
+
+    def _spend(self, budget: _Budget, what: str) -> None:
+        if not budget.take():
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"too many {what} frames")
 
     def _strip_padding(self, flags: int, payload: bytes) -> bytes:
         if not flags & PADDED:
@@ -409,6 +537,8 @@ class _Connection(asyncio.Protocol):
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
             raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
+        if not payload and not flags & END_STREAM:
+            self._spend(self.control, "empty DATA")
         self.recv_window -= len(payload)
         if self.recv_window < MAX_WINDOW // 2:
             self._write(
@@ -687,9 +817,19 @@ class GrpcH2Server:
         host: str,
         port: int,
         max_message_bytes: int,
+        *,
+        handshake_timeout_s: float = 10.0,
+        idle_timeout_s: float = 300.0,
+        max_connections: int = 1024,
+        max_unsent_bytes: int = 1 << 20,
+        resets: tuple[int, float] = RESETS,
+        control: tuple[int, float] = CONTROL,
     ) -> None:
         self.methods, self.host, self.port = methods, host, port
         self.max_message_bytes = max_message_bytes
+        self.handshake_timeout_s, self.idle_timeout_s = handshake_timeout_s, idle_timeout_s
+        self.max_connections, self.max_unsent_bytes = max_connections, max_unsent_bytes
+        self.resets, self.control = resets, control
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.AbstractServer | None = None
