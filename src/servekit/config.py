@@ -267,6 +267,16 @@ class ServerConfig(Endpoints):
     """How long a stopping server waits for requests in flight."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies get a 413 from servekit's front before they are read whole."""
+    keep_alive_s: float = 5.0
+    """HTTP/1.1: a connection with no request in progress this long is closed (one that
+    never finishes its headers, slowloris, included)."""
+    max_connections: int = 1024
+    """Connections servekit's HTTP server (all its ports together) and its gRPC server
+    each hold at once; one more is refused at once (HTTP 503, gRPC GOAWAY)."""
+    grpc_handshake_timeout_s: float = 10.0
+    """servekit's gRPC server: a connection without the HTTP/2 preface this long is closed."""
+    grpc_idle_timeout_s: float = 300.0
+    """servekit's gRPC server: a connection with no call and no frame this long gets GOAWAY."""
 
     def __post_init__(self) -> None:
         for key in ("http_port", "grpc_port", "metrics_port"):
@@ -275,6 +285,22 @@ class ServerConfig(Endpoints):
                 raise ValueError(f"{key} must be in [1, 65535], got {port}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        for key in ("keep_alive_s", "max_connections", "grpc_handshake_timeout_s",
+                    "grpc_idle_timeout_s"):  # fmt: skip
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+    def http_limits(self) -> dict[str, Any]:
+        """servekit's HTTP/1.1 server's connection limits (``H1Server``'s keywords)."""
+        return {"keep_alive_s": self.keep_alive_s, "max_connections": self.max_connections}
+
+    def grpc_limits(self) -> dict[str, Any]:
+        """servekit's gRPC server's connection limits (``GrpcH2Server``'s keywords)."""
+        return {
+            "handshake_timeout_s": self.grpc_handshake_timeout_s,
+            "idle_timeout_s": self.grpc_idle_timeout_s,
+            "max_connections": self.max_connections,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -371,10 +397,14 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     "pytriton": {
         "ray": "Ray deployment options",
         "store": "PyTriton cannot unload a model (pytriton#21)",
+        "grpc_handshake_timeout_s": "the public gRPC port is tritonserver's",
+        "grpc_idle_timeout_s": "the public gRPC port is tritonserver's",
         "inference_token": "PyTriton's gRPC port has one access token, the control_token",
     },
     "triton": {
         "ray": "Ray deployment options",
+        "grpc_handshake_timeout_s": "the public gRPC port is tritonserver's",
+        "grpc_idle_timeout_s": "the public gRPC port is tritonserver's",
         "store": "tritonserver loads each model in a stub process of its own, outside the "
         "store's measure and eviction: use servekit triton --model-control-mode explicit and "
         "the repository API (load/unload pass through the front)",
@@ -387,6 +417,10 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "metrics_port": "metrics are served on the HTTP port at /metrics",
         "front": "Ray's ingress is always servekit's front",
         "log_verbose": "Ray logs through its own settings",
+        "keep_alive_s": "Ray's HTTP proxy keeps its own connections",
+        "max_connections": "Ray's HTTP proxy keeps its own connections",
+        "grpc_handshake_timeout_s": "Ray's ingress is HTTP only",
+        "grpc_idle_timeout_s": "Ray's ingress is HTTP only",
     },
 }
 

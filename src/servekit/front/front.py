@@ -416,7 +416,8 @@ class Front:
     Triton model); ``grpc_port``: serve gRPC there too, over the same models (needed
     once a model is routed; ``grpc_url`` is then tritonserver's private gRPC port).
     ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
-    signal's source (``TritonDemand``), exported on the front's ``/metrics``.
+    signal's source (``TritonDemand``), exported on the front's ``/metrics``;
+    ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``).
     """
 
     def __init__(
@@ -437,6 +438,7 @@ class Front:
         control_token: str | None = None,
         exit_timeout_s: float = 10.0,
         demand: Callable[[], Iterable[Family]] | None = None,
+        http_limits: Mapping[str, Any] | None = None,
     ) -> None:
         self.registry: TritonModels | PyTritonModels = (
             models
@@ -485,6 +487,7 @@ class Front:
             port,
             fast=self.app.forward_now,
             max_body_bytes=max_body_bytes,
+            **(http_limits or {}),
             name="servekit-front",
             on_start=self._grpc.start if self._grpc is not None else None,
             on_exit=self._close,

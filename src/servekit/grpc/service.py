@@ -327,11 +327,14 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return service_pb2.CudaSharedMemoryStatusResponse()
 
 
-def grpc_server(service: GrpcService, host: str, port: int, max_message_bytes: int) -> GrpcH2Server:
-    """servekit's gRPC server with the service on ``host:port`` (start it on a running loop)."""
+def grpc_server(
+    service: GrpcService, host: str, port: int, max_message_bytes: int, **limits: Any
+) -> GrpcH2Server:
+    """servekit's gRPC server with the service on ``host:port`` (start it on a running loop);
+    ``limits``: its connection limits (``GrpcH2Server``'s keywords)."""
     descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     methods = unary_methods(service, descriptor, service_pb2)
-    return GrpcH2Server(methods, host, port, max_message_bytes)
+    return GrpcH2Server(methods, host, port, max_message_bytes, **limits)
 
 
 class GrpcOnLoop:
@@ -339,14 +342,21 @@ class GrpcOnLoop:
     server's ``on_start`` and ``on_exit`` hooks (one loop for HTTP and gRPC)."""
 
     def __init__(
-        self, service: GrpcService, host: str, port: int, max_message_bytes: int, exit_s: float
+        self,
+        service: GrpcService,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        exit_s: float,
+        **limits: Any,
     ) -> None:
         self._args = (service, host, port, max_message_bytes)
+        self._limits = limits
         self._exit_s = exit_s
         self._server: GrpcH2Server | None = None
 
     async def start(self) -> None:
-        self._server = grpc_server(*self._args)
+        self._server = grpc_server(*self._args, **self._limits)
         await self._server.start()
 
     async def stop(self) -> None:

@@ -132,6 +132,15 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.server.max_connections:
+            body = _error_body("too many connections; try again")
+            head = (
+                f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+            )
+            transport.write(head.encode() + body)  # type: ignore[attr-defined]
+            transport.close()
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -324,6 +333,7 @@ class H1Server:
         max_body_bytes: int = MAX_BODY_BYTES,
         max_header_bytes: int = 64 * 1024,
         keep_alive_s: float = 5.0,
+        max_connections: int = 1024,
         name: str = "servekit-http",
         on_start: Callable[[], Awaitable[None]] | None = None,
         on_exit: Callable[[], Awaitable[None]] | None = None,
@@ -331,7 +341,7 @@ class H1Server:
         self.handler, self.host, self.port, self.name, self.fast = handler, host, port, name, fast
         self.ports = dict(ports or {})
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
-        self.keep_alive_s = keep_alive_s
+        self.keep_alive_s, self.max_connections = keep_alive_s, max_connections
         self._on_start, self._on_exit = on_start, on_exit
         self.loop: asyncio.AbstractEventLoop = _new_loop()
         self.connections: set[_Connection] = set()

@@ -97,7 +97,7 @@ class NativeServer:
         )
         on_loop = GrpcOnLoop(
             grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
-            c.server.exit_timeout_s,
+            c.server.exit_timeout_s, **c.server.grpc_limits(),
         )  # fmt: skip
         server = H1Server(
             app.handle,
@@ -105,6 +105,7 @@ class NativeServer:
             c.server.http_port,
             ports={c.server.metrics_port: metrics_handler(app.metrics.render)},
             max_body_bytes=c.server.max_body_bytes,
+            **c.server.http_limits(),
             name="servekit-native",
             on_start=on_loop.start,
             on_exit=on_loop.stop,

@@ -173,6 +173,7 @@ class TritonServer:
                     grpc_port=c.grpc_port if self.traffic else None,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
+                    http_limits=c.http_limits(),
                     demand=TritonDemand(
                         c.metrics_url,
                         f"http://127.0.0.1:{triton_http_port}",

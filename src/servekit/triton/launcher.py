@@ -222,6 +222,7 @@ class TritonProcess:
             grpc_port=s.grpc_port if self.traffic else None,
             control_token=s.control_token,
             exit_timeout_s=s.exit_timeout_s,
+            http_limits=s.http_limits(),
             demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
         ).start()
 
