@@ -1,6 +1,6 @@
 """HTTP/2 attacks on servekit's gRPC port (issue: no client can crash or starve the
 server), native runtime, add_sub: while an attacker runs for ``--seconds`` from raw
-sockets (reconnecting whenever the server hangs up on it), a polite grpcio client calls
+sockets (sending without pause, reconnecting whenever the server hangs up on it), a polite grpcio client calls
 on its own connection; reported per attack: the polite calls' median and slowest
 latency, how many connections the attacker opened and how each ended, the server's
 resident memory before, at the end of the attack and a second after.
@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import hpack
@@ -39,36 +40,78 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     )
 
 
-def rapid_reset() -> bytes:
-    enc = hpack.Encoder()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", INFER),
-               (":authority", "x"), ("content-type", "application/grpc")]  # fmt: skip
-    out = [frame(1, 4, 1, enc.encode(headers)), frame(3, 0, 1, (8).to_bytes(4, "big"))]
-    block = enc.encode(headers)
-    out += [
-        frame(1, 4, s, block) + frame(3, 0, s, (8).to_bytes(4, "big")) for s in range(3, 20001, 2)
-    ]
-    return b"".join(out)
+class RapidReset:
+    """HEADERS then RST_STREAM, 10,000 new streams a call (stream ids keep rising, as a
+    real client's must)."""
+
+    def __init__(self) -> None:
+        enc = hpack.Encoder()
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", INFER),
+                   (":authority", "x"), ("content-type", "application/grpc")]  # fmt: skip
+        self.first, self.block = enc.encode(headers), enc.encode(headers)
+        cancel = (8).to_bytes(4, "big")
+        # Made up front (five sends, 50,000 streams), so the attacker's Python does not
+        # compete with the server for this process's GIL while it sends.
+        self.made = [frame(1, 4, 1, self.first) + frame(3, 0, 1, cancel)] + [
+            b"".join(
+                frame(1, 4, s, self.block) + frame(3, 0, s, cancel)
+                for s in range(start, start + 20000, 2)
+            )
+            for start in range(3, 100003, 20000)
+        ]
+
+    def blobs(self):
+        yield from self.made
+        while True:  # a connection that outlived 50,000 resets: keep it busy with PINGs
+            yield frame(6, 0, 0, b"pingpong") * 1000
+
+
+class Repeat:
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def blobs(self):
+        while True:
+            yield self.blob
 
 
 ATTACKS = {
-    "rapid reset (10,000 streams a connection)": rapid_reset,
-    "PING flood (200,000 a connection)": lambda: frame(6, 0, 0, b"pingpong") * 200_000,
-    "SETTINGS flood (200,000 a connection)": lambda: frame(4, 0, 0) * 200_000,
+    "rapid reset (10,000 streams a send, the attacker reading)": RapidReset,
+    "PING flood (200,000 a send, never reading)": lambda: Repeat(
+        frame(6, 0, 0, b"pingpong") * 200_000
+    ),
+    "SETTINGS flood (200,000 a send, never reading)": lambda: Repeat(frame(4, 0, 0) * 200_000),
 }
 
 
-def attacker(address: tuple[str, int], blob: bytes, until: float, ends: list[str]) -> None:
+def attacker(
+    address: tuple[str, int], attack: Any, until: float, ends: list[str], reads: bool
+) -> None:
+    """Send the attack's frames without pause on one connection until the server hangs
+    up, then reconnect, until ``until``; the rapid-reset attacker reads what comes back
+    (as a client must, to keep going), the flooders never do."""
     while time.monotonic() < until:
         with socket.create_connection(address, timeout=5) as s:
+            got = bytearray()
+            if reads:
+                threading.Thread(target=_drain, args=(s, got), daemon=True).start()
             try:
-                s.sendall(PREFACE + frame(4, 0, 0) + blob)
-                got = b""
-                while chunk := s.recv(1 << 16):
-                    got += chunk
-                ends.append("GOAWAY ENHANCE_YOUR_CALM" if b"too many" in got else "closed")
+                s.sendall(PREFACE + frame(4, 0, 0))
+                for blob in attack.blobs():
+                    if time.monotonic() >= until:
+                        break
+                    s.sendall(blob)
+                ends.append("still open at the end")
             except OSError as exc:
-                ends.append(type(exc).__name__)
+                ends.append(
+                    "GOAWAY ENHANCE_YOUR_CALM" if b"too many" in got else type(exc).__name__
+                )
+
+
+def _drain(s: socket.socket, got: bytearray) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(1 << 16):
+            got.extend(chunk[-4096:])
 
 
 def polite(stub, until: float, latencies: list[float]) -> None:
@@ -98,14 +141,15 @@ def main() -> None:
         channel = grpc.insecure_channel(f"{address[0]}:{address[1]}")
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for name, make in ATTACKS.items():
-            blob = make()
+            attack = make()
             baseline: list[float] = []
             polite(stub, time.monotonic() + 2, baseline)
             before = rss_bytes()
             until = time.monotonic() + args.seconds
             ends: list[str] = []
             latencies: list[float] = []
-            thread = threading.Thread(target=attacker, args=(address, blob, until, ends))
+            reads = name.startswith("rapid")
+            thread = threading.Thread(target=attacker, args=(address, attack, until, ends, reads))
             thread.start()
             polite(stub, until, latencies)
             thread.join()
