@@ -38,40 +38,35 @@ def _listening(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def moto_server(*, auth: bool = False) -> Iterator[str]:
-    """moto's S3 server as a process on a free loopback port; yields its URL. With
-    ``auth`` it checks credentials from the first request on (no key is known to it)."""
-    port = free_port()
-    env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else {})}
-    proc = subprocess.Popen(
-        [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_until(lambda: _listening(port), "moto_server listening", 60,
-                   alive=lambda: proc.poll() is None)  # fmt: skip
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-
-
-@contextlib.contextmanager
-def gcs_emulator() -> Iterator[str]:
-    """gcp-storage-emulator (in memory) as a process on a free loopback port."""
+def _serving(argv: list[str], what: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``argv`` (given the port to take) as a process on a free loopback port; yields its
+    URL once it listens, and always stops it."""
     port = free_port()
     proc = subprocess.Popen(
-        [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-         "--in-memory"],
+        [a.format(port=port) for a in argv], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_until(lambda: _listening(port), "the GCS emulator listening", 60,
+        wait_until(lambda: _listening(port), f"{what} listening", 60,
                    alive=lambda: proc.poll() is None)  # fmt: skip
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def moto_server(*, auth: bool = False) -> contextlib.AbstractContextManager[str]:
+    """moto's S3 server; with ``auth`` it checks credentials from the first request on
+    (and knows no key)."""
+    env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else {})}
+    return _serving([_bin("moto_server"), "-H", "127.0.0.1", "-p", "{port}"], "moto_server", env)
+
+
+def gcs_emulator() -> contextlib.AbstractContextManager[str]:
+    """gcp-storage-emulator, in memory."""
+    argv = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", "{port}",
+            "--in-memory"]  # fmt: skip
+    return _serving(argv, "the GCS emulator")
 
 
 class FaultyProxy:
