@@ -52,7 +52,12 @@ def _server_flags(scope: dict[str, object]) -> dict[str, object]:
 
 
 Restarts = Annotated[
-    int, typer.Option(min=0, help="Restart a runtime that dies, up to N times (0 = never).")
+    int,
+    typer.Option(
+        min=0,
+        help="Restart a runtime that dies, up to N times in 10 minutes, each restart after "
+        "the first waiting twice as long (1 s, 2 s, ...; 0 = never restart).",
+    ),
 ]
 InferenceToken = Annotated[
     str | None,

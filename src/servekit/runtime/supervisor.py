@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -33,12 +34,19 @@ class Supervisor:
         check_s: float = 1.0,
         on_event: Callable[[str], None] | None = None,
         on_reload: Callable[[], list[str]] | None = None,
+        restart_window_s: float = 600.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
     ) -> None:
         self.runtime = runtime
         self._on_reload = on_reload
         self.max_restarts = max_restarts
         self.check_s = check_s
+        self.restart_window_s = restart_window_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.restarts = 0
+        self._recent: list[float] = []
+        """When the restarts within ``restart_window_s`` happened."""
         self._say = on_event or log.info
         self._stop = threading.Event()
         self._hup = threading.Event()
@@ -111,11 +119,30 @@ class Supervisor:
             problem = self.runtime.problem()
             if problem is None:
                 continue
-            if self.restarts >= self.max_restarts:
-                self._say(f"{problem}; gave up after {self.restarts} restart(s)")
+            now = time.monotonic()
+            self._recent = [t for t in self._recent if now - t < self.restart_window_s]
+            if len(self._recent) >= self.max_restarts:
+                self._say(
+                    f"{problem}; gave up after {len(self._recent)} restart(s) within "
+                    f"{self.restart_window_s:g} s"
+                )
                 return 1
+            # The first restart is at once; each one after it within the window waits
+            # twice as long as the last, so a server that keeps dying is not hammered.
+            delay = min(self.backoff_s * 2 ** (len(self._recent) - 1), self.max_backoff_s)
+            n = f"({len(self._recent) + 1}/{self.max_restarts})"
+            if self._recent:
+                self._say(f"{problem}; restarting in {delay:g} s {n}")
+                if self._stop.wait(delay):
+                    break
+            else:
+                self._say(f"{problem}; restarting {n}")
+            self._recent.append(time.monotonic())
             self.restarts += 1
-            self._say(f"{problem}; restarting ({self.restarts}/{self.max_restarts})")
-            self.runtime.restart()
+            try:
+                self.runtime.restart()
+            except Exception as exc:  # the next check sees the problem and tries again
+                self._say(f"restart failed: {type(exc).__name__}: {exc}")
+                continue
             self._say("restarted")
         return 0
