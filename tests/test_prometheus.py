@@ -237,6 +237,10 @@ def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runt
             drive(s.http_url, "add_sub", 1)
             wait_until(lambda: total(prom, f"sum(nv_inference_request_success{model})") == 1,
                        "the first request scraped", 60)  # fmt: skip
+            # ... and the signal's source scraped once (the Triton runtimes' front is a
+            # target of its own), so the burst is inside the window it reports on.
+            wait_until(lambda: query(prom, f"servekit_replicas_needed{model}"),
+                       "the signal scraped", 60)  # fmt: skip
             drive(s.http_url, "add_sub", REQUESTS - 1, BAD)
             wait_until(lambda: total(prom, f"sum(nv_inference_request_success{model})")
                        == REQUESTS, "the successes scraped", 60)  # fmt: skip

@@ -160,6 +160,11 @@ class Metrics:
         )
         self._models[key] = watched
         batcher.listeners.append(lambda record: self._observe(watched, record))
+        stats = batcher.stats.snapshot()  # the signal's window starts here, not at a scrape
+        watched.demand.observe(
+            Counters(stats.request_success, stats.inference_count, stats.execution_count,
+                     stats.queue_us, 0.0)
+        )  # fmt: skip
 
     def unwatch(self, model: str, version: str = "1") -> None:
         """Stop exporting model ``model``'s Batcher (it was unloaded)."""

@@ -52,6 +52,10 @@ class TritonDemand:
         self.metrics_url, self.http_url, self.policies = metrics_url, http_url, policies
         self._demand: dict[tuple[str, str], Demand] = {}
         self._lock = threading.Lock()
+        # A first reading now (tritonserver runs already): the signal's window starts at
+        # the front's start, not at the first scrape, which may come after a burst.
+        with contextlib.suppress(Exception):
+            self()
 
     def _ready(self, model: str, version: str) -> bool:
         url = f"{self.http_url}/v2/models/{model}/versions/{version}/ready"
