@@ -460,6 +460,10 @@ class ServeConfig:
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 
+    def autoscale_policies(self) -> dict[str, AutoscalePolicy]:
+        """Model name -> its ``[models.autoscale]``: what each runtime's signal reads."""
+        return {m.name: m.autoscale for m in self.models}
+
     def check(self, runtime: str | None = None) -> ServeConfig:
         """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
         config's) cannot honour; returns self. Each runtime is checked once per config:

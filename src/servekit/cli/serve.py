@@ -203,7 +203,7 @@ def triton(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    process = TritonProcess(options, autoscale={m.name: m.autoscale for m in cfg.models})
+    process = TritonProcess(options, autoscale=cfg.autoscale_policies())
     s = cfg.server
     via = f"servekit's front on {s.http_url}" if s.front else s.http_url
     console.print(f"starting tritonserver on {via} (gRPC {s.grpc_url}, metrics {s.metrics_url})")

@@ -76,7 +76,7 @@ class NativeServer:
                 inference_token=c.server.inference_token,
                 control_token=c.server.control_token,
             )
-            self.app.metrics.autoscale.update({m.name: m.autoscale for m in c.models})
+            self.app.metrics.autoscale.update(c.autoscale_policies())
             self._listen(self.app)
         except BaseException:
             self._shutdown()

@@ -177,7 +177,7 @@ class TritonServer:
                     demand=TritonDemand(
                         c.metrics_url,
                         f"http://127.0.0.1:{triton_http_port}",
-                        {m.name: m.autoscale for m in (self.config.models if self.config else ())},
+                        self.config.autoscale_policies() if self.config else {},
                     ),
                 ).start()
         except BaseException:

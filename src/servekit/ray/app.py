@@ -215,7 +215,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,
             )
-            self.app.metrics.autoscale.update({m.name: m.autoscale for m in config.models})
+            self.app.metrics.autoscale.update(config.autoscale_policies())
 
         async def __call__(self, request: Any) -> Any:
             from starlette.responses import Response

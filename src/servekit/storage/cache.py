@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FetchFailed, ModelNotFound
-from .objects import ObjectInfo, ObjectRef, StorageConfig, download, parse, stat
+from .objects import ObjectInfo, ObjectRef, StorageConfig, download, is_remote, parse, stat
 
 __all__ = ["COUNTERS", "ObjectCache", "fetch", "figures", "stats"]
 
@@ -223,7 +223,7 @@ def fetch(source: str, config: StorageConfig | None = None) -> Path:
         FetchFailed: the store cannot be read, or the download failed its checks; naming
             the bucket, the key and the error.
     """
-    if "://" not in source:
+    if not is_remote(source):
         return Path(source)
     config = config or StorageConfig()
     ref = parse(source)

@@ -47,7 +47,7 @@ class TritonRuntime:
             self.process = TritonProcess(
                 TritonOptions(self._root, self.config.server),
                 traffic=self.traffic,
-                autoscale={m.name: m.autoscale for m in self.config.models},
+                autoscale=self.config.autoscale_policies(),
             ).start()
             self.process.wait_ready(
                 [m.name for m in models]
