@@ -270,15 +270,21 @@ def test_the_charge_is_host_memory_plus_this_process_device_memory():
         assert resident_bytes() >= device_bytes()
 
 
-@pytest.mark.gpu
-def test_device_memory_a_load_allocates_is_charged():
+def _cudart():
+    """cuda-python's runtime API with a CUDA device behind it, or a skip saying what is missing."""
     pytest.importorskip("pynvml", reason="needs nvidia-ml-py")
     cudart = pytest.importorskip("cuda.cudart", reason="needs cuda-python")
-    from servekit.store import device_bytes
-
     err, count = cudart.cudaGetDeviceCount()
     if err != cudart.cudaError_t.cudaSuccess or count == 0:
         pytest.skip("no CUDA device")
+    return cudart
+
+
+@pytest.mark.gpu
+def test_device_memory_a_load_allocates_is_charged():
+    cudart = _cudart()
+    from servekit.store import device_bytes
+
     cudart.cudaFree(0)  # the context first: its own memory is not the allocation's
     before = device_bytes()
     err, ptr = cudart.cudaMalloc(256 * MB)
@@ -287,3 +293,49 @@ def test_device_memory_a_load_allocates_is_charged():
         assert device_bytes() - before >= 256 * MB
     finally:
         cudart.cudaFree(ptr)
+
+
+@pytest.mark.gpu
+def test_a_budget_counts_device_memory_and_eviction_gives_it_back(add_sub_path):
+    """Each load holds 512 MB of device memory besides its ONNX model: the store's own
+    measure (RSS plus NVML's per-process figure) charges it, a budget of two such models
+    evicts the least recently used for a third, and the eviction frees the device memory."""
+    cudart = _cudart()
+    from servekit.store import device_bytes
+
+    block = 512 * MB
+    held: list[int] = []
+
+    def loader(config: ModelConfig) -> list[ServedModel]:
+        served = _load(config, None, None)
+        err, ptr = cudart.cudaMalloc(block)
+        assert err == cudart.cudaError_t.cudaSuccess
+        held.append(ptr)
+        runner, close = served[0].runner, served[0].runner.close
+
+        def close_and_free() -> None:
+            close()
+            cudart.cudaFree(ptr)
+            held.remove(ptr)
+
+        runner.close = close_and_free  # type: ignore[method-assign]
+        return served
+
+    models = {n: ModelConfig(str(add_sub_path), n, image=False) for n in "abc"}
+    store = ModelStore(models, budget_bytes=int(2.6 * block), loader=loader)
+
+    async def run() -> tuple[list[int], int, int]:
+        await answer(store, "a")
+        await answer(store, "b")
+        charges = [r.charged for r in store.resident().values()]
+        before = device_bytes()
+        await answer(store, "c")
+        after = device_bytes()
+        await store.close()
+        return charges, before, after
+
+    charges, before, after = asyncio.run(run())
+    assert all(c >= block for c in charges), charges
+    assert [e["model"] for e in store.events if e["event"] == "evict"] == ["a"]
+    assert abs(after - before) < block // 2  # a's block went back before c's was taken
+    assert held == []
