@@ -173,6 +173,7 @@ def test_promtool_checks_every_rules_file_and_the_rules_name_exported_metrics():
         "ServekitP99OverBudget",
         "ServekitQueueBacklog",
         "ServekitWorkerDeaths",
+        "ServekitPoisonInputs",
         "ServekitEvictionsThrashing",
     ):
         assert wanted in alerts, wanted  # fmt: skip

@@ -44,6 +44,7 @@ from typing import Any
 from .autoscale import AutoscalePolicy
 from .batching.policy import BatchingPolicy
 from .endpoints import Endpoints
+from .recovery import Recovery
 from .rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
 from .runners import ENGINES
 from .storage import StorageConfig, is_remote
@@ -277,6 +278,12 @@ class ServerConfig(Endpoints):
     """servekit's gRPC server: a connection without the HTTP/2 preface this long is closed."""
     grpc_idle_timeout_s: float = 300.0
     """servekit's gRPC server: a connection with no call and no frame this long gets GOAWAY."""
+    request_timeout_s: float = 30.0
+    """A request whose worker process died is sent again until this long after it arrived
+    (its KServe ``timeout`` parameter, when given, instead); then 504 saying the worker died."""
+    max_worker_deaths: int = 2
+    """A request in flight in this many worker deaths is not sent again: 400, and the same
+    input is refused at once from then on (``servekit.recovery``)."""
 
     def __post_init__(self) -> None:
         for key in ("http_port", "grpc_port", "metrics_port"):
@@ -286,13 +293,17 @@ class ServerConfig(Endpoints):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         for key in ("keep_alive_s", "max_connections", "grpc_handshake_timeout_s",
-                    "grpc_idle_timeout_s"):  # fmt: skip
+                    "grpc_idle_timeout_s", "request_timeout_s", "max_worker_deaths"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
 
     def http_limits(self) -> dict[str, Any]:
         """servekit's HTTP/1.1 server's connection limits (``H1Server``'s keywords)."""
         return {"keep_alive_s": self.keep_alive_s, "max_connections": self.max_connections}
+
+    def recovery(self) -> Recovery:
+        """What re-sends requests a worker death cost and quarantines poison inputs."""
+        return Recovery(timeout_s=self.request_timeout_s, max_deaths=self.max_worker_deaths)
 
     def grpc_limits(self) -> dict[str, Any]:
         """servekit's gRPC server's connection limits (``GrpcH2Server``'s keywords)."""
@@ -392,6 +403,10 @@ class StoreConfig:
         return cls(**data)
 
 
+_IN_PROCESS = (
+    "native runs models in the server's own process: no worker dies alone, and a crash "
+    "takes the server with it (run several replicas, or the triton or ray runtime)"
+)
 # Knobs a runtime cannot honour: set to anything but the default, they are an error.
 _UNSUPPORTED: dict[str, dict[str, str]] = {
     "pytriton": {
@@ -411,6 +426,8 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "native": {
         "ray": "Ray deployment options",
+        "request_timeout_s": _IN_PROCESS,
+        "max_worker_deaths": _IN_PROCESS,
     },
     "ray": {
         "grpc_port": "Ray's ingress is HTTP only",

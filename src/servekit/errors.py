@@ -5,6 +5,7 @@
     ServekitError
     ├── InvalidInput          the request is wrong: HTTP 400, gRPC INVALID_ARGUMENT
     │   ├── PayloadTooLarge   the body is over the size limit: HTTP 413, gRPC RESOURCE_EXHAUSTED
+    │   ├── PoisonInput       its worker died with this input in flight twice: not sent again
     │   └── UnsupportedEncoding  a Content-Encoding the server cannot decode: HTTP 415, gRPC UNIMPLEMENTED
     ├── Unauthenticated       the access token is missing or wrong: HTTP 401, gRPC UNAUTHENTICATED
     ├── ModelNotFound         no such model or version: HTTP 404, gRPC NOT_FOUND
@@ -12,6 +13,7 @@
     │   └── FetchFailed       its file could not be fetched from object storage (why, where)
     ├── Overloaded            queue full, retry later: HTTP 503, gRPC UNAVAILABLE
     ├── DeadlineExceeded      the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
+    │   └── WorkerDied        its worker died and none answered it before its deadline
     ├── UpdateRefused         a new version cannot replace the serving one: HTTP 400, gRPC FAILED_PRECONDITION
     ├── RunnerError           the model itself failed: HTTP 500, gRPC INTERNAL
     └── SetupError            the server cannot start (never a request's answer)
@@ -37,6 +39,7 @@ __all__ = [
     "ModelNotReady",
     "Overloaded",
     "PayloadTooLarge",
+    "PoisonInput",
     "RunnerError",
     "ServekitError",
     "SetupError",
@@ -44,6 +47,7 @@ __all__ = [
     "Unauthenticated",
     "UnsupportedEncoding",
     "UpdateRefused",
+    "WorkerDied",
     "from_grpc_code",
     "from_http_status",
     "grpc_code",
@@ -94,6 +98,16 @@ class Overloaded(ServekitError):
 
 class DeadlineExceeded(ServekitError, TimeoutError):
     """The request's timeout passed before it could run; it was dropped unexecuted."""
+
+
+class WorkerDied(DeadlineExceeded):
+    """The worker running the request died and no live one answered it before its
+    deadline (``servekit.recovery``)."""
+
+
+class PoisonInput(InvalidInput):
+    """A worker died with this input in flight too often: it is not sent again, and the
+    same input is refused at once (a 4xx, so no client or proxy retries it elsewhere)."""
 
 
 class Unauthenticated(ServekitError, PermissionError):

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -39,7 +41,7 @@ import numpy as np
 
 from ..batching import Batcher
 from ..config import MAX_BODY_BYTES
-from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady
+from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady, ServekitError
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp
 from ..http.h1 import H1Server
@@ -48,10 +50,11 @@ from ..protocol.kserve import HEADER_LENGTH
 from ..protocol.models import FrontModel, StaticModels
 from ..protocol.routed import RoutedModel
 from ..protocol.surface import repository_index
+from ..recovery import Lost, Recovery, fingerprint
 from ..rollout import Traffic
 from ..spec import ModelSpec, spec_from_config
 from .grpc import GrpcForwarder
-from .http import Done, HttpForwarder
+from .http import Answer, Done, Dropped, HttpForwarder
 
 __all__ = ["ForwardedModel", "Front", "TritonModels", "TritonVersion"]
 
@@ -75,11 +78,13 @@ class ForwardedModel:
         token: str | None = None,
         *,
         http_url: str | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
-        self.http_url = http_url
+        self.http_url, self.recovery = http_url, recovery
         self._client: GrpcForwarder | None = None
         self._http: HttpForwarder | None = None
+        self._replays: set[asyncio.Task[Any]] = set()
         quoted = urllib.parse.quote(name, safe="")
         self._paths = (f"/v2/models/{quoted}/infer", f"/v2/models/{quoted}/versions/{{}}/infer")
 
@@ -91,27 +96,111 @@ class ForwardedModel:
         self._http = HttpForwarder(self.http_url, headers=headers)
         return self._http
 
-    def _path(self, version: str) -> str:
-        if not version:
-            return self._paths[0]
-        return self._paths[1].format(urllib.parse.quote(version, safe=""))
+    def _request(self, body: bytes, header_length: int | None, version: str) -> bytes:
+        http = self._http or self._forwarder()
+        path = (
+            self._paths[0]
+            if not version
+            else self._paths[1].format(urllib.parse.quote(version, safe=""))
+        )
+        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
+        return http.request_bytes(path, body, extra)
+
+    def _lost(self, outcome: Answer | ServekitError) -> Lost | None:
+        """What a worker death (or none live) did to an attempt, as tritonserver shows it."""
+        if isinstance(outcome, Dropped):
+            return Lost.IN_FLIGHT
+        if isinstance(outcome, ServekitError):
+            return Lost.UNREACHABLE  # tritonserver not answering (restarting)
+        status, body = outcome[0], outcome[1]
+        if status == 200:
+            return None
+        if status == 500 and _STUB_DEAD in body:
+            return Lost.DEAD
+        recovery = self.recovery
+        if recovery is not None and not recovery.live(self.name) and _RELOADING.search(body):
+            return Lost.UNREACHABLE  # a restarted tritonserver still loading the model
+        return None
 
     async def forward(
-        self, body: bytes, header_length: int | None, version: str
-    ) -> tuple[int, bytes, dict[str, str]]:
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        timeout_us: int | None = None,
+    ) -> Answer:
         """The checked request to Triton's own HTTP port, the same bytes, on a pooled
-        keep-alive loopback connection; Triton's answer as it is (``PassThrough``)."""
-        http = self._http or self._forwarder()
-        path = self._path(version)
-        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else {}
-        return await http.post(path, body, extra)
+        keep-alive loopback connection; Triton's answer as it is (``PassThrough``),
+        re-sent if its worker dies (``recovery``)."""
+        request = self._request(body, header_length, version)
+        http = cast(HttpForwarder, self._http)
+        recovery = self.recovery
+        if recovery is None:
+            outcome = await http.exchange(request)
+        else:
+            key = functools.partial(fingerprint, self.name, version.encode(), body)
+            recovery.refuse_poison(self.name, key)
+            live, arrived = recovery.live(self.name), time.monotonic()
+            outcome = await recovery.replay(
+                self.name, functools.partial(http.exchange, request), self._lost,
+                deadline=recovery.deadline(timeout_us, arrived), key=key,
+                first=await http.exchange(request), first_sent_live=live,
+            )  # fmt: skip
+        if isinstance(outcome, ServekitError):
+            raise outcome
+        return outcome
 
-    def send(self, body: bytes, header_length: int | None, version: str, done: Done) -> None:
-        """``forward`` from callbacks: no task, no future (the front's fast path)."""
-        http = self._http or self._forwarder()
-        path = self._path(version)
-        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
-        http.send(http.request_bytes(path, body, extra), done)
+    def send(
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        done: Done,
+        timeout_us: int | None = None,
+    ) -> None:
+        """``forward`` from callbacks: no task, no future (the front's fast path) unless
+        the worker died under the request."""
+        request = self._request(body, header_length, version)
+        http = cast(HttpForwarder, self._http)
+        recovery = self.recovery
+        if recovery is None:
+            http.send(request, done)
+            return
+        key = functools.partial(fingerprint, self.name, version.encode(), body)
+        try:
+            recovery.refuse_poison(self.name, key)
+        except ServekitError as exc:
+            done(exc)
+            return
+        live, arrived = recovery.live(self.name), time.monotonic()
+
+        def first(outcome: Answer | ServekitError) -> None:
+            if self._lost(outcome) is None:
+                if not live:
+                    recovery.answered(self.name)
+                done(outcome)
+                return
+            replay = recovery.replay(
+                self.name, functools.partial(http.exchange, request), self._lost,
+                deadline=recovery.deadline(timeout_us, arrived), key=key,
+                first=outcome, first_sent_live=live,
+            )  # fmt: skip
+            task = asyncio.get_running_loop().create_task(replay)
+            self._replays.add(task)
+            task.add_done_callback(functools.partial(self._replayed, done))
+
+        http.send(request, first)
+
+    def _replayed(self, done: Done, task: asyncio.Task[Any]) -> None:
+        self._replays.discard(task)
+        if task.cancelled():
+            done(ModelNotReady(f"{self.name}: the front stopped while the request waited"))
+            return
+        exc = task.exception()
+        if exc is None:
+            done(task.result())
+        else:
+            done(exc if isinstance(exc, ServekitError) else ModelNotReady(str(exc)))
 
     async def infer(
         self,
@@ -125,9 +214,33 @@ class ForwardedModel:
         if self._client is None:  # a gRPC aio channel belongs to the loop that made it
             headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
             self._client = GrpcForwarder(self.url, headers=headers)
-        return await self._client.infer(
-            self.name, inputs, priority=priority, timeout_us=timeout_us, version=version
+        client = self._client
+        recovery = self.recovery
+
+        async def attempt() -> dict[str, np.ndarray] | ServekitError:
+            try:
+                return await client.infer(
+                    self.name, inputs, priority=priority, timeout_us=timeout_us, version=version
+                )
+            except ServekitError as exc:
+                if recovery is None:
+                    raise
+                return exc
+
+        if recovery is None:
+            return cast(dict[str, np.ndarray], await attempt())
+        key = functools.partial(
+            fingerprint, self.name, version.encode(), *(inputs[n].tobytes() for n in sorted(inputs))
         )
+        recovery.refuse_poison(self.name, key)
+        live, arrived = recovery.live(self.name), time.monotonic()
+        outcome = await recovery.replay(
+            self.name, attempt, _grpc_lost, deadline=recovery.deadline(timeout_us, arrived),
+            key=key, first=await attempt(), first_sent_live=live,
+        )  # fmt: skip
+        if isinstance(outcome, ServekitError):
+            raise outcome
+        return cast(dict[str, np.ndarray], outcome)
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -136,6 +249,22 @@ class ForwardedModel:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+
+_STUB_DEAD = b"is not healthy"
+"""tritonserver 2.51's answer while a model instance's Python backend stub is dead:
+"Stub process '<instance>' is not healthy." """
+_RELOADING = re.compile(rb"unknown model|is not ready|no available versions|not found")
+"""tritonserver's answers for a model it has not loaded (yet)."""
+
+
+def _grpc_lost(outcome: dict[str, np.ndarray] | ServekitError) -> Lost | None:
+    """``ForwardedModel._lost`` for gRPC: a call cut off reads as tritonserver gone."""
+    if not isinstance(outcome, ServekitError):
+        return None
+    if "is not healthy" in str(outcome):
+        return Lost.DEAD
+    return Lost.UNREACHABLE if isinstance(outcome, ModelNotReady) else None
 
 
 class TritonVersion:
@@ -306,8 +435,10 @@ class TritonModels(Mapping[str, ForwardedModel]):
         control_headers: Mapping[str, str] | None = None,
         ttl_s: float = 2.0,
         traffic: Mapping[str, Traffic] | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         self.http_url, self.grpc_url, self.ttl_s = http_url, grpc_url, ttl_s
+        self.recovery = recovery
         self._token, self._headers = inference_token, dict(control_headers or {})
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
         self.traffic = dict(traffic or {})
@@ -355,7 +486,10 @@ class TritonModels(Mapping[str, ForwardedModel]):
         else:
             if cached is not None:  # requests may still use it: closed with the registry
                 self._retired.append(cached[1])
-            model = ForwardedModel(name, spec, self.grpc_url, self._token, http_url=self.http_url)
+            model = ForwardedModel(
+                name, spec, self.grpc_url, self._token,
+                http_url=self.http_url, recovery=self.recovery,
+            )  # fmt: skip
         self._cache[name] = (now, model)
         return model
 
@@ -417,7 +551,9 @@ class Front:
     once a model is routed; ``grpc_url`` is then tritonserver's private gRPC port).
     ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
     signal's source (``TritonDemand``), exported on the front's ``/metrics``;
-    ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``).
+    ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
+    ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
+    registry's models share it.
     """
 
     def __init__(
@@ -439,13 +575,22 @@ class Front:
         exit_timeout_s: float = 10.0,
         demand: Callable[[], Iterable[Family]] | None = None,
         http_limits: Mapping[str, Any] | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
+        self.recovery = recovery
         self.registry: TritonModels | PyTritonModels = (
             models
             if isinstance(models, TritonModels)
             else PyTritonModels(
                 {
-                    name: ForwardedModel(name, spec, grpc_url, inference_token, http_url=http_url)
+                    name: ForwardedModel(
+                        name,
+                        spec,
+                        grpc_url,
+                        inference_token,
+                        http_url=http_url,
+                        recovery=recovery,
+                    )  # fmt: skip
                     for name, spec in models.items()
                 },
                 http_url,
@@ -465,6 +610,8 @@ class Front:
             self.app.metrics.watch_traffic(t)
         if demand is not None:
             self.app.metrics.collect(demand)
+        if recovery is not None:
+            self.app.metrics.collect(recovery.figures)
         self._grpc = (
             GrpcOnLoop(
                 GrpcService(

@@ -17,11 +17,17 @@ import httptools
 
 from ..errors import ModelNotReady, ServekitError
 
-__all__ = ["Answer", "Done", "HttpForwarder"]
+__all__ = ["Answer", "Done", "Dropped", "HttpForwarder"]
 
 Answer = tuple[int, bytes, dict[str, str]]
 """(status, body, headers) of the server's answer; headers are the ones passed back."""
 Done = Callable[[Answer | ServekitError], None]
+
+
+class Dropped(ModelNotReady):
+    """The server closed the connection with the request sent and no answer begun: it
+    died (or was killed) with the request in flight."""
+
 
 _PASSED_BACK = frozenset({b"content-type", b"inference-header-content-length", b"retry-after"})
 
@@ -85,7 +91,7 @@ class _Connection(asyncio.Protocol):
             done, self.done = self.done, None
             self.pool.connect_and_send(self.request, done)
             return
-        self._fail(ModelNotReady(f"tritonserver dropped the connection: {exc or 'closed'}"))
+        self._fail(Dropped(f"tritonserver dropped the connection: {exc or 'closed'}"))
 
     def _fail(self, error: ServekitError) -> None:
         done, self.done = self.done, None
@@ -149,14 +155,15 @@ class HttpForwarder:
             return
         conn.send(request, done, retry=False)
 
+    async def exchange(self, request: bytes) -> Answer | ServekitError:
+        """``send``, awaited: the answer, or the error saying why there is none."""
+        future: asyncio.Future[Answer | ServekitError] = asyncio.get_running_loop().create_future()
+        self.send(request, lambda answer: None if future.done() else future.set_result(answer))
+        return await future
+
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
         """One request, awaited; raises ``ModelNotReady`` when tritonserver cannot be reached."""
-        future: asyncio.Future[Answer | ServekitError] = asyncio.get_running_loop().create_future()
-        self.send(
-            self.request_bytes(path, body, headers),
-            lambda answer: None if future.done() else future.set_result(answer),
-        )
-        answer = await future
+        answer = await self.exchange(self.request_bytes(path, body, headers))
         if isinstance(answer, ServekitError):
             raise answer
         return answer

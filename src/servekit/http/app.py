@@ -126,7 +126,7 @@ class KServeApp:
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.ready = self._ready
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
-        self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None]] = {}
+        self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]] = {}
         for name, model in self.models.loaded().items():
             if isinstance(model, RoutedModel):
                 self.metrics.watch_traffic(model.traffic)
@@ -399,7 +399,7 @@ class KServeApp:
             return False
         try:
             self._check_token(token)
-            checked, length = self._pass_through(m["name"], model, body, raw)
+            checked, length, timeout_us = self._pass_through(m["name"], model, body, raw)
         except ServekitError as exc:
             reply(*self._error(exc))
             return True
@@ -407,7 +407,7 @@ class KServeApp:
         def done(answer: tuple[int, bytes, dict[str, str]] | ServekitError) -> None:
             reply(*(self._error(answer) if isinstance(answer, ServekitError) else answer))
 
-        model.send(checked, length, "", done)
+        model.send(checked, length, "", done, timeout_us)
         return True
 
     def _decode(self, name: str, body: bytes, raw: str | None) -> DecodedRequest:
@@ -422,8 +422,9 @@ class KServeApp:
 
     def _pass_through(
         self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None
-    ) -> tuple[bytes, int | None]:
-        """Checked as the model would check it; the bytes to send on (``explicit_binary``).
+    ) -> tuple[bytes, int | None, int | None]:
+        """Checked as the model would check it; the bytes to send on (``explicit_binary``)
+        and the request's ``timeout`` parameter (microseconds), if any.
 
         A request with its tensors in binary is judged by its JSON header and its length
         alone (numbers' raw bytes are any bytes): a header that passed is remembered, so
@@ -436,13 +437,13 @@ class KServeApp:
                 key = (name, body[:length], len(body))
                 hit = self._checked.get(key)
                 if hit is not None and hit[0] is spec:
-                    header = hit[1]
-                    return (
-                        (body, length) if header is None else (header + body[length:], len(header))
-                    )
+                    header, timeout_us = hit[1], hit[2]
+                    if header is None:
+                        return body, length, timeout_us
+                    return header + body[length:], len(header), timeout_us
         request = self._decode(name, body, raw)
         try:
-            scheduling(request.parameters)
+            timeout_us = scheduling(request.parameters).get("timeout_us")
             spec.validate_inputs(request.inputs)
         except InvalidInput:
             self.metrics.failed(name)  # refused here: tritonserver never sees it
@@ -452,8 +453,8 @@ class KServeApp:
             if len(self._checked) >= _CHECKED_MAX:
                 self._checked.clear()
             header = None if checked is body else checked[:checked_length]
-            self._checked[key] = (spec, header)
-        return checked, checked_length
+            self._checked[key] = (spec, header, timeout_us)
+        return checked, checked_length, timeout_us
 
     def _body(self, request: HttpRequest) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
@@ -482,10 +483,10 @@ class KServeApp:
         raw = http.headers.get(HEADER_LENGTH)
         whole = _whole_body(raw)
         if isinstance(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
-            body, length = self._pass_through(name, model, body, raw)
-            return await model.forward(body, length, version)
+            body, length, timeout_us = self._pass_through(name, model, body, raw)
+            return await model.forward(body, length, version, timeout_us)
         if isinstance(model, RoutedModel) and not whole and model.passes_through:
-            body, length = self._pass_through(name, model, body, raw)
+            body, length, _ = self._pass_through(name, model, body, raw)
             header = model.traffic.sticky
             sticky = http.headers.get(header) if header else None
             answer, _ = await model.forward_routed(body, length, version, sticky)

@@ -62,9 +62,14 @@ class PassThrough(Protocol):
     body goes on to that server as it came, and the answer comes back as it is."""
 
     async def forward(
-        self, body: bytes, header_length: int | None, version: str
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        timeout_us: int | None = None,
     ) -> tuple[int, bytes, dict[str, str]]:
-        """(status, body, headers) of the other server's answer."""
+        """(status, body, headers) of the other server's answer; ``timeout_us``: the
+        request's own deadline (KServe ``timeout``), for re-sending it if a worker dies."""
         ...
 
     def send(
@@ -73,6 +78,7 @@ class PassThrough(Protocol):
         header_length: int | None,
         version: str,
         done: Callable[[tuple[int, bytes, dict[str, str]] | ServekitError], None],
+        timeout_us: int | None = None,
     ) -> None:
         """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop."""
         ...

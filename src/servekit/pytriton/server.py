@@ -21,7 +21,7 @@ from ..rollout import Traffic
 from ..runners.base import Runner
 from ..runners.versioned import VersionedRunner
 from ..runtime.base import ServedModel, load_models, reload_models
-from ..runtime.processes import processes
+from ..runtime.processes import kill_leftovers, processes
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
@@ -67,6 +67,9 @@ class TritonServer:
         self._workdir: Workdir | None = None
         self._front: Any = None
         self._stubs: dict[int, str] = {}
+        self._ports: tuple[int, int] | None = None
+        """tritonserver's HTTP and gRPC ports, chosen once."""
+        self.restarting = False
         self.restarts = 0
         """How many times ``serve`` restarted Triton after a model's worker process died."""
         self.access_token: str | None = None
@@ -113,9 +116,14 @@ class TritonServer:
         )
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
-        triton_http_port = free_port() if c.front else c.http_port
         # A routed model's split holds on gRPC too: the front serves the public gRPC port.
-        triton_grpc_port = free_port() if self.traffic else c.grpc_port
+        # The private ports outlive a restart: the front keeps sending there.
+        if self._ports is None:
+            self._ports = (
+                free_port() if c.front else c.http_port,
+                free_port() if self.traffic else c.grpc_port,
+            )
+        triton_http_port, triton_grpc_port = self._ports
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
         workdir = self._workdir.path
         triton = Triton(
@@ -151,7 +159,7 @@ class TritonServer:
                     strict=False,
                 )
             triton.run()
-            if c.front:
+            if c.front and self._front is None:  # the front outlives a restart
                 from ..front.demand import TritonDemand
                 from ..front.front import Front
 
@@ -179,9 +187,10 @@ class TritonServer:
                         f"http://127.0.0.1:{triton_http_port}",
                         self.config.autoscale_policies() if self.config else {},
                     ),
+                    recovery=c.recovery(),
                 ).start()
         except BaseException:
-            if self._front is not None:
+            if self._front is not None and not self.restarting:
                 self._front.stop()
                 self._front = None
             triton.stop()
@@ -229,10 +238,21 @@ class TritonServer:
         return self.is_alive() and not self.dead_instances()
 
     def restart(self) -> None:
-        """Stop Triton and start it again with the same (warm) runners and ports."""
-        self._shutdown()
-        self.restarts += 1
-        self.start()
+        """Start Triton again with the same (warm) runners and ports. The front stays up
+        and re-sends the requests in flight (``servekit.recovery``), so Triton is killed
+        at once instead of drained."""
+        self.restarting = True
+        recovery = self._front.recovery if self._front is not None else None
+        if recovery is not None:
+            recovery.restarting()
+        try:
+            self._shutdown(keep_front=True)
+            self.restarts += 1
+            self.start()
+        finally:
+            self.restarting = False
+            if recovery is not None:
+                recovery.restarted()
 
     def _versioned(self, name: str) -> VersionedRunner:
         for m in self.models:
@@ -268,10 +288,12 @@ class TritonServer:
         for m in self.models:
             m.runner.close()
 
-    def _shutdown(self) -> None:
-        if self._front is not None:
+    def _shutdown(self, *, keep_front: bool = False) -> None:
+        if self._front is not None and not keep_front:
             self._front.stop()
             self._front = None
+        if keep_front and self._workdir is not None:  # tritonserver and its stubs, at once
+            kill_leftovers(str(self._workdir.path))
         if self._triton is not None:
             self._triton.stop()
             self._triton = None

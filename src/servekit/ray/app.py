@@ -9,14 +9,18 @@ per deployment so requests reach the Batcher together instead of one at a time.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..batching import Batcher, BatchingPolicy
+from ..batching.execute import as_error
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
 from ..protocol.routed import route, traffic_of
+from ..recovery import Lost, Recovery, fingerprint
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
@@ -110,21 +114,46 @@ class _Remote:
         handles: tuple[Any, ...],
         policy: BatchingPolicy,
         in_flight: int,
+        recovery: Recovery | None = None,
     ) -> None:
-        self.spec, self.handles = spec, handles
+        self.name, self.spec, self.handles, self.recovery = name, spec, handles, recovery
         self.versioned = False
         self.batcher: Batcher | None = Batcher(
             self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
         )
 
-    async def _chain(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    async def _attempt(self, inputs: dict[str, Any]) -> dict[str, Any] | BaseException:
         # Each stage's response goes straight to the next replica, not back through here.
+        from ray.exceptions import RayActorError
+
         value: Any = inputs
-        for handle in self.handles:
-            value = handle.remote(value)
-        value = await value
-        if isinstance(value, ServekitError):
-            raise value
+        try:
+            for handle in self.handles:
+                value = handle.remote(value)
+            value = await value
+        except RayActorError as exc:  # a replica died (or none is reachable): Recovery's call
+            return exc
+        return value  # type: ignore[no-any-return]
+
+    async def _chain(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """One batch down the chain; re-sent while a replica's death allows (``recovery``).
+        A batch in flight at two deaths is quarantined as a whole, which the Batcher then
+        runs request by request, so only the poison input is refused."""
+        recovery = self.recovery
+        if recovery is None:
+            value: Any = await self._attempt(inputs)
+        else:
+            parts = (inputs[n].tobytes() for n in sorted(inputs))
+            key = functools.partial(fingerprint, self.name, *parts)
+            recovery.refuse_poison(self.name, key)
+            live = recovery.live(self.name)
+            value = await recovery.replay(
+                self.name, functools.partial(self._attempt, inputs), _ray_lost,
+                deadline=recovery.deadline(None, time.monotonic()), key=key,
+                first=await self._attempt(inputs), first_sent_live=live,
+            )  # fmt: skip
+        if isinstance(value, BaseException):
+            raise value if isinstance(value, ServekitError) else as_error(value, self.name)
         return value  # type: ignore[no-any-return]
 
     async def infer(
@@ -137,6 +166,15 @@ class _Remote:
     ) -> dict[str, Any]:
         assert self.batcher is not None
         return await self.batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
+
+
+def _ray_lost(outcome: object) -> Lost | None:
+    """A replica that died with the batch (``RayActorError``), or none reachable yet."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if isinstance(outcome, ActorUnavailableError):
+        return Lost.UNREACHABLE
+    return Lost.IN_FLIGHT if isinstance(outcome, RayActorError) else None
 
 
 def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConfig:
@@ -198,8 +236,9 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 self.app, self.store = store_app(config)
                 self._started: Any = None
                 return
+            recovery = config.server.recovery()  # this ingress replica's
             models: dict[str, Any] = {
-                name: _Remote(name, spec, handles, policy, in_flight)
+                name: _Remote(name, spec, handles, policy, in_flight, recovery)
                 for name, (spec, handles, (policy, in_flight)) in chains.items()
             }
             for model in fused:  # every version, each checked against version 1's signature
@@ -216,6 +255,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 control_token=config.server.control_token,
             )
             self.app.metrics.autoscale.update(config.autoscale_policies())
+            self.app.metrics.collect(recovery.figures)
 
         async def __call__(self, request: Any) -> Any:
             from starlette.responses import Response

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from ..config import ServerConfig
 from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
+from ..runtime.processes import processes
 from .env import (
     TritonEnvironment,
     TritonSetupError,
@@ -120,6 +122,8 @@ class TritonProcess:
             )
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Workdir | None = None
+        self._stubs: dict[int, str] = {}
+        """Python backend stubs seen: pid -> model instance."""
         self.restarts = 0
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
@@ -193,6 +197,7 @@ class TritonProcess:
                     f"tritonserver not live after {timeout_s} s:\n{self.log_tail()}"
                 )
             time.sleep(0.1)
+        self._stubs = self._alive_stubs()  # its initial loads' (mode none and poll load first)
         if self.options.server.front and self._front is None:
             self._start_front()
         return self
@@ -202,12 +207,14 @@ class TritonProcess:
         from ..front.front import Front, TritonModels
 
         s = self.options.server
+        recovery = s.recovery()
         registry = TritonModels(
             self.triton_http_url,
             self.triton_grpc_url,
             inference_token=s.inference_token,
             control_headers={CONTROL_TOKEN_HEADER: s.control_token} if s.control_token else None,
             traffic=self.traffic,
+            recovery=recovery,
         )
         self._front = Front(
             registry,
@@ -224,14 +231,21 @@ class TritonProcess:
             exit_timeout_s=s.exit_timeout_s,
             http_limits=s.http_limits(),
             demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
+            recovery=recovery,
         ).start()
 
     def _http_ok(self, path: str) -> bool:
+        return self._http_status(path) == 200
+
+    def _http_status(self, path: str) -> int | None:
+        """tritonserver's status for ``GET path`` on its private port; None: no answer."""
         try:
             with urllib.request.urlopen(f"{self.triton_http_url}{path}", timeout=2) as r:
-                return r.status == 200
+                return int(r.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
         except (urllib.error.URLError, OSError):
-            return False
+            return None
 
     def wait_ready(self, models: Sequence[str], timeout_s: float = 120.0) -> None:
         """Wait until every named model is ready; raise with Triton's log tail if one is not."""
@@ -268,10 +282,14 @@ class TritonProcess:
             self._front = None
         self._stop_server()
 
-    def _stop_server(self) -> int | None:
+    def _stop_server(self, *, drain: bool = True) -> int | None:
         code = None
+        self._stubs = {}
         if self._proc is not None:
-            if self._proc.poll() is None:
+            if self._proc.poll() is None and not drain:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+            elif self._proc.poll() is None:
                 os.killpg(self._proc.pid, signal.SIGTERM)
                 try:
                     self._proc.wait(self.options.server.exit_timeout_s + 10)
@@ -286,17 +304,61 @@ class TritonProcess:
         return code
 
     def problem(self) -> str | None:
-        """Why tritonserver is not serving (it died: a crash, a kill), or None."""
-        if self._proc is None or self._proc.poll() is None:
+        """Why tritonserver is not serving (it died: a crash, a kill; or a model instance's
+        worker process died, which tritonserver 2.51 neither restarts nor reports), or None."""
+        if self._proc is None:
             return None
-        return f"tritonserver {_exit_reason(self._proc.returncode)}; log ended:\n{self.log_tail(5)}"
+        if self._proc.poll() is not None:
+            return (
+                f"tritonserver {_exit_reason(self._proc.returncode)}; log ended:\n"
+                f"{self.log_tail(5)}"
+            )
+        dead = self.dead_instances()
+        return f"model instance(s) {dead}: worker process died" if dead else None
+
+    def dead_instances(self) -> list[str]:
+        """Model instances (``<model>_<n>_<device>``) whose Python backend stub died while
+        tritonserver still holds the model: each stub seen is remembered; one gone is dead
+        unless its model can unload (explicit or poll mode) and tritonserver says it is
+        not ready."""
+        alive = self._alive_stubs()
+        self._stubs.update(alive)
+        gone = {pid: name for pid, name in self._stubs.items() if pid not in alive}
+        dead = []
+        for pid, name in gone.items():
+            model = urllib.parse.quote(name.rsplit("_", 2)[0], safe="")
+            if self.options.model_control_mode == "none" or self._http_status(
+                f"/v2/models/{model}/ready"
+            ) in (200, None):  # nothing unloads; or still served (or tritonserver stuck on it)
+                dead.append(name)
+            else:
+                del self._stubs[pid]  # unloaded (explicit or poll mode)
+        return sorted(dead)
+
+    def _alive_stubs(self) -> dict[int, str]:
+        """Python backend stubs running now: pid -> model instance (the stub's argv[8])."""
+        if self._workdir is None:
+            return {}
+        return {
+            pid: argv[8]
+            for pid, argv in processes(str(self._workdir.path)).items()
+            if argv[0].endswith("triton_python_backend_stub") and len(argv) > 8
+        }
 
     def restart(self) -> None:
-        """Start tritonserver again on the same ports; the front stays up meanwhile,
-        answering 503 until Triton is back."""
-        self._stop_server()
+        """Start tritonserver again on the same ports; the front stays up meanwhile. With
+        the front, the requests in flight are re-sent (``servekit.recovery``), so the old
+        tritonserver is killed at once instead of drained."""
+        recovery = self._front.recovery if self._front is not None else None
+        if recovery is not None:
+            recovery.restarting()
+        self._stop_server(drain=self._front is None)
         self.restarts += 1
-        self.start()
+        try:
+            self.start()
+        finally:
+            if recovery is not None:
+                recovery.restarted()
 
     def reload(self) -> list[str]:
         """tritonserver reloads from its repository: ``--model-control-mode poll`` picks up

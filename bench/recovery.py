@@ -1,0 +1,237 @@
+"""Killed workers under load: failed requests and added latency per runtime.
+
+For each runtime, add_sub is served under the Supervisor (restarts at once, then backing
+off briefly) while ``--clients`` threads send random inputs and check every answer. The
+model's worker process is SIGKILLed ``--kills`` times at random moments, each once the
+last restart has answered requests again (triton: the servekit backend's Python stub;
+pytriton: PyTriton's proxy stub; ray: the model replica, through ``ray.kill``). Reported:
+requests answered right, wrong and failed, latency quantiles, the worst request, and the
+restarts. Runs against any servekit checkout (``PYTHONPATH=<worktree>/src``), so a
+commit before ``servekit.recovery`` gives the "before" figures in the same way.
+
+    python bench/recovery.py --kills 10 --out bench/results/recovery.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from servekit import ModelConfig, RayOptions, ServeConfig, zoo
+from servekit.bench.report import machine
+from servekit.client import Client
+from servekit.runtime.processes import processes
+from servekit.runtime.supervisor import Supervisor
+from servekit.serving import create_runtime
+
+
+class Load:
+    """Clients sending random add_sub inputs, checking each answer, timing each request."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.ok = self.wrong = 0
+        self.failed: list[str] = []
+        self.latencies: list[float] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Client(self.url) as client:
+            while not self.stop.is_set():
+                a, b = rng.random((2, 1, 16), dtype=np.float32)
+                start = time.perf_counter()
+                try:
+                    out = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+                    right = np.allclose(out["OUTPUT0"], a + b)
+                    error = None
+                except Exception as exc:
+                    right, error = False, str(exc)[:160]
+                with self._lock:
+                    if error is not None:
+                        self.failed.append(error)
+                    elif right:
+                        self.ok += 1
+                        self.latencies.append(time.perf_counter() - start)
+                    else:
+                        self.wrong += 1
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def wait(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def stub_of(workdir: Path) -> int | None:
+    found = [
+        pid
+        for pid, argv in processes(str(workdir)).items()
+        if argv[0].endswith("triton_python_backend_stub")
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
+    config = ServeConfig((ModelConfig(str(model), "add_sub", image=False),), runtime=runtime)
+    config = config.on_loopback()
+    served = create_runtime(config)
+    events: list[str] = []
+    supervisor = Supervisor(
+        served, max_restarts=4 * args.kills, check_s=0.2, backoff_s=0.05, max_backoff_s=0.2,
+        on_event=events.append,
+    )  # fmt: skip
+    thread = threading.Thread(target=supervisor.run, daemon=True)
+    thread.start()
+    url, rng = config.server.http_url, random.Random(args.seed)
+
+    def workdir() -> Path:
+        owner = served.process if runtime == "triton" else served  # type: ignore[attr-defined]
+        return owner._workdir.path  # type: ignore[no-any-return]
+
+    def answering() -> bool:
+        try:
+            with Client(url) as c:
+                c.infer("add_sub", {"INPUT0": np.ones((1, 16), np.float32),
+                                    "INPUT1": np.ones((1, 16), np.float32)})  # fmt: skip
+            return True
+        except Exception:
+            return False
+
+    wait(answering, "first answer")
+    restarted_in_time = True
+    try:
+        with Load(url, args.clients) as load:
+            for _ in range(args.kills):
+                seen = load.ok
+                wait(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
+                time.sleep(rng.uniform(0.1, 1.0))
+                wait(lambda: stub_of(workdir()) is not None, "the worker's stub", 60)
+                stub = stub_of(workdir())
+                assert stub is not None
+                restarts = events.count("restarted")
+                os.kill(stub, signal.SIGKILL)
+                try:
+                    wait(
+                        lambda restarts=restarts: events.count("restarted") > restarts,
+                        "the restart",
+                        60,
+                    )
+                except TimeoutError:
+                    restarted_in_time = False
+                    break
+            time.sleep(1.0)
+    finally:
+        supervisor.request_stop()
+        thread.join(120)
+    return summary(load, events.count("restarted"), restarted_in_time)
+
+
+def run_ray(model: Path, args: argparse.Namespace) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import ray
+        from ray import serve
+
+        from servekit.ray import build_app
+    from servekit.endpoints import free_port
+
+    config = ServeConfig(
+        (ModelConfig(str(model), "add_sub", image=False),), runtime="ray",
+        ray=RayOptions(model_cpus=0.5),
+    )  # fmt: skip
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
+    port = free_port()
+    rng = random.Random(args.seed)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        serve.run(build_app(config), name="servekit", route_prefix="/")
+        Client(url).wait_ready("add_sub", timeout_s=120)
+
+        def replicas() -> list[str]:
+            return [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#add_sub#" in a["name"]
+            ]
+
+        with Load(url, args.clients) as load:
+            for _ in range(args.kills):
+                seen = load.ok
+                wait(lambda seen=seen: load.ok > seen + 20, "answers before the kill", 60)
+                time.sleep(rng.uniform(0.1, 1.0))
+                (name,) = replicas()
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+                wait(lambda name=name: replicas() and replicas() != [name], "a new replica", 60)
+            time.sleep(1.0)
+        serve.delete("servekit")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return summary(load, args.kills, True)
+
+
+def summary(load: Load, restarts: int, restarted_in_time: bool) -> dict:
+    lat = sorted(load.latencies) or [float("nan")]
+
+    def q(p: float) -> float:
+        return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 2)
+
+    failures: dict[str, int] = {}
+    for f in load.failed:
+        failures[f] = failures.get(f, 0) + 1
+    return {
+        "ok": load.ok, "wrong": load.wrong, "failed": len(load.failed),
+        "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(lat[-1] * 1e3, 1),
+        "restarts": restarts, "restarted_in_time": restarted_in_time,
+        "failures": sorted(failures.items(), key=lambda kv: -kv[1])[:5],
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtimes", default="triton,pytriton,ray")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=29)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    model = zoo.build("add_sub")
+    results = {"machine": machine(), "kills": args.kills, "clients": args.clients}
+    for runtime in args.runtimes.split(","):
+        start = time.monotonic()
+        result = run_ray(model, args) if runtime == "ray" else run_triton(runtime, model, args)
+        result["seconds"] = round(time.monotonic() - start, 1)
+        results[runtime] = result
+        print(runtime, json.dumps(result), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

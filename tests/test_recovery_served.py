@@ -1,0 +1,285 @@
+"""A crashed worker costs no request: under steady load the model's worker process (a
+Triton Python backend stub: the servekit backend's on the triton runtime, PyTriton's
+proxy on pytriton) is SIGKILLed at random moments, the Supervisor restarts it, and
+servekit's front re-sends what was in flight. Every answer is checked. A model that
+kills its own process on one input gets that input quarantined after two deaths, while
+every request batched with it is answered and the server stays up."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import free_port, ray_serve, scrape, wait_until
+from servekit import ModelConfig, RayOptions, ServeConfig, ServerConfig
+from servekit.client import Client
+from servekit.runtime.processes import processes
+from servekit.runtime.supervisor import Supervisor
+from servekit.serving import create_runtime
+from servekit.triton.launcher import TritonOptions, TritonProcess
+
+try:  # as pytest.importorskip does: Ray Serve's own import warns (pydantic), which is not ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from ray import serve
+
+        from servekit.ray import build_app
+except ImportError:  # the ray extra is absent: the Ray case skips
+    serve = build_app = None
+
+pytest.importorskip("tritonclient", reason="needs the triton extra")
+pytest.importorskip("httptools", reason="needs the http extra")
+
+KILLS = 3
+"""Kills per runtime here; bench/recovery.py makes ten."""
+
+
+def stubs(workdir: Path) -> list[int]:
+    return [
+        pid
+        for pid, argv in processes(str(workdir)).items()
+        if argv[0].endswith("triton_python_backend_stub")
+    ]
+
+
+@contextlib.contextmanager
+def supervised(runtime) -> Iterator[Supervisor]:
+    """``runtime`` started and watched by a Supervisor on a thread (restarts at once)."""
+    events: list[str] = []
+    supervisor = Supervisor(
+        runtime, max_restarts=20, check_s=0.2, backoff_s=0.05, max_backoff_s=0.2,
+        on_event=events.append,
+    )  # fmt: skip
+    supervisor.events = events  # type: ignore[attr-defined]
+    thread = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
+    thread.start()
+    try:
+        yield supervisor
+    finally:
+        supervisor.request_stop()
+        thread.join(60)
+
+
+class Load:
+    """Clients sending random add_sub inputs and checking every answer."""
+
+    def __init__(self, url: str, clients: int = 4) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.latencies: list[float] = []
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
+        ]
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Client(self.url) as client:
+            while not self.stop.is_set():
+                a, b = rng.random((2, 1, 16), dtype=np.float32)
+                start = time.perf_counter()
+                try:
+                    out = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+                    good = np.allclose(out["OUTPUT0"], a + b) and np.allclose(out["OUTPUT1"], a - b)
+                    failure = None if good else "a wrong answer"
+                except Exception as exc:
+                    failure = str(exc)
+                with self._lock:
+                    if failure is None:
+                        self.ok += 1
+                        self.latencies.append(time.perf_counter() - start)
+                    else:
+                        self.failures.append(failure)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def add_sub_config(path: Path, runtime: str) -> ServeConfig:
+    return ServeConfig((ModelConfig(str(path), "add_sub", image=False),), runtime=runtime)
+
+
+@pytest.mark.parametrize("runtime", ["triton", "pytriton"])
+def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_sub_path):
+    config = add_sub_config(add_sub_path, runtime).on_loopback()
+    served = create_runtime(config)
+    url = config.server.http_url
+
+    def workdir() -> Path:
+        owner = served.process if runtime == "triton" else served  # type: ignore[attr-defined]
+        return owner._workdir.path
+
+    rng = random.Random(29)
+    with supervised(served) as supervisor:
+        wait_until(lambda: Client(url).infer("add_sub", _inputs()), "the first answer", 120)
+        with Load(url) as load:
+            for kill in range(KILLS):
+                seen = load.ok
+                wait_until(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
+                time.sleep(rng.uniform(0.1, 1.0))
+                (stub,) = stubs(workdir())
+                os.kill(stub, signal.SIGKILL)
+                wait_until(
+                    lambda kill=kill: supervisor.events.count("restarted") > kill,  # type: ignore[attr-defined]
+                    "the restart", 60,
+                )  # fmt: skip
+        families = scrape(f"{url}/metrics")
+    assert load.failures == []
+    assert supervisor.restarts == KILLS
+    add_sub = frozenset({("model", "add_sub")})
+    assert families[("servekit_worker_deaths", add_sub)] == KILLS
+    assert families[("servekit_requests_replayed", add_sub)] >= 1
+    assert families[("servekit_requests_quarantined", add_sub)] == 0
+    assert families[("servekit_no_live_worker_seconds", add_sub)] > 0
+
+
+def _inputs() -> dict[str, np.ndarray]:
+    return {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+
+
+CRASHY = '''
+import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Doubles its input; a 13 anywhere in a batch kills the process."""
+
+    def execute(self, requests):
+        inputs = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        if any((x == 13).any() for x in inputs):
+            os._exit(1)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 2)]) for x in inputs]
+'''
+
+CRASHY_CONFIG = """
+name: "crashy"
+backend: "python"
+max_batch_size: 8
+input [{ name: "INPUT0" data_type: TYPE_FP32 dims: [4] }]
+output [{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [4] }]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+instance_group [{ kind: KIND_CPU count: 1 }]
+"""
+
+
+def post(url: str, values: list[float]) -> tuple[int, dict]:
+    body = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": values}]}
+    ).encode()
+    request = urllib.request.Request(
+        f"{url}/v2/models/crashy/infer", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_an_input_that_kills_its_worker_is_quarantined_after_two_deaths(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "crashy" / "1").mkdir(parents=True)
+    (repo / "crashy" / "1" / "model.py").write_text(CRASHY)
+    (repo / "crashy" / "config.pbtxt").write_text(CRASHY_CONFIG)
+    server = loopback_server()
+    url = server.http_url
+    process = TritonProcess(TritonOptions(repo, server))
+    with supervised(process) as supervisor:
+        wait_until(lambda: post(url, [1, 2, 3, 4])[0] == 200, "crashy ready", 120)
+        answers: list[tuple[int, dict]] = []
+        others = [
+            threading.Thread(target=lambda v=v: answers.append(post(url, [v, v, v, v])))
+            for v in range(8)
+        ]
+        for t in others:  # in the poison's batches
+            t.start()
+        status, poison = post(url, [1, 13, 3, 4])
+        for t in others:
+            t.join(60)
+        assert status == 400 and "died 2 times with this request in flight" in poison["error"], (
+            poison,
+            answers,
+            supervisor.events,
+        )
+        assert [s for s, _ in answers] == [200] * 8
+        assert sorted(a["outputs"][0]["data"][0] for _, a in answers) == [2.0 * v for v in range(8)]
+        wait_until(lambda: post(url, [5, 5, 5, 5])[0] == 200, "answers after the restart", 60)
+        restarts = supervisor.restarts
+        again = post(url, [1, 13, 3, 4])  # refused at once: no worker dies for it again
+        assert again[0] == 400 and "not sent again" in again[1]["error"]
+        status, answer = post(url, [5, 5, 5, 5])
+        assert status == 200 and answer["outputs"][0]["data"] == [10.0] * 4
+        families = scrape(f"{url}/metrics")
+    assert restarts == supervisor.restarts == 2, supervisor.events  # type: ignore[attr-defined]
+    crashy = frozenset({("model", "crashy")})
+    assert families[("servekit_worker_deaths", crashy)] == 2
+    assert families[("servekit_requests_quarantined", crashy)] == 2  # the poison, twice
+
+
+def loopback_server() -> ServerConfig:
+    return ServerConfig(
+        host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
+    )
+
+
+def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_path):
+    """Ray Serve replaces a killed model replica; servekit's ingress re-sends the batches
+    that were in flight on it (Ray's own handle would fail them)."""
+    if serve is None:
+        pytest.skip("needs the ray extra")
+    import ray
+
+    config = ServeConfig(
+        (ModelConfig(str(add_sub_path), "add_sub", image=False),), runtime="ray",
+        ray=RayOptions(model_cpus=0.5),
+    )  # fmt: skip
+    with ray_serve() as url:
+        serve.run(build_app(config), name="servekit", route_prefix="/")
+        Client(url).wait_ready("add_sub", timeout_s=120)
+
+        def replicas() -> list[str]:
+            return [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#add_sub#" in a["name"]
+            ]
+
+        with Load(url) as load:
+            for _ in range(KILLS):
+                seen = load.ok
+                wait_until(lambda seen=seen: load.ok > seen + 20, "answers before the kill", 60)
+                (name,) = replicas()
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+                wait_until(
+                    lambda name=name: replicas() and replicas() != [name], "a new replica", 60
+                )
+            seen = load.ok
+            wait_until(lambda: load.ok > seen + 20, "answers after the last kill", 60)
+        families = scrape(f"{url}/metrics")
+        serve.delete("servekit")
+    assert load.failures == []
+    add_sub = frozenset({("model", "add_sub")})
+    assert families[("servekit_worker_deaths", add_sub)] >= 1
+    assert families[("servekit_requests_quarantined", add_sub)] == 0
