@@ -27,54 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from servekit import ModelConfig, RayOptions, ServeConfig, zoo
+from servekit.bench.checked import CheckedLoad
 from servekit.bench.report import machine
 from servekit.client import Client
 from servekit.runtime.processes import processes
 from servekit.runtime.supervisor import Supervisor
 from servekit.serving import create_runtime
-
-
-class Load:
-    """Clients sending random add_sub inputs, checking each answer, timing each request."""
-
-    def __init__(self, url: str, clients: int) -> None:
-        self.url, self.stop = url, threading.Event()
-        self.ok = self.wrong = 0
-        self.failed: list[str] = []
-        self.latencies: list[float] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
-
-    def _run(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with Client(self.url) as client:
-            while not self.stop.is_set():
-                a, b = rng.random((2, 1, 16), dtype=np.float32)
-                start = time.perf_counter()
-                try:
-                    out = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
-                    right = np.allclose(out["OUTPUT0"], a + b)
-                    error = None
-                except Exception as exc:
-                    right, error = False, str(exc)[:160]
-                with self._lock:
-                    if error is not None:
-                        self.failed.append(error)
-                    elif right:
-                        self.ok += 1
-                        self.latencies.append(time.perf_counter() - start)
-                    else:
-                        self.wrong += 1
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(120)
 
 
 def wait(condition, what: str, timeout_s: float = 120.0) -> None:
@@ -123,7 +81,7 @@ def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
     wait(answering, "first answer")
     restarted_in_time = True
     try:
-        with Load(url, args.clients) as load:
+        with CheckedLoad(url, args.clients) as load:
             for _ in range(args.kills):
                 seen = load.ok
                 wait(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
@@ -179,7 +137,7 @@ def run_ray(model: Path, args: argparse.Namespace) -> dict:
                 if "#add_sub#" in a["name"]
             ]
 
-        with Load(url, args.clients) as load:
+        with CheckedLoad(url, args.clients) as load:
             for _ in range(args.kills):
                 seen = load.ok
                 wait(lambda seen=seen: load.ok > seen + 20, "answers before the kill", 60)
@@ -195,17 +153,17 @@ def run_ray(model: Path, args: argparse.Namespace) -> dict:
     return summary(load, args.kills, True)
 
 
-def summary(load: Load, restarts: int, restarted_in_time: bool) -> dict:
+def summary(load: CheckedLoad, restarts: int, restarted_in_time: bool) -> dict:
     lat = sorted(load.latencies) or [float("nan")]
 
     def q(p: float) -> float:
         return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 2)
 
     failures: dict[str, int] = {}
-    for f in load.failed:
+    for f in load.failures:
         failures[f] = failures.get(f, 0) + 1
     return {
-        "ok": load.ok, "wrong": load.wrong, "failed": len(load.failed),
+        "ok": load.ok, "wrong": load.wrong, "failed": len(load.failures),
         "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(lat[-1] * 1e3, 1),
         "restarts": restarts, "restarted_in_time": restarted_in_time,
         "failures": sorted(failures.items(), key=lambda kv: -kv[1])[:5],

@@ -25,6 +25,7 @@ import pytest
 
 from conftest import free_port, ray_serve, scrape, wait_until
 from servekit import ModelConfig, RayOptions, ServeConfig, ServerConfig
+from servekit.bench.checked import CheckedLoad
 from servekit.client import Client
 from servekit.runtime.processes import processes
 from servekit.runtime.supervisor import Supervisor
@@ -73,49 +74,6 @@ def supervised(runtime) -> Iterator[Supervisor]:
         thread.join(60)
 
 
-class Load:
-    """Clients sending random add_sub inputs and checking every answer."""
-
-    def __init__(self, url: str, clients: int = 4) -> None:
-        self.url, self.stop = url, threading.Event()
-        self.ok = 0
-        self.failures: list[str] = []
-        self.latencies: list[float] = []
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
-        ]
-
-    def _run(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with Client(self.url) as client:
-            while not self.stop.is_set():
-                a, b = rng.random((2, 1, 16), dtype=np.float32)
-                start = time.perf_counter()
-                try:
-                    out = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
-                    good = np.allclose(out["OUTPUT0"], a + b) and np.allclose(out["OUTPUT1"], a - b)
-                    failure = None if good else "a wrong answer"
-                except Exception as exc:
-                    failure = str(exc)
-                with self._lock:
-                    if failure is None:
-                        self.ok += 1
-                        self.latencies.append(time.perf_counter() - start)
-                    else:
-                        self.failures.append(failure)
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(60)
-
-
 def add_sub_config(path: Path, runtime: str) -> ServeConfig:
     return ServeConfig((ModelConfig(str(path), "add_sub", image=False),), runtime=runtime)
 
@@ -133,7 +91,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
     rng = random.Random(29)
     with supervised(served) as supervisor:
         wait_until(lambda: Client(url).infer("add_sub", _inputs()), "the first answer", 120)
-        with Load(url) as load:
+        with CheckedLoad(url) as load:
             for kill in range(KILLS):
                 seen = load.ok
                 wait_until(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
@@ -145,7 +103,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
                     "the restart", 60,
                 )  # fmt: skip
         families = scrape(f"{url}/metrics")
-    assert load.failures == []
+    assert load.failures == [] and load.wrong == 0
     assert supervisor.restarts == KILLS
     add_sub = frozenset({("model", "add_sub")})
     assert families[("servekit_worker_deaths", add_sub)] == KILLS
@@ -266,7 +224,7 @@ def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_p
                 if "#add_sub#" in a["name"]
             ]
 
-        with Load(url) as load:
+        with CheckedLoad(url) as load:
             for _ in range(KILLS):
                 seen = load.ok
                 wait_until(lambda seen=seen: load.ok > seen + 20, "answers before the kill", 60)
@@ -279,7 +237,7 @@ def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_p
             wait_until(lambda: load.ok > seen + 20, "answers after the last kill", 60)
         families = scrape(f"{url}/metrics")
         serve.delete("servekit")
-    assert load.failures == []
+    assert load.failures == [] and load.wrong == 0
     add_sub = frozenset({("model", "add_sub")})
     assert families[("servekit_worker_deaths", add_sub)] >= 1
     assert families[("servekit_requests_quarantined", add_sub)] == 0
