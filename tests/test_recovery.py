@@ -186,3 +186,25 @@ def test_fingerprints_tell_inputs_and_models_apart():
 def test_the_knobs_are_checked():
     with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
         Recovery(timeout_s=0)
+
+
+def test_a_suspect_whose_deadline_passes_while_it_waits_its_turn_gets_a_504():
+    recovery = Recovery()
+
+    async def slow() -> str:
+        await asyncio.sleep(0.3)
+        return OK
+
+    async def run() -> list[object]:
+        now = time.monotonic()
+        calls = [
+            recovery.replay("m", slow, lost, deadline=now + 10, key=lambda: b"a",
+                            first=Lost.IN_FLIGHT),
+            recovery.replay("m", slow, lost, deadline=now + 0.15, key=lambda: b"b",
+                            first=Lost.IN_FLIGHT),
+        ]  # fmt: skip
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, second = asyncio.run(run())
+    assert first == OK
+    assert isinstance(second, WorkerDied) and "while it waited to be re-sent" in str(second)

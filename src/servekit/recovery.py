@@ -185,6 +185,11 @@ class Recovery:
                 if m.suspects is None:
                     m.suspects = asyncio.Lock()
                 async with m.suspects:
+                    if self._clock() >= deadline:  # waited its turn past the deadline
+                        raise WorkerDied(
+                            f"model {model!r}: the worker died with the request in flight, "
+                            "and its deadline passed while it waited to be re-sent"
+                        )
                     sent_up = m.down_since is None
                     outcome = await send()
             else:
@@ -193,9 +198,8 @@ class Recovery:
 
     def _quarantine(self, model: str, digest: bytes, deaths: int) -> Any:
         why = (
-            f"model {model!r}: its worker died {deaths} times with this request in flight, "
-            "the last time with no other suspect; it is not sent again (the same input is "
-            "refused from now on)"
+            f"model {model!r}: its worker died {deaths} times with this request in flight; "
+            "it is not sent again, and the same input is refused from now on"
         )
         self._poison[digest] = why
         while len(self._poison) > QUARANTINE_KEPT:

@@ -292,8 +292,8 @@ class TritonServer:
         if self._front is not None and not keep_front:
             self._front.stop()
             self._front = None
-        if keep_front and self._workdir is not None:  # tritonserver and its stubs, at once
-            kill_leftovers(str(self._workdir.path))
+        if keep_front and self._front is not None and self._workdir is not None:
+            kill_leftovers(str(self._workdir.path))  # the front re-sends what was in flight
         if self._triton is not None:
             self._triton.stop()
             self._triton = None
