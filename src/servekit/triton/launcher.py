@@ -319,15 +319,17 @@ class TritonProcess:
     def dead_instances(self) -> list[str]:
         """Model instances (``<model>_<n>_<device>``) whose Python backend stub died while
         tritonserver still holds the model: each stub seen is remembered; one gone is dead
-        unless its model can unload (explicit or poll mode) and tritonserver says it is
-        not ready."""
+        unless another stub now runs that instance (a new version's) or its model can
+        unload (explicit or poll mode) and tritonserver says it is not ready."""
         alive = self._alive_stubs()
         self._stubs.update(alive)
         gone = {pid: name for pid, name in self._stubs.items() if pid not in alive}
-        dead = []
+        dead, running = [], set(alive.values())
         for pid, name in gone.items():
             model = urllib.parse.quote(name.rsplit("_", 2)[0], safe="")
-            if self.options.model_control_mode == "none" or self._http_status(
+            if name in running:  # replaced: a new version's stub took over (poll mode)
+                del self._stubs[pid]
+            elif self.options.model_control_mode == "none" or self._http_status(
                 f"/v2/models/{model}/ready"
             ) in (200, None):  # nothing unloads; or still served (or tritonserver stuck on it)
                 dead.append(name)
