@@ -43,8 +43,9 @@ class Lost(enum.Enum):
 
     IN_FLIGHT = "the worker died with the request in flight"
     DEAD = "the worker was found dead"
-    """A death in flight only if the worker was live when the request was sent (a dead
-    Triton stub answers every request so until it is restarted)."""
+    """A death in flight only if the worker was thought live when the request was sent:
+    a dead Triton stub answers every request so until it is restarted, and the restart
+    drops the connections of requests sent meanwhile."""
     UNREACHABLE = "no live worker took the request"
 
 

@@ -108,8 +108,8 @@ class ForwardedModel:
 
     def _lost(self, outcome: Answer | ServekitError) -> Lost | None:
         """What a worker death (or none live) did to an attempt, as tritonserver shows it."""
-        if isinstance(outcome, Dropped):
-            return Lost.IN_FLIGHT
+        if isinstance(outcome, Dropped):  # tritonserver died, or the restart killed it
+            return Lost.DEAD
         if isinstance(outcome, ServekitError):
             return Lost.UNREACHABLE  # tritonserver not answering (restarting)
         status, body = outcome[0], outcome[1]
