@@ -208,3 +208,39 @@ def test_a_suspect_whose_deadline_passes_while_it_waits_its_turn_gets_a_504():
     first, second = asyncio.run(run())
     assert first == OK
     assert isinstance(second, WorkerDied) and "while it waited to be re-sent" in str(second)
+
+
+def test_a_pooled_connection_closed_with_the_request_sent_and_no_server_after_is_a_drop():
+    """The forwarder re-sends once on a fresh connection when a reused one closes before
+    any answer (an idle close). If the server is gone by then, the request was in flight
+    when it died: ``Dropped`` (a death), not "not answering" (no worker yet)."""
+    from servekit.front.http import Dropped, HttpForwarder
+
+    async def run() -> object:
+        requests = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal requests
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+                requests += 1
+                if requests == 2:  # the server dies with the second request in flight
+                    server.close()
+                    writer.transport.abort()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        forwarder = HttpForwarder(f"http://127.0.0.1:{port}")
+        request = forwarder.request_bytes("/v2/models/m/infer", b"{}")
+        first = await forwarder.exchange(request)
+        second = await forwarder.exchange(request)  # on the pooled connection
+        await forwarder.close()
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert first[0] == 200  # type: ignore[index]
+    assert isinstance(second, Dropped)

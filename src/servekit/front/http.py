@@ -89,7 +89,7 @@ class _Connection(asyncio.Protocol):
             return
         if self.retry and not self.answered:  # closed while idle in the pool: once more, fresh
             done, self.done = self.done, None
-            self.pool.connect_and_send(self.request, done)
+            self.pool.connect_and_send(self.request, done, dropped=True)
             return
         self._fail(Dropped(f"tritonserver dropped the connection: {exc or 'closed'}"))
 
@@ -141,17 +141,22 @@ class HttpForwarder:
                 return
         self.connect_and_send(request, done)
 
-    def connect_and_send(self, request: bytes, done: Done) -> None:
-        task = asyncio.get_running_loop().create_task(self._connect_and_send(request, done))
+    def connect_and_send(self, request: bytes, done: Done, *, dropped: bool = False) -> None:
+        """Send on a new connection. ``dropped``: a reused one closed with the request sent,
+        so if the server cannot be reached now, it died with the request (``Dropped``)."""
+        task = asyncio.get_running_loop().create_task(
+            self._connect_and_send(request, done, dropped)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connect_and_send(self, request: bytes, done: Done) -> None:
+    async def _connect_and_send(self, request: bytes, done: Done, dropped: bool) -> None:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
         except OSError as exc:
-            done(ModelNotReady(f"tritonserver is not answering: {exc}"))
+            error = Dropped if dropped else ModelNotReady
+            done(error(f"tritonserver is not answering: {exc}"))
             return
         conn.send(request, done, retry=False)
 
