@@ -44,7 +44,7 @@ except ImportError:  # the ray extra is absent: the Ray case skips
 pytest.importorskip("tritonclient", reason="needs the triton extra")
 pytest.importorskip("httptools", reason="needs the http extra")
 
-KILLS = 3
+KILLS = 2
 """Kills per runtime here; bench/recovery.py makes ten."""
 
 
