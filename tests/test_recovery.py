@@ -244,3 +244,29 @@ def test_a_pooled_connection_closed_with_the_request_sent_and_no_server_after_is
     first, second = asyncio.run(run())
     assert first[0] == 200  # type: ignore[index]
     assert isinstance(second, Dropped)
+
+
+def test_a_tensors_key_tells_names_shapes_and_data_apart_and_is_made_only_when_asked():
+    import numpy as np
+
+    from servekit.recovery import tensors_key
+
+    x = np.arange(4, dtype=np.float32)
+    same = tensors_key("m", "", {"x": x.copy()})()
+    assert tensors_key("m", "", {"x": x})() == same
+    assert tensors_key("m", "", {"x": x.reshape(2, 2)})() != same
+    assert tensors_key("m", "", {"y": x})() != same
+    assert tensors_key("m", "2", {"x": x})() != same
+    assert tensors_key("m", "", {"x": x[::-1]})() != same  # a strided view, hashed as its values
+
+    class Counted(dict):  # a mapping that counts reads: the key reads nothing until called
+        reads = 0
+
+        def __getitem__(self, name):
+            Counted.reads += 1
+            return super().__getitem__(name)
+
+    key = tensors_key("m", "", Counted(x=x))
+    assert Counted.reads == 0
+    key()
+    assert Counted.reads == 1

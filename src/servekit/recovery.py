@@ -22,13 +22,15 @@ import collections
 import enum
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .errors import PoisonInput, WorkerDied
 
-__all__ = ["Lost", "Recovery", "RECOVERY_METRICS", "fingerprint"]
+__all__ = ["Lost", "Recovery", "RECOVERY_METRICS", "fingerprint", "tensors_key"]
 
 T = TypeVar("T")
 
@@ -55,6 +57,21 @@ def fingerprint(model: str, *parts: bytes) -> bytes:
     for part in parts:
         h.update(part)
     return h.digest()
+
+
+def tensors_key(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> Callable[[], bytes]:
+    """``fingerprint`` of tensors (names, dtypes, shapes and data), made only when called:
+    ``Recovery.refuse_poison`` asks for it once something has been quarantined."""
+
+    def key() -> bytes:
+        h = hashlib.blake2b(f"{model}\0{version}".encode(), digest_size=16)
+        for name in sorted(inputs):
+            a = np.ascontiguousarray(inputs[name])
+            h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}".encode())
+            h.update(a.data if a.dtype.kind != "O" else repr(a.tolist()).encode())
+        return h.digest()
+
+    return key
 
 
 @dataclass

@@ -50,7 +50,7 @@ from ..protocol.kserve import HEADER_LENGTH
 from ..protocol.models import FrontModel, StaticModels
 from ..protocol.routed import RoutedModel
 from ..protocol.surface import repository_index
-from ..recovery import Lost, Recovery, fingerprint
+from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..rollout import Traffic
 from ..spec import ModelSpec, spec_from_config
 from .grpc import GrpcForwarder
@@ -229,9 +229,7 @@ class ForwardedModel:
 
         if recovery is None:
             return cast(dict[str, np.ndarray], await attempt())
-        key = functools.partial(
-            fingerprint, self.name, version.encode(), *(inputs[n].tobytes() for n in sorted(inputs))
-        )
+        key = tensors_key(self.name, version, inputs)
         recovery.refuse_poison(self.name, key)
         live, arrived = recovery.live(self.name), time.monotonic()
         outcome = await recovery.replay(

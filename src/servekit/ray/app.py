@@ -20,7 +20,7 @@ from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
 from ..protocol.routed import route, traffic_of
-from ..recovery import Lost, Recovery, fingerprint
+from ..recovery import Lost, Recovery, tensors_key
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
@@ -143,8 +143,7 @@ class _Remote:
         if recovery is None:
             value: Any = await self._attempt(inputs)
         else:
-            parts = (inputs[n].tobytes() for n in sorted(inputs))
-            key = functools.partial(fingerprint, self.name, *parts)
+            key = tensors_key(self.name, "", inputs)
             recovery.refuse_poison(self.name, key)
             live = recovery.live(self.name)
             value = await recovery.replay(
