@@ -5,6 +5,7 @@ sends. Whatever one connection does, the server and every other connection go on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import os
@@ -24,16 +25,32 @@ hpack = pytest.importorskip("hpack")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 from conftest import wait_until  # noqa: E402
+from h2raw import (  # noqa: E402
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    INFER,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    RawH2,
+    adder_request,
+    address,
+    attack_while_calling,
+    frame,
+    grpc_message,
+    opened_stream,
+    rapid_reset,
+    sums,
+)
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.native import NativeServer  # noqa: E402
 from servekit.zoo.tiny import build_simulated  # noqa: E402
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    0, 1, 3, 4, 6, 7, 8, 9,
-)  # fmt: skip
-END_STREAM, END_HEADERS = 0x1, 0x4
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 WIDE = 100_000
 """The wide model's row: 400 KB in and out, more than HTTP/2's default window."""
 LIMIT = 2 * 1024 * 1024
@@ -61,127 +78,11 @@ def server(tmp_path_factory, add_sub_path):
         yield native
 
 
-def address(server) -> str:
-    return server.config.server.grpc_url.removeprefix("grpc://")
-
-
-def adder_request(value: float) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="adder")
-    for name in ("INPUT0", "INPUT1"):
-        request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
-        request.raw_input_contents.append(np.full((1, 16), value, np.float32).tobytes())
-    return request
-
-
-def sums(response: service_pb2.ModelInferResponse) -> np.ndarray:
-    index = [o.name for o in response.outputs].index("OUTPUT0")
-    return np.frombuffer(response.raw_output_contents[index], np.float32)
-
-
 def slow_request() -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name="slow")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
     request.raw_input_contents.append(bytes(64))
     return request
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
-def grpc_message(body: bytes, compressed: bool = False) -> bytes:
-    return bytes((int(compressed),)) + len(body).to_bytes(4, "big") + body
-
-
-class RawH2:
-    """A hand-driven HTTP/2 client: frames out, frames in, nothing automatic but PING's ACK."""
-
-    def __init__(self, server, settings_payload: bytes = b"", preface: bytes = PREFACE) -> None:
-        host, port = address(server).rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.sock.sendall(preface + frame(SETTINGS, 0, 0, settings_payload))
-        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
-        self.buffer = b""
-
-    def send(self, kind: int, flags: int, stream: int, payload: bytes = b"") -> None:
-        self.sock.sendall(frame(kind, flags, stream, payload))
-
-    def call(
-        self, stream: int, body: bytes, *, path: str = INFER, headers=(), end: bool = True
-    ) -> None:
-        block = self.encoder.encode(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", path),
-                (":authority", "test"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                *headers,
-            ]
-        )
-        self.send(HEADERS, END_HEADERS, stream, block)
-        self.send(DATA, END_STREAM if end else 0, stream, body)
-
-    def add(self, stream: int, value: float) -> float:
-        """An adder call on this connection: the sum it answers (its status must be OK)."""
-        self.call(stream, grpc_message(adder_request(value).SerializeToString()))
-        _, answer, trailers = self.response(stream)
-        assert trailers["grpc-status"] == "0", trailers
-        return float(sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0])
-
-    def frame(self) -> tuple[int, int, int, bytes] | None:
-        """The next frame, or None once the server has closed the connection."""
-        while len(self.buffer) < 9 or len(self.buffer) < 9 + int.from_bytes(self.buffer[:3], "big"):
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                return None
-            self.buffer += chunk
-        length = int.from_bytes(self.buffer[:3], "big")
-        kind, flags = self.buffer[3], self.buffer[4]
-        stream = int.from_bytes(self.buffer[5:9], "big")
-        payload, self.buffer = self.buffer[9 : 9 + length], self.buffer[9 + length :]
-        return kind, flags, stream, payload
-
-    def response(self, stream: int, on_data=None) -> tuple[dict, bytes, dict]:
-        """(headers, message bytes, trailers) of one call; ``on_data(frame)`` sees each DATA."""
-        headers: dict = {}
-        body = b""
-        while True:
-            got = self.frame()
-            assert got is not None, "the server closed the connection"
-            kind, flags, sid, payload = got
-            if kind == HEADERS:
-                decoded = dict(self.decoder.decode(payload))
-                if sid == stream and flags & END_STREAM:
-                    return headers, body, decoded
-                if sid == stream:
-                    headers = decoded
-            elif kind == DATA and sid == stream:
-                body += payload
-                if on_data is not None:
-                    on_data(payload)
-            elif kind == PING and not flags & 1:
-                self.send(PING, 1, 0, payload)
-
-    def goaway(self) -> tuple[int, str] | None:
-        """The error code and reason of the server's GOAWAY, once it has closed."""
-        found = None
-        while (got := self.frame()) is not None:
-            if got[0] == GOAWAY:
-                found = int.from_bytes(got[3][4:8], "big"), got[3][8:].decode()
-        return found
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> RawH2:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @pytest.fixture
@@ -463,51 +364,9 @@ def test_stop_answers_the_calls_in_flight(tmp_path):
 # A client that means harm: the HTTP/2 denial-of-service classes, on raw sockets.
 
 
-def _blast(server, blob: bytes, rounds: int, results: list) -> None:
-    """Connections that each send ``blob`` (never reading while sending) and then read
-    until the server closes: the GOAWAY each got."""
-    for _ in range(rounds):
-        with RawH2(server) as raw:
-            with contextlib.suppress(OSError):  # the server hung up on us mid-blast
-                raw.sock.sendall(blob)
-            try:
-                results.append(raw.goaway())
-            except OSError:
-                results.append("reset")
-
-
-def _attack_while_calling(live, server, blob: bytes) -> tuple[list, float]:
-    """Attack from other connections while a polite client calls: the GOAWAYs the
-    attacker got and the polite client's slowest call."""
-    results: list = []
-    attacker = threading.Thread(target=_blast, args=(server, blob, 5, results))
-    attacker.start()
-    slowest = 0.0
-    while attacker.is_alive():
-        start = time.perf_counter()
-        assert sums(live.ModelInfer(adder_request(1.0), timeout=30))[0] == 2.0
-        slowest = max(slowest, time.perf_counter() - start)
-    attacker.join()
-    return results, slowest
-
-
 def test_rapid_reset_gets_goaway_and_other_connections_keep_being_answered(live, server):
     """CVE-2023-44487: open a stream and reset it at once, thousands of times a second."""
-    encoder = hpack.Encoder()
-    block = encoder.encode(
-        [(":method", "POST"), (":scheme", "http"), (":path", INFER), (":authority", "x"),
-         ("content-type", "application/grpc")]
-    )  # fmt: skip
-    again = encoder.encode(
-        [(":method", "POST"), (":scheme", "http"), (":path", INFER), (":authority", "x"),
-         ("content-type", "application/grpc")]
-    )  # fmt: skip
-    blob = frame(HEADERS, END_HEADERS, 1, block) + frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))
-    blob += b"".join(
-        frame(HEADERS, END_HEADERS, sid, again) + frame(RST_STREAM, 0, sid, (8).to_bytes(4, "big"))
-        for sid in range(3, 2 * 5000, 2)
-    )
-    results, slowest = _attack_while_calling(live, server, blob)
+    results, slowest = attack_while_calling(live, server, rapid_reset())
     assert results and all(r == (11, "too many RST_STREAM frames") for r in results), results
     assert slowest < 1.0, slowest  # the issue asks 0.5 s; 1 s leaves room for CI's noise
 
@@ -522,12 +381,8 @@ def test_control_frame_floods_get_goaway_and_hold_no_memory(live, server, flood,
     from servekit.store import rss_bytes
 
     before = rss_bytes()
-    opener = b""
-    if why == "empty DATA":  # a stream to send them on
-        opener = frame(HEADERS, END_HEADERS, 1, hpack.Encoder().encode(
-            [(":method", "POST"), (":scheme", "http"), (":path", INFER), (":authority", "x"),
-             ("content-type", "application/grpc")]))  # fmt: skip
-    results, _ = _attack_while_calling(live, server, opener + flood * 200_000)
+    opener = opened_stream() if why == "empty DATA" else b""  # a stream to send them on
+    results, _ = attack_while_calling(live, server, opener + flood * 200_000)
     assert all(r == (11, f"too many {why} frames") for r in results), results
     assert rss_bytes() - before < 64 * 1024 * 1024
 
@@ -604,3 +459,88 @@ def test_a_peer_that_never_reads_its_replies_is_paused_not_buffered():
         assert rss_bytes() - before < 64 * 1024 * 1024
     finally:
         handle.stop()
+
+
+# servekit's own client (``grpc.h2client``): what the Triton runtimes' gRPC front sends
+# tritonserver with, here against servekit's own server and a socket that hangs up.
+
+
+def _lean_calls(server, *messages: tuple[str, bytes], cancel_after: float | None = None):
+    from servekit.grpc.h2client import H2Client
+
+    async def run():
+        host, port = address(server).rsplit(":", 1)
+        client = H2Client(host, int(port))
+        try:
+            calls = [client.call(f"/inference.GRPCInferenceService/{m}", b) for m, b in messages]
+            if cancel_after is None:
+                return await asyncio.gather(*calls)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(calls[0], cancel_after)
+            return [await c for c in calls[1:]]
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_the_lean_client_gets_each_call_its_own_answer(server):
+    values = [float(i) for i in range(64)]
+    answers = _lean_calls(
+        server, *(("ModelInfer", adder_request(v).SerializeToString()) for v in values)
+    )
+    for value, (code, message, reply) in zip(values, answers, strict=True):
+        assert code == 0, message
+        assert sums(service_pb2.ModelInferResponse.FromString(reply))[0] == 2 * value
+
+
+def test_the_lean_client_carries_a_message_larger_than_the_window_and_a_status(server):
+    request = service_pb2.ModelInferRequest(model_name="wide")
+    data = np.random.default_rng(1).standard_normal((3, WIDE)).astype(np.float32)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=list(data.shape))
+    request.raw_input_contents.append(data.tobytes())
+    unknown = service_pb2.ModelInferRequest(model_name="nope").SerializeToString()
+    (code, _, reply), (bad, message, _) = _lean_calls(
+        server, ("ModelInfer", request.SerializeToString()), ("ModelInfer", unknown)
+    )
+    assert code == 0
+    out = service_pb2.ModelInferResponse.FromString(reply).raw_output_contents[0]
+    assert np.array_equal(np.frombuffer(out, np.float32).reshape(data.shape), data)
+    assert bad == 5 and "nope" in message  # NOT_FOUND, the server's words
+
+
+def test_a_cancelled_lean_call_is_reset_and_the_connection_goes_on(server):
+    (code, message, reply), = _lean_calls(
+        server, ("ModelInfer", slow_request().SerializeToString()),
+        ("ModelInfer", adder_request(3.0).SerializeToString()), cancel_after=0.05,
+    )  # fmt: skip
+    assert code == 0, message
+    assert sums(service_pb2.ModelInferResponse.FromString(reply))[0] == 6.0
+
+
+def test_the_lean_client_says_whether_a_call_was_sent():
+    """Nobody listening: "failed to connect" (nothing was sent, safe to send again); a
+    server that hangs up after reading: the call was sent (it may have run)."""
+    from servekit.endpoints import free_port
+    from servekit.grpc.h2client import H2Client
+
+    async def run():
+        refused = await H2Client("127.0.0.1", free_port()).call("/x/Y", b"")
+        got = asyncio.Event()
+
+        async def hang_up(reader, writer):
+            await reader.read(100)
+            got.set()
+            writer.close()
+
+        listener = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        client = H2Client("127.0.0.1", port)
+        dropped = await client.call("/x/Y", b"abc")
+        await client.close()
+        listener.close()
+        return refused, dropped, got.is_set()
+
+    refused, dropped, read = asyncio.run(run())
+    assert refused[0] == 14 and "failed to connect" in refused[1], refused
+    assert read and dropped[0] == 14 and "with the call sent" in dropped[1], dropped

@@ -136,6 +136,29 @@ def _status_block(code: int, message: str) -> bytes:
     return block
 
 
+class BlockDecoder:
+    """HPACK decoding for one connection. A block of indexed fields only reads the tables
+    without changing them, so it means the same until a block that may change them: a
+    peer repeating its headers sends the same few bytes each time, decoded once."""
+
+    def __init__(self, max_header_list_size: int = MAX_HEADER_BLOCK) -> None:
+        self.decoder = hpack.Decoder()
+        self.decoder.max_header_list_size = max_header_list_size
+        self.decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+
+    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The block's headers (raw bytes); ``hpack.HPACKError`` if it is malformed."""
+        headers = self.decoded.get(block)
+        if headers is not None:
+            return headers
+        headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
+        if block.translate(None, _INDEXED) or len(self.decoded) >= 64:
+            self.decoded.clear()
+        else:
+            self.decoded[block] = headers
+        return headers
+
+
 class Method:
     """One unary method: its request message class and the coroutine that answers it."""
 
@@ -234,9 +257,7 @@ class _Connection(asyncio.Protocol):
         self.out: list[bytes] = []
         """Frames written this turn of the loop: sent together, one system call for all."""
         self.preface = False
-        self.decoder = hpack.Decoder()
-        self.decoder.max_header_list_size = MAX_HEADER_BLOCK
-        self.decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self.decoder = BlockDecoder()
         self.streams: dict[int, _Stream] = {}
         self.last_stream = 0
         self.block: bytearray | None = None
@@ -518,21 +539,10 @@ class _Connection(asyncio.Protocol):
             self._dispatch(sid, stream)
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        headers = self.decoded.get(block)
-        if headers is not None:
-            return headers
         try:
-            headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
+            return self.decoder.decode(block)
         except hpack.HPACKError as exc:
             raise _ConnectionError(COMPRESSION_ERROR, f"header block: {exc}") from None
-        # A block of indexed fields only reads the tables without changing them, so it
-        # means the same until a block that may change them: a client repeating its
-        # headers sends the same few bytes each call.
-        if block.translate(None, _INDEXED) or len(self.decoded) >= 64:
-            self.decoded.clear()
-        else:
-            self.decoded[block] = headers
-        return headers
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
