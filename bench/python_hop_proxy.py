@@ -54,7 +54,7 @@ def serve_uvicorn() -> None:
 
 def serve_front() -> None:
     from servekit import zoo
-    from servekit.front.front import Front
+    from servekit.front import Front
     from servekit.runners import load_runner
 
     spec = load_runner(str(zoo.resolve("add_sub"))).spec

@@ -412,14 +412,10 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     "pytriton": {
         "ray": "Ray deployment options",
         "store": "PyTriton cannot unload a model (pytriton#21)",
-        "grpc_handshake_timeout_s": "the public gRPC port is tritonserver's",
-        "grpc_idle_timeout_s": "the public gRPC port is tritonserver's",
         "inference_token": "PyTriton's gRPC port has one access token, the control_token",
     },
     "triton": {
         "ray": "Ray deployment options",
-        "grpc_handshake_timeout_s": "the public gRPC port is tritonserver's",
-        "grpc_idle_timeout_s": "the public gRPC port is tritonserver's",
         "store": "tritonserver loads each model in a stub process of its own, outside the "
         "store's measure and eviction: use servekit triton --model-control-mode explicit and "
         "the repository API (load/unload pass through the front)",
@@ -513,6 +509,12 @@ class ServeConfig:
                 if m.versions or m.traffic or m.canary
             ]
         if runtime in ("pytriton", "triton") and not self.server.front:
+            problems += [
+                f"server.{knob} = {getattr(self.server, knob)!r} (with server.front = false "
+                "the public gRPC port is tritonserver's)"
+                for knob in ("grpc_handshake_timeout_s", "grpc_idle_timeout_s")
+                if getattr(self.server, knob) != getattr(default_server, knob)
+            ]
             problems += [
                 f"models.{m.name}: versions and [models.traffic] with server.front = false "
                 "(on the Triton runtimes the split runs in servekit's front)"

@@ -1,8 +1,9 @@
 """The forwarding front of the Triton runtimes (``servekit serve`` on PyTriton, ``servekit
-triton``): servekit's KServe handler on the public port, checking every request, then passing
-it to tritonserver over a pooled HTTP connection (``http``) or as tensors over gRPC
-(``grpc``)."""
+triton``): servekit's KServe handler on the public HTTP port, checking every request, then
+passing it to tritonserver over a pooled HTTP connection (``http``), and servekit's gRPC
+server on the public gRPC port, passing calls on as their bytes (``relay``, ``grpc``)."""
 
-from .front import ForwardedModel, Front, TritonModels
+from .front import ForwardedModel, TritonModels
+from .server import Front
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]

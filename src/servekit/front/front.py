@@ -7,9 +7,9 @@ to loopback on a private port and the public HTTP port is servekit's ``KServeApp
 decodes and checks every request against the model's spec before anything is
 allocated (the same code as the native runtime and the Ray ingress), then passes the
 request's bytes on untouched to Triton's HTTP port on loopback (``HttpForwarder``: a
-pooled keep-alive connection) and Triton's answer back as it is. Triton's gRPC port
-refuses the same hostile requests cleanly, so it stays public, with what the front does
-not carry (shared-memory registration, repository and statistics APIs).
+pooled keep-alive connection) and Triton's answer back as it is. Triton's gRPC moves to
+loopback too: the public gRPC port is servekit's own HTTP/2 server (``relay``), which
+passes calls on as their bytes, because tritonserver's HTTP/2 falls to a rapid reset.
 
 PyTriton's models are known up front (``Front(models=...)``); a model repository's come
 and go (explicit loads, polling), so ``servekit triton`` gives the front a
@@ -17,9 +17,10 @@ and go (explicit loads, polling), so ``servekit triton`` gives the front a
 
 A model served in several versions with a traffic split (``[models.traffic]``) is a
 ``RoutedModel`` here, as on the native runtime: the front picks the version, runs the
-shadow and feeds the canary, and asks Triton for that version (``TritonVersion``). So
-that gRPC clients get the same split, the front then also serves the public gRPC port
-(servekit's ``GrpcService``) and tritonserver's gRPC moves to a private loopback port.
+shadow and feeds the canary, and asks Triton for that version (``TritonVersion``), on
+HTTP and on gRPC (servekit's ``GrpcService`` then decodes the call).
+
+The server itself (``Front``: HTTP and gRPC on one loop) is in ``server``.
 """
 
 from __future__ import annotations
@@ -34,18 +35,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from ..batching import Batcher
-from ..config import MAX_BODY_BYTES
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotFound, ModelNotReady, ServekitError
-from ..grpc import GrpcOnLoop, GrpcService
-from ..http.app import KServeApp
-from ..http.h1 import H1Server
-from ..metrics import Family
 from ..protocol.kserve import HEADER_LENGTH
 from ..protocol.models import FrontModel, StaticModels
 from ..protocol.routed import RoutedModel
@@ -53,10 +49,10 @@ from ..protocol.surface import repository_index
 from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..rollout import Traffic
 from ..spec import ModelSpec, spec_from_config
-from .grpc import GrpcForwarder
+from .grpc import GrpcForwarder, Status
 from .http import Answer, Done, Dropped, HttpForwarder
 
-__all__ = ["ForwardedModel", "Front", "TritonModels", "TritonVersion"]
+__all__ = ["ForwardedModel", "PyTritonModels", "TritonModels", "TritonVersion"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +198,49 @@ class ForwardedModel:
         else:
             done(exc if isinstance(exc, ServekitError) else ModelNotReady(str(exc)))
 
+    def _grpc(self) -> GrpcForwarder:
+        if self._client is None:  # a gRPC aio channel belongs to the loop that made it
+            headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
+            self._client = GrpcForwarder(self.url, headers=headers)
+        return self._client
+
+    def _relay_lost(self, outcome: bytes | Status) -> Lost | None:
+        """``_lost`` for a gRPC call passed on as bytes."""
+        if not isinstance(outcome, Status):
+            return None
+        if _STUB_DEAD.decode() in outcome.details:
+            return Lost.DEAD
+        if outcome.code.name == "UNAVAILABLE":  # the connection: never made, or cut with the call
+            return Lost.UNREACHABLE if "failed to connect" in outcome.details else Lost.DEAD
+        recovery = self.recovery
+        reloading = _RELOADING.search(outcome.details.encode())
+        if reloading and recovery is not None and not recovery.live(self.name):
+            return Lost.UNREACHABLE
+        return None
+
+    async def relay(
+        self,
+        body: bytes,
+        key: Callable[[], bytes],
+        *,
+        timeout_us: int | None = None,
+        metadata: tuple[tuple[str, Any], ...] = (),
+    ) -> bytes | Status:
+        """A checked ``ModelInferRequest`` message to Triton's gRPC port as its bytes, and
+        Triton's answer as it is; re-sent if its worker dies (``recovery``, with ``key``
+        the request's poison fingerprint)."""
+        send = functools.partial(self._grpc().call, "ModelInfer", body, metadata)
+        recovery = self.recovery
+        if recovery is None:
+            return await send()
+        recovery.refuse_poison(self.name, key)
+        live, arrived = recovery.live(self.name), time.monotonic()
+        outcome = await recovery.replay(
+            self.name, send, self._relay_lost, deadline=recovery.deadline(timeout_us, arrived),
+            key=key, first=await send(), first_sent_live=live,
+        )  # fmt: skip
+        return cast("bytes | Status", outcome)
+
     async def infer(
         self,
         inputs: Mapping[str, np.ndarray],
@@ -211,10 +250,7 @@ class ForwardedModel:
         version: str = "",
     ) -> dict[str, np.ndarray]:
         self.spec.validate_inputs(inputs)
-        if self._client is None:  # a gRPC aio channel belongs to the loop that made it
-            headers = {INFERENCE_TOKEN_HEADER: self._token} if self._token else None
-            self._client = GrpcForwarder(self.url, headers=headers)
-        client = self._client
+        client = self._grpc()
         recovery = self.recovery
 
         async def attempt() -> dict[str, np.ndarray] | ServekitError:
@@ -536,116 +572,3 @@ class TritonModels(Mapping[str, ForwardedModel]):
     async def aclose(self) -> None:
         for model in [*(m for _, m in self._cache.values()), *self._retired]:
             await model.aclose()
-
-
-class Front:
-    """``KServeApp`` over ``ForwardedModel``s, served by ``H1Server`` on its own thread:
-    a checked infer request goes on to Triton from callbacks (``KServeApp.forward_now``).
-
-    ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry;
-    ``control_headers`` reach tritonserver's restricted APIs (the repository index).
-    ``traffic``: each routed model's split (with ``routes`` on PyTriton: name -> version ->
-    Triton model); ``grpc_port``: serve gRPC there too, over the same models (needed
-    once a model is routed; ``grpc_url`` is then tritonserver's private gRPC port).
-    ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
-    signal's source (``TritonDemand``), exported on the front's ``/metrics``;
-    ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
-    ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
-    registry's models share it.
-    """
-
-    def __init__(
-        self,
-        models: Mapping[str, ModelSpec] | TritonModels,
-        grpc_url: str,
-        *,
-        host: str,
-        port: int,
-        ready: Callable[[], bool],
-        max_body_bytes: int = MAX_BODY_BYTES,
-        inference_token: str | None = None,
-        http_url: str,
-        control_headers: Mapping[str, str] | None = None,
-        traffic: Mapping[str, Traffic] | None = None,
-        routes: Mapping[str, Mapping[int, str]] | None = None,
-        grpc_port: int | None = None,
-        control_token: str | None = None,
-        exit_timeout_s: float = 10.0,
-        demand: Callable[[], Iterable[Family]] | None = None,
-        http_limits: Mapping[str, Any] | None = None,
-        recovery: Recovery | None = None,
-    ) -> None:
-        self.recovery = recovery
-        self.registry: TritonModels | PyTritonModels = (
-            models
-            if isinstance(models, TritonModels)
-            else PyTritonModels(
-                {
-                    name: ForwardedModel(
-                        name,
-                        spec,
-                        grpc_url,
-                        inference_token,
-                        http_url=http_url,
-                        recovery=recovery,
-                    )  # fmt: skip
-                    for name, spec in models.items()
-                },
-                http_url,
-                control_headers or {},
-                routes=routes,
-                traffic=traffic,
-            )
-        )
-        self.app = KServeApp(
-            self.registry,
-            max_body_bytes=max_body_bytes,
-            ready=ready,
-            inference_token=inference_token,
-            control_token=control_token,
-        )
-        for t in (traffic or {}).values():
-            self.app.metrics.watch_traffic(t)
-        if demand is not None:
-            self.app.metrics.collect(demand)
-        if recovery is not None:
-            self.app.metrics.collect(recovery.figures)
-        self._grpc = (
-            GrpcOnLoop(
-                GrpcService(
-                    self.registry,
-                    ready=ready,
-                    inference_token=inference_token,
-                    on_failure=self.app.metrics.failed,
-                ),
-                host,
-                grpc_port,
-                max_body_bytes,
-                exit_timeout_s,
-            )  # fmt: skip
-            if grpc_port is not None
-            else None
-        )
-        self._http = H1Server(
-            self.app.handle,
-            host,
-            port,
-            fast=self.app.forward_now,
-            max_body_bytes=max_body_bytes,
-            **(http_limits or {}),
-            name="servekit-front",
-            on_start=self._grpc.start if self._grpc is not None else None,
-            on_exit=self._close,
-        )
-
-    def start(self, timeout_s: float = 30.0) -> Front:
-        self._http.start(timeout_s)
-        return self
-
-    async def _close(self) -> None:
-        if self._grpc is not None:
-            await self._grpc.stop()
-        await self.registry.aclose()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._http.stop(timeout_s)

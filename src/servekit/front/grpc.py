@@ -5,20 +5,39 @@ tensors in hand; HTTP requests through the front pass their bytes on instead,
 ``http.forward``). It builds the request message directly from numpy arrays (one
 ``tobytes`` per tensor) and reads outputs straight from ``raw_output_contents``, where
 tritonclient's asyncio client builds and parses Python objects per tensor and per call.
+``call`` passes any method's request message on as its bytes over servekit's own lean
+HTTP/2 client (``grpc.h2client``; the front's public gRPC port, ``front.relay``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import GRPC_HEADER_PREFIX, ModelNotReady, from_grpc_code
+from ..grpc.h2client import H2Client
 from ..protocol.kserve import tensor_from_raw, tensor_to_raw
 
-__all__ = ["GrpcForwarder"]
+__all__ = ["GrpcForwarder", "Status"]
+
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+class Status(NamedTuple):
+    """A call's status other than OK, as tritonserver gave it (``code``: a grpc.StatusCode)."""
+
+    code: Any
+    details: str
+
+
+def _status_code(number: int) -> Any:
+    """The grpc.StatusCode numbered ``number`` (UNKNOWN for a number gRPC does not define)."""
+    import grpc
+
+    return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
 
 
 class GrpcForwarder:
@@ -36,6 +55,7 @@ class GrpcForwarder:
         self._max = max_message_bytes
         self._channel: Any = None
         self._stub: Any = None
+        self._h2: H2Client | None = None
 
     def _connect(self) -> None:
         import grpc
@@ -85,7 +105,23 @@ class GrpcForwarder:
             for out, raw in zip(response.outputs, response.raw_output_contents, strict=True)
         }
 
+    async def call(
+        self, method: str, body: bytes, metadata: tuple[tuple[str, Any], ...] = ()
+    ) -> bytes | Status:
+        """``method``'s answer message from tritonserver to a request message, both as their
+        bytes (nothing decoded, ``H2Client``), or the status it ended with."""
+        if self._h2 is None:
+            host, port = self.url.rsplit(":", 1)
+            self._h2 = H2Client(host, int(port))
+        code, details, reply = await self._h2.call(
+            SERVICE + method, body, self._metadata + metadata
+        )
+        return reply if code == 0 else Status(_status_code(code), details)
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+        if self._h2 is not None:
+            await self._h2.close()
+            self._h2 = None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
 import grpc
 import numpy as np
@@ -49,9 +49,9 @@ from ..protocol.models import ModelRegistry, RepositoryControl
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
-from .h2 import GrpcH2Server, unary_methods
+from .h2 import GrpcH2Server, Method, unary_methods
 
-__all__ = ["GrpcOnLoop", "GrpcService", "grpc_server"]
+__all__ = ["GrpcOnLoop", "GrpcService", "decode_inputs", "grpc_server", "request_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +82,15 @@ def _parameter(value: Any) -> Any:
     return getattr(value, kind) if kind else None
 
 
-def _parameters(request: Any) -> dict[str, Any]:
+def request_parameters(request: Any) -> dict[str, Any]:
     """The request's ``parameters`` map as plain values (what the HTTP JSON carries)."""
     return {key: _parameter(value) for key, value in request.parameters.items()}
 
 
-def decode_inputs(request: Any) -> dict[str, np.ndarray]:
-    """The request's input tensors, checked before anything is allocated for them."""
-    available = request.ByteSize()
+def decode_inputs(request: Any, size: int | None = None) -> dict[str, np.ndarray]:
+    """The request's input tensors, checked before anything is allocated for them;
+    ``size``: the message's size in bytes, where the caller has it."""
+    available = request.ByteSize() if size is None else size
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
@@ -143,7 +144,13 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         self._control = control_token.encode() if control_token else None
         self._on_failure = on_failure
 
-    async def _fail(self, context: Any, exc: BaseException) -> None:
+    def methods(self) -> Mapping[bytes, Method | None]:
+        """The service's methods for ``GrpcH2Server``."""
+        descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        return unary_methods(self, descriptor, service_pb2)
+
+    async def fail(self, context: Any, exc: BaseException) -> None:
+        """End the call with ``exc``'s status (an unexpected error as INTERNAL, logged)."""
         if not isinstance(exc, ServekitError):
             log.exception("unexpected error in a gRPC call")
             exc = RunnerError(f"internal error: {type(exc).__name__}: {exc}")
@@ -171,7 +178,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         try:
             model = await self.models.lookup(request.name)
         except ServekitError as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         lead = [-1] if model.spec.batched else []
 
         def tensors(items: Any) -> list[Any]:
@@ -194,7 +201,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         try:
             model = await self.models.lookup(request.name)
         except ServekitError as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         return service_pb2.ModelConfigResponse(config=model_config(request.name, model))
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
@@ -207,7 +214,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 else dict(self.models.loaded())
             )
         except ServekitError as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         return json_format.ParseDict(statistics(models), service_pb2.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
@@ -240,9 +247,9 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     raise InvalidInput("repository load: parameters.config must be a JSON object")
             await control.load(request.model_name, override)
         except json.JSONDecodeError as exc:
-            await self._fail(context, InvalidInput(f"repository load: parameters.config: {exc}"))
+            await self.fail(context, InvalidInput(f"repository load: parameters.config: {exc}"))
         except Exception as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         return service_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
@@ -251,7 +258,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
             await control.unload(request.model_name)
         except Exception as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         return service_pb2.RepositoryModelUnloadResponse()
 
     async def _repository(self, context: Any, action: str) -> RepositoryControl:
@@ -263,7 +270,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             )
         return cast(RepositoryControl, self.models)
 
-    def _authenticate(self, context: Any) -> None:
+    def authenticate(self, context: Any) -> None:
+        """``Unauthenticated`` unless the call carries the inference token (when one is set)."""
         self._check(context, GRPC_TOKEN_KEY, self._token, INFERENCE_TOKEN_HEADER)
 
     @staticmethod
@@ -279,7 +287,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         name = request.model_name
         try:
-            self._authenticate(context)
+            self.authenticate(context)
             model = await self.models.lookup(name)
             if request.model_version not in ("", "1") and not model.versioned:
                 raise ModelNotFound(
@@ -292,7 +300,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 raise
             metadata = dict(context.invocation_metadata() or ())
             outputs, answered = await infer_answered(
-                model, inputs, **scheduling(_parameters(request)),
+                model, inputs, **scheduling(request_parameters(request)),
                 version=request.model_version, sticky_of=metadata.get,
             )  # fmt: skip
             wanted = [o.name for o in request.outputs] or list(outputs)
@@ -310,7 +318,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 if k:
                     outputs[o.name] = classify(outputs[o.name], int(k), o.name)
         except Exception as exc:
-            await self._fail(context, exc)
+            await self.fail(context, exc)
         response = service_pb2.ModelInferResponse(
             model_name=name, model_version=answered, id=request.id
         )
@@ -327,14 +335,18 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return service_pb2.CudaSharedMemoryStatusResponse()
 
 
+class Servicer(Protocol):
+    """What servekit's gRPC server serves: a table of unary methods (``GrpcService``)."""
+
+    def methods(self) -> Mapping[bytes, Method | None]: ...
+
+
 def grpc_server(
-    service: GrpcService, host: str, port: int, max_message_bytes: int, **limits: Any
+    service: Servicer, host: str, port: int, max_message_bytes: int, **limits: Any
 ) -> GrpcH2Server:
     """servekit's gRPC server with the service on ``host:port`` (start it on a running loop);
     ``limits``: its connection limits (``GrpcH2Server``'s keywords)."""
-    descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    methods = unary_methods(service, descriptor, service_pb2)
-    return GrpcH2Server(methods, host, port, max_message_bytes, **limits)
+    return GrpcH2Server(service.methods(), host, port, max_message_bytes, **limits)
 
 
 class GrpcOnLoop:
@@ -343,7 +355,7 @@ class GrpcOnLoop:
 
     def __init__(
         self,
-        service: GrpcService,
+        service: Servicer,
         host: str,
         port: int,
         max_message_bytes: int,

@@ -116,12 +116,12 @@ class TritonServer:
         )
         # A workspace servekit owns: PyTriton's default one leaves its TemporaryDirectory
         # to the garbage collector, which warns.
-        # A routed model's split holds on gRPC too: the front serves the public gRPC port.
-        # The private ports outlive a restart: the front keeps sending there.
+        # The front serves the public HTTP and gRPC ports; tritonserver's are private and
+        # outlive a restart: the front keeps sending there.
         if self._ports is None:
             self._ports = (
                 free_port() if c.front else c.http_port,
-                free_port() if self.traffic else c.grpc_port,
+                free_port() if c.front else c.grpc_port,
             )
         triton_http_port, triton_grpc_port = self._ports
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
@@ -132,7 +132,7 @@ class TritonServer:
             config=TritonConfig(
                 http_address="127.0.0.1" if c.front else c.host,
                 http_port=triton_http_port,
-                grpc_address="127.0.0.1" if self.traffic else c.host,
+                grpc_address="127.0.0.1" if c.front else c.host,
                 grpc_port=triton_grpc_port,
                 metrics_address=c.host,
                 metrics_port=c.metrics_port,
@@ -160,8 +160,8 @@ class TritonServer:
                 )
             triton.run()
             if c.front and self._front is None:  # the front outlives a restart
+                from ..front import Front
                 from ..front.demand import TritonDemand
-                from ..front.front import Front
 
                 routes: dict[str, dict[int, str]] = {}
                 for m in self.models:
@@ -169,7 +169,7 @@ class TritonServer:
                         routes.setdefault(m.name, {})[m.version] = bound[m]
                 self._front = Front(
                     {bound[m]: m.runner.spec for m in self.models},
-                    f"grpc://127.0.0.1:{triton_grpc_port}" if self.traffic else c.grpc_url,
+                    f"grpc://127.0.0.1:{triton_grpc_port}",
                     host=c.host,
                     port=c.http_port,
                     ready=self.is_healthy,
@@ -178,10 +178,11 @@ class TritonServer:
                     control_headers={"triton-access-token": security.access_token or ""},
                     traffic=self.traffic,
                     routes=routes,
-                    grpc_port=c.grpc_port if self.traffic else None,
+                    grpc_port=c.grpc_port,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
                     http_limits=c.http_limits(),
+                    grpc_limits=c.grpc_limits(),
                     demand=TritonDemand(
                         c.metrics_url,
                         f"http://127.0.0.1:{triton_http_port}",

@@ -101,7 +101,7 @@ class TritonProcess:
     """A tritonserver process with the servekit backend; start, use, stop (or a context manager).
 
     ``traffic``: the split of each model served in several versions (``traffic_of``); the
-    front routes them, on HTTP and on the public gRPC port, which it then serves itself.
+    front routes them, on HTTP and on the public gRPC port (both its own with ``front``).
     """
 
     def __init__(
@@ -128,12 +128,13 @@ class TritonProcess:
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
         self._front: Any = None
-        # With the front, tritonserver's HTTP endpoint keeps one private port across restarts.
+        # With the front, tritonserver's endpoints keep private ports across restarts.
+        front = options.server.front
         self.triton_http_url = (
-            f"http://127.0.0.1:{free_port()}" if options.server.front else options.server.http_url
+            f"http://127.0.0.1:{free_port()}" if front else options.server.http_url
         )
         self.triton_grpc_url = (
-            f"grpc://127.0.0.1:{free_port()}" if self.traffic else options.server.grpc_url
+            f"grpc://127.0.0.1:{free_port()}" if front else options.server.grpc_url
         )
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
@@ -144,7 +145,7 @@ class TritonProcess:
             f"--backend-directory={backends}",
             f"--http-address={'127.0.0.1' if s.front else s.host}",
             f"--http-port={self.triton_http_url.rsplit(':', 1)[1]}",
-            f"--grpc-address={'127.0.0.1' if self.traffic else s.host}",
+            f"--grpc-address={'127.0.0.1' if s.front else s.host}",
             f"--grpc-port={self.triton_grpc_url.rsplit(':', 1)[1]}",
             f"--metrics-address={s.host}",
             f"--metrics-port={s.metrics_port}",
@@ -203,8 +204,8 @@ class TritonProcess:
         return self
 
     def _start_front(self) -> None:
+        from ..front import Front, TritonModels
         from ..front.demand import TritonDemand
-        from ..front.front import Front, TritonModels
 
         s = self.options.server
         recovery = s.recovery()
@@ -226,10 +227,11 @@ class TritonProcess:
             inference_token=s.inference_token,
             http_url=self.triton_http_url,
             traffic=self.traffic,
-            grpc_port=s.grpc_port if self.traffic else None,
+            grpc_port=s.grpc_port,
             control_token=s.control_token,
             exit_timeout_s=s.exit_timeout_s,
             http_limits=s.http_limits(),
+            grpc_limits=s.grpc_limits(),
             demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
             recovery=recovery,
         ).start()

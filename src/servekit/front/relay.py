@@ -1,0 +1,162 @@
+"""The front's public gRPC port on the Triton runtimes: servekit's gRPC server
+(``grpc.h2``, with its connection budgets) in front of tritonserver's gRPC on loopback,
+so that no client speaks HTTP/2 to tritonserver itself.
+
+Calls go on as their message bytes (``GrpcForwarder.call``) with the client's metadata,
+and tritonserver's answer comes back as it is; tritonserver checks the control token
+on its restricted APIs (shared memory, repository, trace, logging). An infer is parsed
+once and checked as the HTTP front checks it (shape claims against the message's size,
+then the model's signature) before its bytes go on, and re-sent if its worker dies
+(``ForwardedModel.relay``). A routed model (a traffic split) takes servekit's full path
+(``GrpcService``), as do liveness and readiness, which are the front's. Streaming calls
+are not served (``ModelStreamInfer`` answers UNIMPLEMENTED).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from tritonclient.grpc import service_pb2
+
+from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
+from ..grpc.h2 import Method, unary_methods
+from ..grpc.service import GRPC_TOKEN_KEY, GrpcService, decode_inputs, request_parameters
+from ..protocol.kserve import scheduling
+from ..recovery import tensors_key
+from .front import ForwardedModel, PyTritonModels, TritonModels
+from .grpc import GrpcForwarder, Status
+
+__all__ = ["GrpcRelay"]
+
+_NOT_PASSED = frozenset({"content-type", "te", "user-agent", "host"})
+"""Request headers that belong to the client's own HTTP/2 call, not to its metadata."""
+_BY_MODEL = {
+    "ModelReady": service_pb2.ModelReadyRequest,
+    "ModelMetadata": service_pb2.ModelMetadataRequest,
+    "ModelConfig": service_pb2.ModelConfigRequest,
+}
+"""Calls about one model (``name``): servekit answers them for a routed or unknown model."""
+
+
+class _Raw:
+    """A message as its bytes: what a relayed method takes and answers (``h2.Method``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def FromString(cls, data: bytes) -> _Raw:  # noqa: N802 (protobuf's name)
+        return cls(data)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802
+        return self.data
+
+
+class GrpcRelay:
+    """Triton's ``GRPCInferenceService`` as the front serves it (``methods`` for ``h2``).
+
+    ``service``: servekit's own service over the same registry, for what the front
+    answers itself; ``upstream``: tritonserver's private gRPC port."""
+
+    def __init__(
+        self,
+        service: GrpcService,
+        registry: TritonModels | PyTritonModels,
+        upstream: str,
+        *,
+        on_failure: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.service, self.registry = service, registry
+        self.upstream = GrpcForwarder(upstream)
+        self._on_failure = on_failure
+
+    def methods(self) -> Mapping[bytes, Method | None]:
+        descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        table = dict(unary_methods(self.service, descriptor, service_pb2))
+        for path, method in table.items():
+            if method is None or method.name in ("ServerLive", "ServerReady"):
+                continue
+            if method.name == "ModelInfer":
+                table[path] = Method(method.name, _Raw, self._infer)
+            elif method.name in _BY_MODEL:
+                handler = functools.partial(self._about_model, method.name, method.handler)
+                table[path] = Method(method.name, _Raw, handler)
+            elif method.name.startswith("Repository") and isinstance(self.registry, PyTritonModels):
+                continue  # PyTriton's models are fixed at start: servekit says so
+            else:
+                table[path] = Method(method.name, _Raw, functools.partial(self._pass, method.name))
+        return table
+
+    async def aclose(self) -> None:
+        await self.upstream.close()
+
+    @staticmethod
+    def _metadata(context: Any, *drop: str) -> tuple[tuple[str, Any], ...]:
+        return tuple(
+            (k, v)
+            for k, v in context.invocation_metadata()
+            if k not in _NOT_PASSED and not k.startswith("grpc-") and k not in drop
+        )
+
+    @staticmethod
+    async def _answer(context: Any, outcome: bytes | Status) -> _Raw:
+        if isinstance(outcome, Status):
+            await context.abort(outcome.code, outcome.details)
+        return _Raw(outcome)  # type: ignore[arg-type]
+
+    async def _pass(self, method: str, request: _Raw, context: Any) -> _Raw:
+        """tritonserver's answer, as it is."""
+        outcome = await self.upstream.call(method, request.data, self._metadata(context))
+        return await self._answer(context, outcome)
+
+    async def _model(self, name: str) -> ForwardedModel | None:
+        """The model ``name`` names if tritonserver answers for it as it is; None where
+        servekit does (a routed model, or one the registry does not have)."""
+        model = self.registry.peek(name)
+        if model is None:
+            try:
+                model = await self.registry.lookup(name)  # type: ignore[assignment]
+            except ServekitError:
+                return None
+        return model if isinstance(model, ForwardedModel) else None
+
+    async def _about_model(
+        self,
+        method: str,
+        own: Callable[[Any, Any], Awaitable[Any]],
+        request: _Raw,
+        context: Any,
+    ) -> Any:
+        message = _BY_MODEL[method].FromString(request.data)
+        if await self._model(message.name) is None:
+            return await own(message, context)
+        return await self._pass(method, request, context)
+
+    async def _infer(self, request: _Raw, context: Any) -> Any:
+        message = service_pb2.ModelInferRequest.FromString(request.data)
+        name = message.model_name
+        model = await self._model(name)
+        if model is None:  # routed (or unknown: servekit names what the registry has)
+            return await self.service.ModelInfer(message, context)
+        try:
+            self.service.authenticate(context)
+            try:
+                inputs = decode_inputs(message, len(request.data))
+                model.spec.validate_inputs(inputs)
+                timeout_us = scheduling(request_parameters(message)).get("timeout_us")
+            except InvalidInput:
+                self._on_failure(name)
+                raise
+            outcome = await model.relay(
+                request.data,
+                tensors_key(name, message.model_version, inputs),
+                timeout_us=timeout_us,
+                metadata=self._metadata(context, GRPC_TOKEN_KEY, INFERENCE_TOKEN_HEADER),
+            )
+        except ServekitError as exc:
+            await self.service.fail(context, exc)
+        return await self._answer(context, outcome)

@@ -1,0 +1,149 @@
+"""The front's server: servekit's HTTP/1.1 server (``http.h1``) on the public HTTP port
+and, on the same loop, servekit's gRPC server on the public gRPC port (``relay``), both
+over one registry of the models tritonserver serves (``front``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..config import MAX_BODY_BYTES
+from ..grpc import GrpcOnLoop, GrpcService
+from ..http.app import KServeApp
+from ..http.h1 import H1Server
+from ..metrics import Family
+from ..recovery import Recovery
+from ..rollout import Traffic
+from ..spec import ModelSpec
+from .front import ForwardedModel, PyTritonModels, TritonModels
+from .relay import GrpcRelay
+
+__all__ = ["Front"]
+
+
+class Front:
+    """``KServeApp`` over ``ForwardedModel``s, served by ``H1Server`` on its own thread:
+    a checked infer request goes on to Triton from callbacks (``KServeApp.forward_now``).
+
+    ``models``: name -> spec (PyTriton's, fixed), or a ``TritonModels`` registry;
+    ``control_headers`` reach tritonserver's restricted APIs (the repository index).
+    ``traffic``: each routed model's split (with ``routes`` on PyTriton: name -> version ->
+    Triton model); ``grpc_port``: serve gRPC there too (``GrpcRelay``), passing calls on
+    to tritonserver's private gRPC port ``grpc_url``; ``grpc_limits``: that server's
+    connection limits (``ServerConfig.grpc_limits``).
+    ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
+    signal's source (``TritonDemand``), exported on the front's ``/metrics``;
+    ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
+    ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
+    registry's models share it.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelSpec] | TritonModels,
+        grpc_url: str,
+        *,
+        host: str,
+        port: int,
+        ready: Callable[[], bool],
+        max_body_bytes: int = MAX_BODY_BYTES,
+        inference_token: str | None = None,
+        http_url: str,
+        control_headers: Mapping[str, str] | None = None,
+        traffic: Mapping[str, Traffic] | None = None,
+        routes: Mapping[str, Mapping[int, str]] | None = None,
+        grpc_port: int | None = None,
+        control_token: str | None = None,
+        exit_timeout_s: float = 10.0,
+        demand: Callable[[], Iterable[Family]] | None = None,
+        http_limits: Mapping[str, Any] | None = None,
+        grpc_limits: Mapping[str, Any] | None = None,
+        recovery: Recovery | None = None,
+    ) -> None:
+        self.recovery = recovery
+        self.registry: TritonModels | PyTritonModels = (
+            models
+            if isinstance(models, TritonModels)
+            else PyTritonModels(
+                {
+                    name: ForwardedModel(
+                        name,
+                        spec,
+                        grpc_url,
+                        inference_token,
+                        http_url=http_url,
+                        recovery=recovery,
+                    )  # fmt: skip
+                    for name, spec in models.items()
+                },
+                http_url,
+                control_headers or {},
+                routes=routes,
+                traffic=traffic,
+            )
+        )
+        self.app = KServeApp(
+            self.registry,
+            max_body_bytes=max_body_bytes,
+            ready=ready,
+            inference_token=inference_token,
+            control_token=control_token,
+        )
+        for t in (traffic or {}).values():
+            self.app.metrics.watch_traffic(t)
+        if demand is not None:
+            self.app.metrics.collect(demand)
+        if recovery is not None:
+            self.app.metrics.collect(recovery.figures)
+        self._relay = (
+            GrpcRelay(
+                GrpcService(
+                    self.registry,
+                    ready=ready,
+                    inference_token=inference_token,
+                    on_failure=self.app.metrics.failed,
+                ),
+                self.registry,
+                grpc_url,
+                on_failure=self.app.metrics.failed,
+            )
+            if grpc_port is not None
+            else None
+        )
+        self._grpc = (
+            GrpcOnLoop(
+                self._relay,
+                host,
+                grpc_port,
+                max_body_bytes,
+                exit_timeout_s,
+                **(grpc_limits or {}),
+            )  # fmt: skip
+            if self._relay is not None and grpc_port is not None
+            else None
+        )
+        self._http = H1Server(
+            self.app.handle,
+            host,
+            port,
+            fast=self.app.forward_now,
+            max_body_bytes=max_body_bytes,
+            **(http_limits or {}),
+            name="servekit-front",
+            on_start=self._grpc.start if self._grpc is not None else None,
+            on_exit=self._close,
+        )
+
+    def start(self, timeout_s: float = 30.0) -> Front:
+        self._http.start(timeout_s)
+        return self
+
+    async def _close(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
+        if self._relay is not None:
+            await self._relay.aclose()
+        await self.registry.aclose()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._http.stop(timeout_s)

