@@ -1,9 +1,13 @@
-"""HTTP/2 attacks on servekit's gRPC port (issue: no client can crash or starve the
-server), native runtime, add_sub: while an attacker runs for ``--seconds`` from raw
-sockets (sending without pause, reconnecting whenever the server hangs up on it), a polite grpcio client calls
-on its own connection; reported per attack: the polite calls' median and slowest
-latency, how many connections the attacker opened and how each ended, the server's
-resident memory before, at the end of the attack and a second after.
+"""HTTP/2 attacks on each runtime's public gRPC port (issue: no client can crash or
+starve the server), add_sub, each runtime a ``servekit serve`` process of its own: while
+an attacker runs for ``--seconds`` from raw sockets (sending without pause, reconnecting
+whenever the server hangs up on it), a polite grpcio client calls on its own connection;
+reported per attack: the polite calls' median and slowest latency and how many failed,
+how many connections the attacker opened and how each ended, the resident memory of the
+server's whole process tree before, at the end of the attack and a second after, and
+whether any of its processes was replaced (tritonserver crashed and was restarted).
+``triton --no-front`` is tritonserver's own gRPC port, what the Triton runtimes had
+public before servekit's gRPC server stood in front of it.
 
     python bench/h2_attacks.py --out bench/results/h2_attacks
 """
@@ -23,12 +27,12 @@ from typing import Any
 import grpc
 import hpack
 import numpy as np
+import psutil
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from servekit import ModelConfig, ServeConfig, ServerConfig, zoo
+from servekit.bench.compare import ServerProcess
 from servekit.bench.report import machine
-from servekit.native import NativeServer
-from servekit.store import rss_bytes
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -91,7 +95,13 @@ def attacker(
     up, then reconnect, until ``until``; the rapid-reset attacker reads what comes back
     (as a client must, to keep going), the flooders never do."""
     while time.monotonic() < until:
-        with socket.create_connection(address, timeout=5) as s:
+        try:
+            s = socket.create_connection(address, timeout=5)
+        except OSError:  # nobody listens: the server is down (restarting)
+            ends.append("refused")
+            time.sleep(0.05)
+            continue
+        with s:
             got = bytearray()
             if reads:
                 threading.Thread(target=_drain, args=(s, got), daemon=True).start()
@@ -114,29 +124,53 @@ def _drain(s: socket.socket, got: bytearray) -> None:
             got.extend(chunk[-4096:])
 
 
-def polite(stub, until: float, latencies: list[float]) -> None:
+RUNTIMES = {
+    "native": ("native", True),
+    "pytriton": ("pytriton", True),
+    "triton": ("triton", True),
+    "triton --no-front": ("triton", False),
+}
+"""Row name -> (runtime, servekit's front on the public ports)."""
+
+
+def polite(stub, until: float, latencies: list[float]) -> int:
+    """Calls every 10 ms until ``until``: the latency of each answered one; the failed ones' count."""
     request = service_pb2.ModelInferRequest(model_name="adder")
     for name in ("INPUT0", "INPUT1"):
         request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
         request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    failed = 0
     while time.monotonic() < until:
         start = time.perf_counter()
-        stub.ModelInfer(request, timeout=60)
-        latencies.append(time.perf_counter() - start)
+        try:
+            stub.ModelInfer(request, timeout=10)
+            latencies.append(time.perf_counter() - start)
+        except grpc.RpcError:
+            failed += 1
         time.sleep(0.01)
+    return failed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/h2_attacks"))
-    args = parser.parse_args()
+def tree(pid: int) -> tuple[set[int], float]:
+    """The server's processes and their resident memory (MB) together."""
+    root = psutil.Process(pid)
+    processes = [root, *root.children(recursive=True)]
+    rss = 0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            rss += p.memory_info().rss
+    return {p.pid for p in processes}, rss / 2**20
+
+
+def attack_runtime(label: str, seconds: float) -> list[dict[str, Any]]:
+    runtime, front = RUNTIMES[label]
     config = ServeConfig(
-        (ModelConfig(str(zoo.build("add_sub")), "adder"),), ServerConfig(exit_timeout_s=2),
-        runtime="native",
+        (ModelConfig(str(zoo.build("add_sub")), "adder"),),
+        ServerConfig(exit_timeout_s=2, front=front), runtime=runtime,
     ).on_loopback()  # fmt: skip
     rows = []
-    with NativeServer(config):
+    with ServerProcess(config) as served:
+        served.wait_ready(["adder"])
         address = (config.server.client_host, config.server.grpc_port)
         channel = grpc.insecure_channel(f"{address[0]}:{address[1]}")
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -144,30 +178,46 @@ def main() -> None:
             attack = make()
             baseline: list[float] = []
             polite(stub, time.monotonic() + 2, baseline)
-            before = rss_bytes()
-            until = time.monotonic() + args.seconds
+            pids, before = tree(served.pid)
+            until = time.monotonic() + seconds
             ends: list[str] = []
             latencies: list[float] = []
             reads = name.startswith("rapid")
             thread = threading.Thread(target=attacker, args=(address, attack, until, ends, reads))
             thread.start()
-            polite(stub, until, latencies)
+            failed = polite(stub, until, latencies)
             thread.join()
-            during = rss_bytes()
+            during = tree(served.pid)[1]
             time.sleep(1)
+            after_pids, after = tree(served.pid)
             rows.append({
+                "runtime": label,
                 "attack": name,
                 "polite_median_ms_before": statistics.median(baseline) * 1e3,
-                "polite_median_ms": statistics.median(latencies) * 1e3,
-                "polite_max_ms": max(latencies) * 1e3,
+                "polite_median_ms": statistics.median(latencies) * 1e3 if latencies else None,
+                "polite_max_ms": max(latencies) * 1e3 if latencies else None,
                 "polite_calls": len(latencies),
+                "polite_failed": failed,
                 "attacker_connections": len(ends),
                 "attacker_ends": sorted(set(ends)),
-                "rss_mb": [before / 2**20, during / 2**20, rss_bytes() / 2**20],
+                "rss_mb": [before, during, after],
+                "processes_replaced": len(pids - after_pids),
             })  # fmt: skip
-            print(json.dumps(rows[-1]))
+            print(json.dumps(rows[-1]), flush=True)
         with contextlib.suppress(Exception):
             channel.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"of {list(RUNTIMES)}")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/h2_attacks"))
+    args = parser.parse_args()
+    rows = []
+    for label in args.runtimes.split(","):
+        rows += attack_runtime(label.strip(), args.seconds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(
         json.dumps({"machine": machine(), "seconds": args.seconds, "rows": rows}, indent=1)

@@ -1,7 +1,9 @@
 """Killed workers under load: failed requests and added latency per runtime.
 
-For each runtime, add_sub is served under the Supervisor (restarts at once, then backing
-off briefly) while ``--clients`` threads send random inputs and check every answer. The
+For each runtime, the model (``--model``: add_sub, or ResNet-50 with eight fixed random
+images whose answers are computed in-process first) is served under the Supervisor
+(restarts at once, then backing off briefly) while ``--clients`` threads send requests
+and check every answer (``--protocol``: over HTTP, gRPC, or half the clients each). The
 model's worker process is SIGKILLed ``--kills`` times at random moments, each once the
 last restart has answered requests again (triton: the servekit backend's Python stub;
 pytriton: PyTriton's proxy stub; ray: the model replica, through ``ray.kill``). Reported:
@@ -10,11 +12,13 @@ restarts. Runs against any servekit checkout (``PYTHONPATH=<worktree>/src``), so
 commit before ``servekit.recovery`` gives the "before" figures in the same way.
 
     python bench/recovery.py --kills 10 --out bench/results/recovery.json
+    python bench/recovery.py --model resnet50 --protocol both --out bench/results/recovery_resnet50.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -27,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from servekit import ModelConfig, RayOptions, ServeConfig, zoo
-from servekit.bench.checked import CheckedLoad
+from servekit.bench.checked import Case, CheckedLoad
 from servekit.bench.report import machine
 from servekit.client import Client
 from servekit.runtime.processes import processes
@@ -52,9 +56,39 @@ def stub_of(workdir: Path) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
+def cases(name: str, model: Path) -> list[Case]:
+    """add_sub: none (CheckedLoad's random ones); ResNet-50: eight random images and the
+    model's answers to them in-process."""
+    if name == "add_sub":
+        return []
+    from servekit.runners.onnx import OnnxRuntimeRunner
+
+    runner = OnnxRuntimeRunner(model)
+    try:
+        rng = np.random.default_rng(29)
+        (tensor,) = runner.spec.inputs
+        shape = (1, *tensor.shape)
+        found = []
+        for _ in range(8):
+            x = {tensor.name: rng.standard_normal(shape, dtype=np.float32)}
+            found.append((x, runner.infer(x)))
+        return found
+    finally:
+        runner.close()
+
+
+def loads(config: ServeConfig, args: argparse.Namespace, checked: list[Case]) -> list[CheckedLoad]:
+    """The checked loads: all clients over one protocol, or half over each."""
+    urls = {"http": [config.server.http_url], "grpc": [config.server.grpc_url],
+            "both": [config.server.http_url, config.server.grpc_url]}[args.protocol]  # fmt: skip
+    share = max(1, args.clients // len(urls))
+    return [CheckedLoad(u, share, args.model, checked) for u in urls]
+
+
 def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
-    config = ServeConfig((ModelConfig(str(model), "add_sub", image=False),), runtime=runtime)
+    config = ServeConfig((ModelConfig(str(model), args.model, image=False),), runtime=runtime)
     config = config.on_loopback()
+    checked = cases(args.model, model)
     served = create_runtime(config)
     events: list[str] = []
     supervisor = Supervisor(
@@ -69,22 +103,31 @@ def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
         owner = served.process if runtime == "triton" else served  # type: ignore[attr-defined]
         return owner._workdir.path  # type: ignore[no-any-return]
 
+    first = checked[0][0] if checked else {"INPUT0": np.ones((1, 16), np.float32),
+                                             "INPUT1": np.ones((1, 16), np.float32)}  # fmt: skip
+
     def answering() -> bool:
         try:
             with Client(url) as c:
-                c.infer("add_sub", {"INPUT0": np.ones((1, 16), np.float32),
-                                    "INPUT1": np.ones((1, 16), np.float32)})  # fmt: skip
+                c.infer(args.model, dict(first))
             return True
         except Exception:
             return False
 
-    wait(answering, "first answer")
+    wait(answering, "first answer", 300)
     restarted_in_time = True
+    clients = loads(config, args, checked)
     try:
-        with CheckedLoad(url, args.clients) as load:
+        with contextlib.ExitStack() as stack:
+            for load in clients:
+                stack.enter_context(load)
             for _ in range(args.kills):
-                seen = load.ok
-                wait(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
+                seen = answered(clients)
+                wait(
+                    lambda seen=seen: answered(clients) > seen + (args.before or 50),
+                    "answers before the kill",
+                    120,
+                )
                 time.sleep(rng.uniform(0.1, 1.0))
                 wait(lambda: stub_of(workdir()) is not None, "the worker's stub", 60)
                 stub = stub_of(workdir())
@@ -95,7 +138,7 @@ def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
                     wait(
                         lambda restarts=restarts: events.count("restarted") > restarts,
                         "the restart",
-                        60,
+                        120,
                     )
                 except TimeoutError:
                     restarted_in_time = False
@@ -104,7 +147,7 @@ def run_triton(runtime: str, model: Path, args: argparse.Namespace) -> dict:
     finally:
         supervisor.request_stop()
         thread.join(120)
-    return summary(load, events.count("restarted"), restarted_in_time)
+    return summary(clients, events.count("restarted"), restarted_in_time)
 
 
 def run_ray(model: Path, args: argparse.Namespace) -> dict:
@@ -117,9 +160,10 @@ def run_ray(model: Path, args: argparse.Namespace) -> dict:
     from servekit.endpoints import free_port
 
     config = ServeConfig(
-        (ModelConfig(str(model), "add_sub", image=False),), runtime="ray",
+        (ModelConfig(str(model), args.model, image=False),), runtime="ray",
         ray=RayOptions(model_cpus=0.5),
     )  # fmt: skip
+    checked = cases(args.model, model)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)  # fmt: skip
     port = free_port()
@@ -128,42 +172,53 @@ def run_ray(model: Path, args: argparse.Namespace) -> dict:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
         serve.run(build_app(config), name="servekit", route_prefix="/")
-        Client(url).wait_ready("add_sub", timeout_s=120)
+        Client(url).wait_ready(args.model, timeout_s=300)
 
         def replicas() -> list[str]:
             return [
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
-                if "#add_sub#" in a["name"]
+                if f"#{args.model}#" in a["name"]
             ]
 
-        with CheckedLoad(url, args.clients) as load:
+        # Ray's ingress is HTTP only: every client on it.
+        with CheckedLoad(url, args.clients, args.model, checked) as load:
             for _ in range(args.kills):
                 seen = load.ok
-                wait(lambda seen=seen: load.ok > seen + 20, "answers before the kill", 60)
+                wait(
+                    lambda seen=seen: load.ok > seen + (args.before or 20),
+                    "answers before the kill",
+                    120,
+                )
                 time.sleep(rng.uniform(0.1, 1.0))
                 (name,) = replicas()
                 ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-                wait(lambda name=name: replicas() and replicas() != [name], "a new replica", 60)
+                wait(lambda name=name: replicas() and replicas() != [name], "a new replica", 120)
             time.sleep(1.0)
         serve.delete("servekit")
     finally:
         serve.shutdown()
         ray.shutdown()
-    return summary(load, args.kills, True)
+    return summary([load], args.kills, True)
 
 
-def summary(load: CheckedLoad, restarts: int, restarted_in_time: bool) -> dict:
-    lat = sorted(load.latencies) or [float("nan")]
+def answered(loads: list[CheckedLoad]) -> int:
+    return sum(load.ok for load in loads)
+
+
+def summary(loads: list[CheckedLoad], restarts: int, restarted_in_time: bool) -> dict:
+    lat = sorted(x for load in loads for x in load.latencies) or [float("nan")]
 
     def q(p: float) -> float:
         return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 2)
 
     failures: dict[str, int] = {}
-    for f in load.failures:
+    for f in (f for load in loads for f in load.failures):
         failures[f] = failures.get(f, 0) + 1
     return {
-        "ok": load.ok, "wrong": load.wrong, "failed": len(load.failures),
+        "ok": answered(loads), "wrong": sum(load.wrong for load in loads),
+        "failed": sum(len(load.failures) for load in loads),
+        "by_url": {load.url: load.ok for load in loads},
         "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(lat[-1] * 1e3, 1),
         "restarts": restarts, "restarted_in_time": restarted_in_time,
         "failures": sorted(failures.items(), key=lambda kv: -kv[1])[:5],
@@ -176,10 +231,16 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seed", type=int, default=29)
+    parser.add_argument("--model", choices=("add_sub", "resnet50"), default="add_sub")
+    parser.add_argument("--protocol", choices=("http", "grpc", "both"), default="http",
+                        help="the clients' protocol (both: half each; Ray: HTTP)")  # fmt: skip
+    parser.add_argument("--before", type=int, default=0,
+                        help="right answers between kills (default: 50; Ray: 20)")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = zoo.build("add_sub")
-    results = {"machine": machine(), "kills": args.kills, "clients": args.clients}
+    model = zoo.build(args.model)
+    results = {"machine": machine(), "kills": args.kills, "clients": args.clients,
+               "model": args.model, "protocol": args.protocol}  # fmt: skip
     for runtime in args.runtimes.split(","):
         start = time.monotonic()
         result = run_ray(model, args) if runtime == "ray" else run_triton(runtime, model, args)

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from conftest import free_port, ray_serve, scrape, wait_until
 from servekit import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.bench.checked import CheckedLoad
 from servekit.client import Client
+from servekit.errors import InvalidInput
 from servekit.runtime.processes import processes
 from servekit.runtime.supervisor import Supervisor
 from servekit.serving import create_runtime
@@ -91,10 +93,14 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
     rng = random.Random(29)
     with supervised(served) as supervisor:
         wait_until(lambda: Client(url).infer("add_sub", _inputs()), "the first answer", 120)
-        with CheckedLoad(url) as load:
+        # Half the clients on each public port: HTTP and gRPC are both the front's.
+        with CheckedLoad(url, 2) as load, CheckedLoad(config.server.grpc_url, 2) as by_grpc:
             for kill in range(KILLS):
-                seen = load.ok
-                wait_until(lambda seen=seen: load.ok > seen + 50, "answers before the kill", 60)
+                seen = load.ok, by_grpc.ok
+                wait_until(
+                    lambda seen=seen: load.ok > seen[0] + 25 and by_grpc.ok > seen[1] + 25,
+                    "answers before the kill", 60,
+                )  # fmt: skip
                 time.sleep(rng.uniform(0.1, 1.0))
                 (stub,) = stubs(workdir())
                 os.kill(stub, signal.SIGKILL)
@@ -104,6 +110,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
                 )  # fmt: skip
         families = scrape(f"{url}/metrics")
     assert load.failures == [] and load.wrong == 0
+    assert by_grpc.failures == [] and by_grpc.wrong == 0
     assert supervisor.restarts == KILLS
     add_sub = frozenset({("model", "add_sub")})
     assert families[("servekit_worker_deaths", add_sub)] == KILLS
@@ -189,11 +196,20 @@ def test_an_input_that_kills_its_worker_is_quarantined_after_two_deaths(tmp_path
         assert again[0] == 400 and "not sent again" in again[1]["error"]
         status, answer = post(url, [5, 5, 5, 5])
         assert status == 200 and answer["outputs"][0]["data"] == [10.0] * 4
+        assert supervisor.restarts == restarts
+        with Client(server.grpc_url) as by_grpc:  # the public gRPC port: the same guard
+            with pytest.raises(InvalidInput, match="died 2 times with this request in flight"):
+                by_grpc.infer("crashy", {"INPUT0": np.array([[13, 2, 3, 4]], np.float32)})
+            wait_until(
+                lambda: by_grpc.infer("crashy", {"INPUT0": np.ones((1, 4), np.float32)}),
+                "answers over gRPC after the restarts", 60,
+            )  # fmt: skip
         families = scrape(f"{url}/metrics")
-    assert restarts == supervisor.restarts == 2, supervisor.events  # type: ignore[attr-defined]
+    assert restarts == 2, supervisor.events  # type: ignore[attr-defined]
+    assert supervisor.restarts == 4, supervisor.events  # type: ignore[attr-defined]
     crashy = frozenset({("model", "crashy")})
-    assert families[("servekit_worker_deaths", crashy)] == 2
-    assert families[("servekit_requests_quarantined", crashy)] == 2  # the poison, twice
+    assert families[("servekit_worker_deaths", crashy)] == 4
+    assert families[("servekit_requests_quarantined", crashy)] == 3  # HTTP's twice, gRPC's once
 
 
 def loopback_server() -> ServerConfig:
@@ -202,26 +218,33 @@ def loopback_server() -> ServerConfig:
     )
 
 
-def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_path):
+def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_path, tmp_path):
     """Ray Serve replaces a killed model replica; servekit's ingress re-sends the batches
-    that were in flight on it (Ray's own handle would fail them)."""
+    that were in flight on it (Ray's own handle would fail them). A model whose batches
+    take seconds is killed with one surely in flight: that request is answered."""
     if serve is None:
         pytest.skip("needs the ray extra")
+    import onnx
     import ray
 
+    from servekit.zoo.tiny import build_simulated
+
+    slow = tmp_path / "slow.onnx"
+    onnx.save(build_simulated(f"ray-slow-{os.getpid()}", 3_000_000, 0), slow)
     config = ServeConfig(
-        (ModelConfig(str(add_sub_path), "add_sub", image=False),), runtime="ray",
-        ray=RayOptions(model_cpus=0.5),
+        (ModelConfig(str(add_sub_path), "add_sub", image=False),
+         ModelConfig(str(slow), "slow", image=False)),
+        runtime="ray", ray=RayOptions(model_cpus=0.5),
     )  # fmt: skip
     with ray_serve() as url:
         serve.run(build_app(config), name="servekit", route_prefix="/")
         Client(url).wait_ready("add_sub", timeout_s=120)
 
-        def replicas() -> list[str]:
+        def replicas(model: str = "add_sub") -> list[str]:
             return [
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
-                if "#add_sub#" in a["name"]
+                if f"#{model}#" in a["name"]
             ]
 
         with CheckedLoad(url) as load:
@@ -235,9 +258,26 @@ def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_p
                 )
             seen = load.ok
             wait_until(lambda: load.ok > seen + 20, "answers after the last kill", 60)
+        row = np.ones((1, 16), np.float32)
+        Client(url).wait_ready("slow", timeout_s=120)
+
+        def infer() -> dict[str, np.ndarray]:  # a client of its own thread (greenlets)
+            with Client(url) as client:
+                return client.infer("slow", {"INPUT0": row})
+
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(infer)
+            time.sleep(1.0)  # the request is on the replica by now: its batch takes 3 s
+            (name,) = replicas("slow")
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            # The simulated device answers zeros of the right shape (its cost is the point).
+            assert answer.result(timeout=90)["OUTPUT0"].shape == row.shape
         families = scrape(f"{url}/metrics")
         serve.delete("servekit")
     assert load.failures == [] and load.wrong == 0
+    slow_model = frozenset({("model", "slow")})
+    assert families[("servekit_worker_deaths", slow_model)] == 1
+    assert families[("servekit_requests_replayed", slow_model)] == 1
     add_sub = frozenset({("model", "add_sub")})
     # Whether a kill catches a batch in flight varies (4 of 10 did in bench/recovery.py's
     # run before servekit.recovery, each a failed request then): deaths are not counted here.
