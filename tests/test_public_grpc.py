@@ -35,6 +35,7 @@ from h2raw import (  # noqa: E402
     address,
     attack_while_calling,
     frame,
+    grpc_message,
     opened_stream,
     rapid_reset,
     sums,
@@ -117,6 +118,15 @@ def test_tensors_larger_than_the_window_pass_both_ways(server):
         assert np.array_equal(client.infer("wide", [tensor]).as_numpy("OUTPUT0"), data)
     finally:
         client.close()
+
+
+def test_a_malformed_call_gets_a_status_naming_it(live, server):
+    with RawH2(server) as raw:
+        raw.call(1, grpc_message(b"\xff\xff\xff"))
+        _, _, trailers = raw.response(1)
+        assert trailers["grpc-status"] == "3", trailers  # INVALID_ARGUMENT
+        assert "not a ModelInferRequest" in trailers["grpc-message"], trailers
+        assert raw.add(3, 2.5) == 5.0  # and the connection goes on
 
 
 def test_rapid_reset(live, server):

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
@@ -124,6 +125,14 @@ class GrpcRelay:
                 return None
         return model if isinstance(model, ForwardedModel) else None
 
+    @staticmethod
+    async def _parse(kind: Any, request: _Raw, context: Any) -> Any:
+        """The message, or INVALID_ARGUMENT naming what it should have been."""
+        try:
+            return kind.FromString(request.data)
+        except DecodeError:
+            await context.abort(3, f"the request is not a {kind.__name__} message")
+
     async def _about_model(
         self,
         method: str,
@@ -131,13 +140,13 @@ class GrpcRelay:
         request: _Raw,
         context: Any,
     ) -> Any:
-        message = _BY_MODEL[method].FromString(request.data)
+        message = await self._parse(_BY_MODEL[method], request, context)
         if await self._model(message.name) is None:
             return await own(message, context)
         return await self._pass(method, request, context)
 
     async def _infer(self, request: _Raw, context: Any) -> Any:
-        message = service_pb2.ModelInferRequest.FromString(request.data)
+        message = await self._parse(service_pb2.ModelInferRequest, request, context)
         name = message.model_name
         model = await self._model(name)
         if model is None:  # routed (or unknown: servekit names what the registry has)
