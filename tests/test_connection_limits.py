@@ -87,14 +87,17 @@ def test_grpc_closes_a_silent_connection_and_an_idle_one(native):
 
 
 @pytest.mark.parametrize(
-    "runtime, knob, why",
-    [("ray", "max_connections", "Ray's HTTP proxy keeps its own connections"),
-     ("triton", "grpc_idle_timeout_s", "the public gRPC port is tritonserver's"),
-     ("pytriton", "grpc_handshake_timeout_s", "the public gRPC port is tritonserver's")],
+    "runtime, knob, front, why",
+    [("ray", "max_connections", True, "Ray's HTTP proxy keeps its own connections"),
+     ("triton", "grpc_idle_timeout_s", False, "the public gRPC port is tritonserver's"),
+     ("pytriton", "grpc_handshake_timeout_s", False, "the public gRPC port is tritonserver's")],
 )  # fmt: skip
-def test_runtimes_whose_ports_are_not_servekits_refuse_the_knobs_by_name(runtime, knob, why):
-    config = ServeConfig((ModelConfig("add_sub"),), ServerConfig(**{knob: 7}), runtime=runtime)
+def test_runtimes_whose_ports_are_not_servekits_refuse_the_knobs_by_name(runtime, knob, front, why):
+    server = ServerConfig(**{knob: 7}, front=front)
+    config = ServeConfig((ModelConfig("add_sub"),), server, runtime=runtime)
     with pytest.raises(ValueError, match=f"{knob}.*{why}"):
         config.check()
+    if not front:  # with the front (the default) the public gRPC port is servekit's
+        ServeConfig((ModelConfig("add_sub"),), ServerConfig(**{knob: 7}), runtime=runtime).check()
     with pytest.raises(ValueError, match="max_connections must be > 0"):
         ServerConfig(max_connections=0)

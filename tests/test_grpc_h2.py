@@ -40,11 +40,8 @@ from h2raw import (  # noqa: E402
     RawH2,
     adder_request,
     address,
-    attack_while_calling,
     frame,
     grpc_message,
-    opened_stream,
-    rapid_reset,
     sums,
 )
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
@@ -361,30 +358,8 @@ def test_stop_answers_the_calls_in_flight(tmp_path):
     assert all(isinstance(a, np.ndarray) and a.shape == (1, 16) for a in answers), answers
 
 
-# A client that means harm: the HTTP/2 denial-of-service classes, on raw sockets.
-
-
-def test_rapid_reset_gets_goaway_and_other_connections_keep_being_answered(live, server):
-    """CVE-2023-44487: open a stream and reset it at once, thousands of times a second."""
-    results, slowest = attack_while_calling(live, server, rapid_reset())
-    assert results and all(r == (11, "too many RST_STREAM frames") for r in results), results
-    assert slowest < 1.0, slowest  # the issue asks 0.5 s; 1 s leaves room for CI's noise
-
-
-@pytest.mark.parametrize(
-    "flood, why",
-    [(frame(PING, 0, 0, b"pingpong"), "PING"),
-     (frame(SETTINGS, 0, 0, b""), "SETTINGS"),
-     (frame(DATA, 0, 1, b""), "empty DATA")],
-)  # fmt: skip
-def test_control_frame_floods_get_goaway_and_hold_no_memory(live, server, flood, why):
-    from servekit.store import rss_bytes
-
-    before = rss_bytes()
-    opener = opened_stream() if why == "empty DATA" else b""  # a stream to send them on
-    results, _ = attack_while_calling(live, server, opener + flood * 200_000)
-    assert all(r == (11, f"too many {why} frames") for r in results), results
-    assert rss_bytes() - before < 64 * 1024 * 1024
+# A client that means harm: the HTTP/2 denial-of-service classes on raw sockets run
+# against every runtime's public gRPC port in test_public_grpc.py; here, the limits.
 
 
 def _h2_server(**limits):
