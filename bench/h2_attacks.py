@@ -27,11 +27,11 @@ from typing import Any
 import grpc
 import hpack
 import numpy as np
-import psutil
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from servekit import ModelConfig, ServeConfig, ServerConfig, zoo
 from servekit.bench.compare import ServerProcess
+from servekit.bench.cpu import descendants, tree_rss_bytes
 from servekit.bench.report import machine
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -153,13 +153,7 @@ def polite(stub, until: float, latencies: list[float]) -> int:
 
 def tree(pid: int) -> tuple[set[int], float]:
     """The server's processes and their resident memory (MB) together."""
-    root = psutil.Process(pid)
-    processes = [root, *root.children(recursive=True)]
-    rss = 0
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            rss += p.memory_info().rss
-    return {p.pid for p in processes}, rss / 2**20
+    return set(descendants(pid)), tree_rss_bytes(pid) / 2**20
 
 
 def attack_runtime(label: str, seconds: float) -> list[dict[str, Any]]:

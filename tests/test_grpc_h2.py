@@ -1,7 +1,8 @@
 """servekit's own gRPC server (``servekit.grpc.h2``) on the native runtime: grpcio's and
-tritonclient's clients unchanged, and HTTP/2 spoken by hand over a raw socket (frames
-built here, headers through the ``hpack`` package) for what a polite client never
-sends. Whatever one connection does, the server and every other connection go on."""
+tritonclient's clients unchanged, servekit's own client (``grpc.h2client``), and HTTP/2
+spoken by hand over a raw socket (``h2raw``) for what a polite client never sends.
+Whatever one connection does, the server and every other connection go on. The
+denial-of-service classes run against every runtime in ``test_public_grpc.py``."""
 
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import onnx
-import psutil
 import pytest
 
 grpc = pytest.importorskip("grpc")
@@ -42,6 +41,7 @@ from h2raw import (  # noqa: E402
 )
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.bench.compare import ServerProcess  # noqa: E402
+from servekit.bench.cpu import descendants, tree_fds, tree_rss_bytes  # noqa: E402
 from servekit.zoo.tiny import build_simulated  # noqa: E402
 
 RUNTIMES = ["native", "pytriton", "triton"]
@@ -71,19 +71,13 @@ def server(request, add_sub_path, tmp_path_factory):
         yield served
 
 
-def tree(server) -> list[psutil.Process]:
-    """The server's process and everything it started (tritonserver, its stubs)."""
-    root = psutil.Process(server.pid)
-    return [root, *root.children(recursive=True)]
-
-
 def held(server) -> tuple[set[int], int, int]:
-    """The server's processes, their resident memory and their open descriptors."""
-    processes = tree(server)
+    """The server's processes (tritonserver and its stubs included), their resident
+    memory and their open descriptors."""
     return (
-        {p.pid for p in processes},
-        sum(p.memory_info().rss for p in processes),
-        sum(p.num_fds() for p in processes),
+        set(descendants(server.pid)),
+        tree_rss_bytes(server.pid),
+        tree_fds(server.pid),
     )
 
 
@@ -154,7 +148,9 @@ def test_continuation_flood_and_hpack_bomb(live, server):
     than it weighs (one large header repeated from HPACK's table)."""
     endless = frame(HEADERS, 0, 1, b"") + frame(CONTINUATION, 0, 1, bytes(16_000)) * 100
     results, _ = attack_while_calling(live, server, endless, rounds=3)
-    assert all(r is not None and r[0] == 1 and "header block over" in r[1] for r in results)
+    assert results and all(
+        r is not None and r[0] == 1 and "header block over" in r[1] for r in results
+    ), results
 
     with RawH2(server) as raw:  # a 4 KB header once, then indexed 16,000 times
         big = raw.encoder.encode([("x-big", "b" * 4000)])
@@ -170,7 +166,8 @@ def test_slow_and_idle_connections_and_a_thousand_streams(live, server):
     a connection that never sends its preface (closed after the config's handshake
     timeout): each is bounded, and the polite client is answered meanwhile."""
     with RawH2(server, settings_payload=(4).to_bytes(2, "big") + bytes(4)) as zero:
-        zero.call(1, b"")  # the answer waits for a window that never opens
+        # A real call: its answer's DATA waits for a window that never opens.
+        zero.call(1, grpc_message(adder_request(1.0).SerializeToString()))
         with RawH2(server) as many:
             for sid in range(1, 2001, 2):
                 many.call(sid, b"\x00\x00\x00\x00\x10", end=False)  # 16 bytes promised

@@ -412,7 +412,8 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
     "pytriton": {
         "ray": "Ray deployment options",
         "store": "PyTriton cannot unload a model (pytriton#21)",
-        "inference_token": "PyTriton's gRPC port has one access token, the control_token",
+        "inference_token": "PyTriton's tritonserver takes one access token, the control_token, "
+        "and servekit's front does not check an inference token in front of it",
     },
     "triton": {
         "ray": "Ray deployment options",

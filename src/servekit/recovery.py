@@ -24,7 +24,7 @@ import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -214,7 +214,7 @@ class Recovery:
                 sent_up = m.down_since is None
                 outcome = await send()
 
-    def _quarantine(self, model: str, digest: bytes, deaths: int) -> Any:
+    def _quarantine(self, model: str, digest: bytes, deaths: int) -> NoReturn:
         why = (
             f"model {model!r}: its worker died {deaths} times with this request in flight; "
             "it is not sent again, and the same input is refused from now on"

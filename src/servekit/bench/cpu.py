@@ -8,13 +8,14 @@ than throughput does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
 
 from ..store.memory import rss_bytes
 
-__all__ = ["PeakRss", "TreeCpu", "descendants", "tree_cpu_s", "tree_rss_bytes"]
+__all__ = ["PeakRss", "TreeCpu", "descendants", "tree_cpu_s", "tree_fds", "tree_rss_bytes"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -72,6 +73,15 @@ def tree_rss_bytes(pid: int) -> int:
     """Resident memory of ``pid``'s live tree (shared pages count once per process; a
     process that exited meanwhile counts 0)."""
     return sum(rss_bytes(p) for p in descendants(pid))
+
+
+def tree_fds(pid: int) -> int:
+    """Open file descriptors of ``pid``'s live tree (sockets included)."""
+    total = 0
+    for p in descendants(pid):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            total += len(os.listdir(f"/proc/{p}/fd"))
+    return total
 
 
 class PeakRss:
