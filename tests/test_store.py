@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -40,6 +41,20 @@ class Memory:
         self.loads.append(config.name)
         self.used += int(self.sizes[config.name] * MB)
         return served
+
+
+class FixedMeter:
+    """A meter that knows each model's cost before it loads."""
+
+    def __init__(self, sizes: dict[str, float]) -> None:
+        self.sizes, self.asked = sizes, []
+
+    def charge(self, config: ModelConfig, path: str | None) -> int:
+        self.asked.append(config.name)
+        return int(self.sizes[config.name] * MB)
+
+    def close(self) -> None:
+        pass
 
 
 def make_store(
@@ -132,7 +147,7 @@ def test_an_unload_waits_for_the_requests_holding_the_model(add_sub_path):
 
 
 def test_a_model_larger_than_the_whole_budget_is_refused_with_the_figures(add_sub_path):
-    store, _ = make_store(add_sub_path, ["big"], budget_mb=5, sizes={"big": 8})
+    store, memory = make_store(add_sub_path, ["big"], budget_mb=5, sizes={"big": 8})
 
     async def run() -> None:
         with pytest.raises(
@@ -143,20 +158,25 @@ def test_a_model_larger_than_the_whole_budget_is_refused_with_the_figures(add_su
             await answer(store, "big")
         assert store.resident() == {}
         assert "load failed" in store.index()[0]["reason"]
-        with pytest.raises(ModelNotReady, match=r"takes 8.0 MB resident, more than the whole"):
+        with pytest.raises(ModelNotReady, match=r"takes 8.0 MB resident .* more than the whole"):
             await answer(store, "big")  # its size is known now: refused before loading
+        assert memory.loads == ["big"]
         await store.close()
 
     asyncio.run(run())
 
 
-def test_a_budget_held_by_models_in_use_refuses_a_load_for_now(add_sub_path):
-    store, _ = make_store(add_sub_path, ["a", "b"], budget_mb=15)
+def test_a_budget_held_by_models_in_use_refuses_a_load_after_wait_s(add_sub_path):
+    store, _ = make_store(add_sub_path, ["a", "b"], budget_mb=15, wait_s=0.2)
 
     async def run() -> None:
         async with store.lease("a"):
-            with pytest.raises(Overloaded, match=r"'b' needs .* held by models in use or pinned"):
+            started = time.monotonic()
+            with pytest.raises(Overloaded, match=r"'b' .* held by models in use or pinned") as e:
                 await answer(store, "b")
+            assert 0.2 <= time.monotonic() - started < 2
+            assert e.value.retry_after_s == 1.0 and "'a': 10.0" in str(e.value)
+            assert store.totals()["refusals"] == 1
         assert (await answer(store, "b")).tolist() == [[2.0] * 16]  # a is idle now: evicted
         assert list(store.resident()) == ["b"]
         await store.close()
@@ -339,3 +359,171 @@ def test_a_budget_counts_device_memory_and_eviction_gives_it_back(add_sub_path):
     assert [e["model"] for e in store.events if e["event"] == "evict"] == ["a"]
     assert abs(after - before) < block // 2  # a's block went back before c's was taken
     assert held == []
+
+
+# ------------------------------------------------------------ progress under any load
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    wanted=st.lists(st.sampled_from("abcdef"), min_size=1, max_size=40),
+    room=st.integers(1, 3),
+)
+def test_every_load_serves_a_request_however_many_clients_share_a_small_budget(
+    add_sub_path, wanted, room
+):
+    # All requests at once, more models than the budget holds: the livelock was a load
+    # evicted by the next one before its waiters ran, loaded again, for ever.
+    store, memory = make_store(add_sub_path, list("abcdef"), budget_mb=10 * room + 5)
+    served_by: list[int] = []
+
+    async def one(name: str) -> None:
+        async with store.lease(name) as batcher:
+            served_by.append(id(batcher))
+            assert (await batcher.infer(X))["OUTPUT0"].tolist() == [[2.0] * 16]
+
+    async def run() -> None:
+        await asyncio.wait_for(asyncio.gather(*(one(n) for n in wanted)), 30)
+        assert store.resident_bytes <= store.budget
+        await store.close()
+
+    asyncio.run(run())
+    # Each load's Batcher answered at least one request: no load was wasted.
+    assert len(set(served_by)) == len(memory.loads) <= len(wanted)
+
+
+def test_a_load_that_no_request_waits_for_by_its_turn_is_dropped(add_sub_path):
+    meter = FixedMeter({"a": 10.0, "b": 10.0})
+    store, memory = make_store(add_sub_path, ["a", "b"], budget_mb=15, wait_s=0.2, meter=meter)
+
+    async def run() -> None:
+        async with store.lease("a"):
+            with pytest.raises(Overloaded):
+                await answer(store, "b")
+            await asyncio.sleep(0.3)  # b's load waited for room, then nobody wanted it
+        assert store.state("b") == "UNAVAILABLE"
+        assert store.index()[1]["reason"] == "load dropped: no request waited for it"
+        assert store.totals()["dropped"] == 1 and memory.loads == ["a"]
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_waiting_for_room_gets_it_when_a_model_comes_free(add_sub_path):
+    store, memory = make_store(add_sub_path, ["a", "b"], budget_mb=15, wait_s=5)
+
+    async def run() -> None:
+        release = asyncio.Event()
+
+        async def hold_a() -> None:
+            async with store.lease("a"):
+                await release.wait()
+
+        holder = asyncio.ensure_future(hold_a())
+        await asyncio.sleep(0.05)
+        b = asyncio.ensure_future(answer(store, "b"))
+        await asyncio.sleep(0.1)
+        assert not b.done() and store.index()[1]["waiting"] == 1
+        release.set()
+        assert (await b).tolist() == [[2.0] * 16]
+        await holder
+        assert memory.loads == ["a", "b"] and list(store.resident()) == ["b"]
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_close_drops_queued_loads_and_leaves_no_task_behind(add_sub_path):
+    meter = FixedMeter(dict.fromkeys("abcde", 10.0))
+    store, memory = make_store(add_sub_path, list("abcde"), budget_mb=15, wait_s=30, meter=meter)
+
+    async def run() -> None:
+        holder = asyncio.Event()
+
+        async def hold_a() -> None:
+            async with store.lease("a"):
+                await holder.wait()
+
+        held = asyncio.ensure_future(hold_a())
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.ensure_future(answer(store, n)) for n in "bcde"]
+        await asyncio.sleep(0.1)
+        closing = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0.1)
+        holder.set()
+        await asyncio.wait_for(closing, 5)
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(r, ModelNotReady) and "stopping" in str(r) for r in results), results
+        await held
+        assert memory.loads == ["a"] and store.resident() == {}
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(run())
+
+
+def test_loads_are_paced_to_max_loads_per_s(add_sub_path):
+    store, memory = make_store(add_sub_path, list("abcde"), max_loads_per_s=20)
+
+    async def run() -> float:
+        started = time.monotonic()
+        for name in "abcde":
+            await answer(store, name)
+        took = time.monotonic() - started
+        await store.close()
+        return took
+
+    assert asyncio.run(run()) >= 4 / 20 and memory.loads == list("abcde")
+
+
+def test_a_charge_measured_in_place_is_the_median_of_the_last_loads_never_a_ratchet(
+    add_sub_path,
+):
+    readings = iter([10, 40, 10, 12, 11])
+
+    class Noisy(Memory):
+        def loader(self, config: ModelConfig) -> list[ServedModel]:
+            self.sizes[config.name] = next(readings)
+            return super().loader(config)
+
+    memory = Noisy({"a": 0.0})
+    store = ModelStore(
+        {"a": ModelConfig(str(add_sub_path), "a", image=False)},
+        loader=memory.loader, measure=memory.measure, prime=False,
+    )  # fmt: skip
+
+    async def run() -> list[float]:
+        charges = []
+        for _ in range(5):
+            await answer(store, "a")
+            charges.append(store.resident()["a"].charged / MB)
+            await store.unload("a")
+            memory.used = 0
+        await store.close()
+        return charges
+
+    # medians of (10), (10, 40), (10, 40, 10), (40, 10, 12), (10, 12, 11)
+    assert asyncio.run(run()) == [10, 25, 10, 12, 11]
+
+
+def test_a_metered_charge_is_known_before_the_load_so_the_budget_is_never_passed(add_sub_path):
+    # The loads themselves read 30 MB each (what other requests allocated meanwhile);
+    # the meter says 10: the charge is the meter's, asked once per model.
+    sizes = {n: 10.0 for n in "abcd"}
+    memory = Memory({n: 30.0 for n in "abcd"})
+    meter = FixedMeter(sizes)
+    store = ModelStore(
+        {n: ModelConfig(str(add_sub_path), n, image=False) for n in "abcd"},
+        budget_bytes=25 * MB, loader=memory.loader, measure=memory.measure, prime=False,
+        meter=meter,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+    async def run() -> None:
+        for name in "abcdab":
+            await answer(store, name)
+            assert store.resident_bytes <= 25 * MB
+            assert all(r.charged == 10 * MB for r in store.resident().values())
+        assert len(store.resident()) == 2
+        await store.close()
+
+    asyncio.run(run())
+    assert meter.asked == list("abcd")

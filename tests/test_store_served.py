@@ -22,7 +22,7 @@ import pytest
 from conftest import sample, scrape
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import StoreConfig
-from servekit.store import rss_bytes
+from servekit.store import Meter, rss_bytes
 from servekit.zoo.tiny import build_add_sub
 
 pytest.importorskip("httptools", reason="needs the http extra")
@@ -136,6 +136,152 @@ def test_a_hundred_models_answer_from_a_budget_that_holds_a_few_of_them(folder):
         assert total("servekit_store_loads") == store.totals()["loads"] >= 50
         assert sample(metrics, "servekit_store_budget_bytes") == budget_mb * MB
         assert total("servekit_store_resident_bytes") == store.resident_bytes <= budget_mb * MB
+
+
+@pytest.fixture(scope="module")
+def weighty(tmp_path_factory) -> Path:
+    """Forty add_sub models carrying 4 MB of weights and ten carrying 8 MB
+    (``w4_<i>.onnx``, ``w8_<i>.onnx``; the 8 MB ones in a folder of their own)."""
+    root = tmp_path_factory.mktemp("weighty")
+    (root / "eight").mkdir()
+    (root / "four").mkdir()
+    onnx.save(build_add_sub(weights_mb=8), root / "eight" / "w8_0.onnx")
+    onnx.save(build_add_sub(weights_mb=4), root / "four" / "w4_0.onnx")
+    for i in range(1, 10):
+        shutil.copyfile(root / "eight" / "w8_0.onnx", root / "eight" / f"w8_{i}.onnx")
+    for i in range(1, 40):
+        shutil.copyfile(root / "four" / "w4_0.onnx", root / "four" / f"w4_{i}.onnx")
+    return root
+
+
+def add_sub_request(
+    client: httpclient.InferenceServerClient, name: str, rng: np.random.Generator
+) -> None:
+    """One add_sub call, its answer checked (``AssertionError`` on a wrong one)."""
+    x, out = inputs_for("add", rng)
+    got = http_infer(client, name, x)[out]
+    assert np.array_equal(got, 2 * x["INPUT0"]), f"{name}: {got} != {2 * x['INPUT0']}"
+
+
+def test_eight_clients_on_ten_models_and_a_budget_of_three_always_make_progress(weighty, capfd):
+    # The livelock as users met it: every load evicted by the next before its waiters
+    # ran, loads going on with no client connected, models stuck LOADING, a slow stop.
+    root = weighty / "eight"
+    with Meter() as meter:
+        charge = meter.charge(ModelConfig(str(root / "w8_0.onnx"), "w8_0", image=False), None)
+    assert charge is not None
+    budget_mb = 3.5 * charge / MB
+    deadline_s = 10.0
+    with served(root, memory_budget_mb=budget_mb, load="on_demand") as server:
+        store, url = server.store, server.config.server.http_url.removeprefix("http://")
+        answered, refused, failures = [0], [0], []
+        most_resident = [0]
+        stop_at = time.monotonic() + 10
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(k)
+            c = httpclient.InferenceServerClient(url, network_timeout=deadline_s)
+            try:
+                while time.monotonic() < stop_at:
+                    name = f"w8_{rng.integers(10)}"
+                    started = time.monotonic()
+                    try:
+                        add_sub_request(c, name, rng)
+                        answered[0] += 1
+                    except InferenceServerException as exc:
+                        if exc.status() != "503" or "budget" not in str(exc):
+                            failures.append(f"{name}: {exc.status()} {exc}")
+                        refused[0] += 1
+                    if time.monotonic() - started > deadline_s:
+                        failures.append(f"{name}: {time.monotonic() - started:.1f} s")
+                    most_resident[0] = max(most_resident[0], len(store.resident()))
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                c.close()
+
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        assert not failures, failures[:5]
+        assert answered[0] >= 100 and refused[0] <= answered[0] / 10, (answered, refused)
+        assert most_resident[0] == 3
+
+        time.sleep(1.0)  # the server is idle within a second after the clients stop
+        loads, cpu = store.totals()["loads"], time.process_time()
+        time.sleep(1.0)
+        assert store.totals()["loads"] == loads
+        assert time.process_time() - cpu < 0.2, "the server keeps working with no client"
+        assert all(row["state"] in ("READY", "UNAVAILABLE") for row in store.index())
+        assert not any(row.get("waiting") for row in store.index())
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < server.config.server.exit_timeout_s
+    err = capfd.readouterr().err
+    assert "Task was destroyed" not in err and "Event loop is closed" not in err
+
+
+def test_churn_keeps_a_budget_of_ten_models_nearly_full_and_charges_what_each_costs(weighty):
+    root = weighty / "four"
+    names = [f"w4_{i}" for i in range(40)]
+    headers = {"servekit-control-token": TOKEN}
+    # What the process really gains per model: ten loads in a row, settled, no budget.
+    with served(root, load="on_demand") as server:
+        c = httpclient.InferenceServerClient(server.config.server.http_url[7:])
+        c.load_model("w4_39", headers=headers)  # the engine's one-time start
+        c.unload_model("w4_39", headers=headers)
+        before = rss_bytes()
+        for name in names[:10]:
+            c.load_model(name, headers=headers)
+        per_model = (rss_bytes() - before) / 10
+        c.close()
+    assert 4 * MB < per_model < 8 * MB, per_model / MB
+
+    budget = 10 * per_model
+    # docs/models.md's slack: one load's session build (ONNX Runtime peaks at about 3.5
+    # times the model's settled size) and the requests' buffers (the clients run here too).
+    slack = 3.5 * per_model + 16 * MB
+    with served(root, memory_budget_mb=budget / MB, load="on_demand") as server:
+        store, url = server.store, server.config.server.http_url.removeprefix("http://")
+        c = httpclient.InferenceServerClient(url)
+        c.load_model("w4_39", headers=headers)
+        c.unload_model("w4_39", headers=headers)
+        c.close()
+        base, peaks, stop, failures = rss_bytes(), [], threading.Event(), []
+
+        def watch() -> None:
+            while not stop.is_set():
+                peaks.append(rss_bytes() - base)
+                time.sleep(0.005)
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(100 + k)
+            c = httpclient.InferenceServerClient(url)
+            try:
+                for _ in range(100):
+                    add_sub_request(c, names[rng.integers(40)], rng)
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                c.close()
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        stop.set()
+        watcher.join()
+        assert not failures, failures[:5]
+        resident = store.resident()
+        assert len(resident) >= 8, {n: r.charged / MB for n, r in resident.items()}
+        assert store.resident_bytes <= budget
+        assert max(peaks) <= budget + slack, f"{max(peaks) / MB:.1f} MB over the start"
+        for name, r in resident.items():
+            assert abs(r.charged - per_model) <= 0.25 * per_model, (name, r.charged / MB)
 
 
 def test_tritonclient_drives_the_repository_extension_over_http_and_grpc(folder):

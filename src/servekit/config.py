@@ -373,6 +373,14 @@ class StoreConfig:
     request for a known model that is not loaded loads it and waits."""
     pin: tuple[str, ...] = ()
     """Models never evicted (loaded at start in either mode)."""
+    wait_s: float = 5.0
+    """How long a request waits for its model to be loaded (loads queued before it, room
+    in the budget) before a 503 with Retry-After naming what holds the budget."""
+    max_loads_per_s: float = 20.0
+    """At most this many loads (and so evictions) a second (0: no bound)."""
+    meter: bool = True
+    """Charge each model what it costs alone, measured once in a quiet helper process
+    (false: measure each load in the serving process, where other requests count too)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pin", tuple(self.pin))
@@ -382,6 +390,10 @@ class StoreConfig:
             raise ValueError(f"[store] load must be one of {list(STORE_LOADS)}, got {self.load!r}")
         if self.memory_budget_mb < 0:
             raise ValueError(f"[store] memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
+        if self.wait_s <= 0:
+            raise ValueError(f"[store] wait_s must be > 0, got {self.wait_s}")
+        if self.max_loads_per_s < 0:
+            raise ValueError(f"[store] max_loads_per_s must be >= 0, got {self.max_loads_per_s}")
 
     @property
     def active(self) -> bool:

@@ -9,10 +9,12 @@ serves it to servekit's front (HTTP and gRPC), Triton's repository extension inc
 from .app import store_app
 from .catalog import catalog
 from .memory import device_bytes, resident_bytes, rss_bytes
+from .meter import Meter
 from .registry import StoreModels
 from .store import ModelStore, Resident
 
 __all__ = [
+    "Meter",
     "ModelStore",
     "Resident",
     "StoreModels",

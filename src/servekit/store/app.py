@@ -9,6 +9,7 @@ from ..config import ServeConfig
 from ..http.app import KServeApp
 from ..metrics import Metrics
 from .catalog import catalog
+from .meter import Meter
 from .registry import StoreModels
 from .store import ModelStore
 
@@ -28,8 +29,11 @@ def store_app(
         budget_bytes=config.store.budget_bytes,
         pin=config.store.pin,
         on_demand=config.store.load == "on_demand",
+        wait_s=config.store.wait_s,
+        max_loads_per_s=config.store.max_loads_per_s,
         cache_dir=config.cache_dir,
         storage=config.storage,
+        meter=Meter(config.cache_dir, config.storage) if config.store.meter else None,
         watch=lambda name, batcher: metrics.watch(batcher, name),
         unwatch=metrics.unwatch,
     )

@@ -1,17 +1,18 @@
 """``ModelStore``: which models are resident, loading one on demand, and the memory budget.
 
 Every model of the catalog is known; a resident one has its runners and a Batcher per
-served name (a model and its image model). A request holds its model (``lease``) from
-admission to answer, so a model with requests in flight or queued is never evicted or
-unloaded under them: an unload waits for them, and an eviction picks only idle models.
-Loads run one at a time, so the resident memory each one adds is its own: the process's
-RSS growth across the load and warm-up (the store's first load is done twice, the first
-time unmeasured, so no model is charged the engine's one-time start). RSS reads low when the allocator reuses memory
-freed earlier, so a model is charged at least its file's size and at least the most any
-of its loads measured. Before a load the store makes room for that charge (its file's
-size the first time), after it for what it measured; a model larger than the budget
-alone is refused with the figures. Concurrent requests for a model that is loading wait
-on that one load.
+served name (a model and its image model). A request holds its model (``lease``) from the
+moment it asks for it to its answer, waiting for a load and queued time included, so a
+model that requests wait for or use is never evicted or unloaded under them: an unload
+waits for them, an eviction picks only models nobody holds, and a model loaded for its
+waiters stays until they have run (without that, under more clients than the budget holds
+models, each load evicted the one before it for ever). Loads run one at a time and at most
+``max_loads_per_s``; each is charged what the model costs alone (``Meter``: measured once
+in a quiet helper process, so other requests' memory never counts), and room is made for
+that charge before the load. When the budget is held by models in use, a load waits for
+one to come free; a request waits at most ``wait_s`` for its model, then gets a 503
+naming what holds the budget. A load that no request waits for any more by its turn is
+dropped. Concurrent requests for a model that is loading wait on that one load.
 
 Everything here runs on the serving event loop; loads, warm-ups and closes run on
 worker threads.
@@ -24,6 +25,7 @@ import collections
 import contextlib
 import logging
 import os
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from ..runtime.base import ServedModel, load_models, probe_model, refresh
 from ..spec import ModelSpec
 from ..storage import StorageConfig, is_remote
 from .memory import release_freed, resident_bytes
+from .meter import Meter
 
 __all__ = ["ModelStore", "Resident"]
 
@@ -44,7 +47,9 @@ log = logging.getLogger(__name__)
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 EVENTS_KEPT = 100
+SAMPLES_KEPT = 3
 MB = 1024 * 1024
+COUNTS = ("loads", "unloads", "evictions", "load_seconds", "refusals", "dropped")
 
 
 @dataclass
@@ -60,6 +65,10 @@ class Resident:
     in_flight: int = 0
 
 
+class _Dropped(Exception):
+    """A load on demand that no request waits for any more."""
+
+
 @dataclass
 class _Entry:
     config: ModelConfig
@@ -67,16 +76,23 @@ class _Entry:
     reason: str = "not loaded yet"
     resident: Resident | None = None
     loading: asyncio.Future[None] | None = None
+    requested: bool = False
+    """The load under way was asked for (start, the repository API): never dropped."""
+    wanted: int = 0
+    """Requests holding the model or waiting for it: while any do, it is never evicted."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while no request holds the model (what an unload waits for)."""
     unloaded: asyncio.Event = field(default_factory=asyncio.Event)
     """Set unless an unload is under way."""
     charge: int | None = None
-    """The resident bytes its last load measured."""
-    specs: dict[str, ModelSpec] = field(default_factory=dict)
-    counts: dict[str, float] = field(
-        default_factory=lambda: {"loads": 0, "unloads": 0, "evictions": 0, "load_seconds": 0.0}
+    """What it is charged: the meter's figure, else the median of its last loads."""
+    metered: bool = False
+    """Whether ``charge`` is the meter's (measured alone) rather than measured in place."""
+    samples: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=SAMPLES_KEPT)
     )
+    specs: dict[str, ModelSpec] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0.0))
 
 
 def _load(
@@ -85,13 +101,17 @@ def _load(
     served = load_models(config, cache_dir, storage)
     for m in served:
         m.runner.warmup()
+    release_freed()  # the load's scratch: what stays resident is the model's own
     return served
 
 
 class ModelStore:
     """The models of ``models`` (name -> config), resident within ``budget_bytes`` (0: no
     budget); ``pin``ned ones are never evicted. ``on_demand``: a request for a model not
-    loaded loads it (else only ``load`` does). ``watch``/``unwatch`` are told of each
+    loaded loads it (else only ``load`` does). A request waits at most ``wait_s`` for its
+    model (loads queued before it, room in the budget). ``meter`` gives each model's
+    charge before its load; without one, each load's growth of ``measure`` is measured in
+    place (the median of its last three loads). ``watch``/``unwatch`` are told of each
     Batcher as it comes and goes (the front's metrics)."""
 
     def __init__(
@@ -101,9 +121,12 @@ class ModelStore:
         budget_bytes: int = 0,
         pin: Iterable[str] = (),
         on_demand: bool = True,
+        wait_s: float = 5.0,
+        max_loads_per_s: float = 0.0,
         cache_dir: str | None = None,
         storage: StorageConfig | None = None,
         loader: Callable[[ModelConfig], list[ServedModel]] | None = None,
+        meter: Meter | None = None,
         watch: Callable[[str, Batcher], None] = lambda name, batcher: None,
         unwatch: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
@@ -111,7 +134,8 @@ class ModelStore:
         prime: bool = True,
     ) -> None:
         self.budget, self.pin, self.on_demand = budget_bytes, frozenset(pin), on_demand
-        self._cache_dir, self._storage = cache_dir, storage
+        self.wait_s, self.max_loads_per_s = wait_s, max_loads_per_s
+        self._cache_dir, self._storage, self._meter = cache_dir, storage, meter
         self._loader = loader or (lambda config: _load(config, cache_dir, storage))
         self._watch, self._unwatch, self._clock, self._measure = watch, unwatch, clock, measure
         self._entries = {name: _Entry(config) for name, config in models.items()}
@@ -123,6 +147,10 @@ class ModelStore:
             if config.image:
                 self._owner.setdefault(image_model_name(name), name)
         self._load_lock: asyncio.Lock | None = None
+        self._room: asyncio.Event | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._closing = False
+        self._last_load = float("-inf")
         self._primed = not prime
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
 
@@ -156,9 +184,12 @@ class ModelStore:
         """``served``'s signature: from its last load, else read from its file once."""
         entry = self._entries[self.owner(served)]
         if served not in entry.specs:
-            probe = await asyncio.to_thread(
-                probe_model, entry.config, self._cache_dir, self._storage
-            )
+            # One engine session at a time: a probe builds one, as a load does, and
+            # their peaks (about three times the model's settled size) must not add up.
+            async with self._lock():
+                probe = await asyncio.to_thread(
+                    probe_model, entry.config, self._cache_dir, self._storage
+                )
             entry.specs.setdefault(entry.config.name, probe.spec)
             if probe.image_spec is not None:
                 entry.specs.setdefault(image_model_name(entry.config.name), probe.image_spec)
@@ -172,37 +203,69 @@ class ModelStore:
 
     @contextlib.asynccontextmanager
     async def lease(self, served: str) -> AsyncIterator[Batcher]:
-        """``served``'s Batcher, held (never evicted or unloaded) until the block ends;
-        loads the model first where it is not resident and ``on_demand`` allows."""
+        """``served``'s Batcher, held (never evicted or unloaded) from now until the block
+        ends; loads the model first where it is not resident and ``on_demand`` allows,
+        waiting at most ``wait_s`` (then ``Overloaded``, naming what holds the budget)."""
         name = self.owner(served)
         entry = self._entries[name]
-        while True:
-            if entry.state == READY and entry.resident is not None:
-                break
-            if entry.state == LOADING and entry.loading is not None:
-                await asyncio.shield(entry.loading)
-            elif entry.state == UNLOADING:
-                await entry.unloaded.wait()
-            elif self.on_demand:
-                await self.load(name)
-            else:
-                raise ModelNotReady(
-                    f"model {name!r} is not loaded ({entry.reason}); load it with "
-                    f"POST /v2/repository/models/{name}/load"
-                )
-        resident = entry.resident
-        batcher = resident.batchers.get(served)
-        if batcher is None:
-            raise ModelNotFound(f"unknown model {served!r}: {name} is no image classifier")
-        resident.in_flight += 1
-        resident.last_used = self._clock()
-        entry.idle.clear()
+        entry.wanted += 1
+        resident: Resident | None = None
         try:
-            yield batcher
+            resident = await self._admit(entry)
+            batcher = resident.batchers.get(served)
+            if batcher is None:
+                raise ModelNotFound(f"unknown model {served!r}: {name} is no image classifier")
+            resident.in_flight += 1
+            resident.last_used = self._clock()
+            entry.idle.clear()
+            try:
+                yield batcher
+            finally:
+                resident.in_flight -= 1
+                if resident.in_flight == 0:
+                    entry.idle.set()
         finally:
-            resident.in_flight -= 1
-            if resident.in_flight == 0:
-                entry.idle.set()
+            entry.wanted -= 1
+            if entry.wanted == 0:
+                self._freed()
+
+    async def _admit(self, entry: _Entry) -> Resident:
+        """The entry's resident model, once it is one: at most ``wait_s`` from now."""
+        name = entry.config.name
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while entry.state != READY or entry.resident is None:
+            if self._closing:
+                raise ModelNotReady(f"model {name!r} is not served: the server is stopping")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._refusal(entry)
+            try:
+                if entry.state == LOADING and entry.loading is not None:
+                    await asyncio.wait_for(asyncio.shield(entry.loading), remaining)
+                elif entry.state == UNLOADING:
+                    await asyncio.wait_for(entry.unloaded.wait(), remaining)
+                elif self.on_demand:
+                    self._start_load(entry)
+                else:
+                    raise ModelNotReady(
+                        f"model {name!r} is not loaded ({entry.reason}); load it with "
+                        f"POST /v2/repository/models/{name}/load"
+                    )
+            except TimeoutError:
+                raise self._refusal(entry) from None
+        return entry.resident
+
+    def _refusal(self, entry: _Entry) -> Overloaded:
+        entry.counts["refusals"] += 1
+        held = {n: round(r.charged / MB, 1) for n, r in sorted(self.resident().items())}
+        queued = sum(1 for e in self._entries.values() if e.state == LOADING)
+        budget = f"the budget of {self.budget / MB:.1f} MB" if self.budget else "no budget"
+        return Overloaded(
+            f"model {entry.config.name!r} was not loaded within {self.wait_s:g} s: {queued} "
+            f"load(s) queued, {budget}, held by models in use or pinned (MB: {held})",
+            retry_after_s=1.0,
+        )
 
     # ------------------------------------------------------------ control
 
@@ -219,6 +282,7 @@ class ModelStore:
         name = entry.config.name
         while True:
             if entry.state == LOADING and entry.loading is not None:
+                entry.requested = True
                 await asyncio.shield(entry.loading)
                 if config is None:
                     return
@@ -231,15 +295,23 @@ class ModelStore:
                 return
             else:
                 break
-        entry.state, entry.reason = LOADING, ""
-        if config is not None:
-            entry.config = config
+        await asyncio.shield(self._start_load(entry, config, requested=True))
+
+    def _start_load(
+        self, entry: _Entry, config: ModelConfig | None = None, *, requested: bool = False
+    ) -> asyncio.Future[None]:
+        entry.state, entry.reason, entry.requested = LOADING, "", requested
+        if config is not None:  # another configuration costs what it costs: measured anew
+            entry.config, entry.charge, entry.metered = config, None, False
+            entry.samples.clear()
         # A task of its own: a caller that goes away (its client disconnected) does not
         # cancel a load that others wait for, or leave a half-loaded model behind.
         task = asyncio.ensure_future(self._load_task(entry))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+        task.add_done_callback(self._tasks.discard)
+        self._tasks.add(task)
         entry.loading = task
-        await asyncio.shield(task)
+        return task
 
     async def _refresh(self, entry: _Entry) -> None:
         """A resident model from object storage, asked to load again: re-check the object
@@ -253,17 +325,23 @@ class ModelStore:
             refresh, versioned, entry.config, self._cache_dir, self._storage
         )
         if number is not None:
-            log.info("store: %s now serving version %d", entry.config.name, number)
+            log.info("store: %s now serves its object's update %d", entry.config.name, number)
 
     async def _load_task(self, entry: _Entry) -> None:
         try:
             await self._load_one(entry)
+        except _Dropped:
+            entry.state, entry.reason = UNAVAILABLE, "load dropped: no request waited for it"
+            entry.counts["dropped"] += 1
+            self._event("load dropped", entry.config.name, why="no request waited for it")
         except BaseException as exc:
-            entry.state, entry.reason = UNAVAILABLE, f"load failed: {exc}"
-            self._event("load failed", entry.config.name, why=str(exc))
+            why = f"{exc}" or type(exc).__name__
+            entry.state, entry.reason = UNAVAILABLE, f"load failed: {why}"
+            self._event("load failed", entry.config.name, why=why)
             raise
         finally:
             entry.loading = None
+            self._freed()
 
     async def unload(self, name: str, *, why: str = "unloaded on request") -> None:
         """Take ``name`` out of memory once no request holds it (requests already queued
@@ -287,11 +365,20 @@ class ModelStore:
         finally:
             entry.state = UNAVAILABLE
             entry.unloaded.set()
+            self._freed()
 
     async def close(self) -> None:
-        """Unload every model (requests holding one are answered first)."""
+        """Refuse new requests, let the load under way finish and drop the queued ones,
+        then unload every model (requests holding one are answered first) and stop the
+        meter: no task of the store outlives this."""
+        self._closing = True
+        self._freed()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
         for name in list(self.resident()):
             await self.unload(name, why="the server stopped")
+        if self._meter is not None:
+            await asyncio.to_thread(self._meter.close)
 
     # ------------------------------------------------------------ inside
 
@@ -300,34 +387,69 @@ class ModelStore:
             self._load_lock = asyncio.Lock()
         return self._load_lock
 
+    def _room_event(self) -> asyncio.Event:
+        if self._room is None:
+            self._room = asyncio.Event()
+        return self._room
+
+    def _freed(self) -> None:
+        """Something may have come free (a model nobody holds, an unload, a load ended):
+        wake the load waiting for room."""
+        self._room_event().set()
+
+    def _still_wanted(self, entry: _Entry) -> None:
+        if self._closing:
+            raise ModelNotReady(
+                f"model {entry.config.name!r} is not loaded: the server is stopping"
+            )
+        if not entry.requested and entry.wanted == 0:
+            raise _Dropped
+
+    async def _pace(self) -> None:
+        """At most ``max_loads_per_s`` loads (and so evictions) a second."""
+        if self.max_loads_per_s > 0:
+            loop = asyncio.get_running_loop()
+            delay = self._last_load + 1 / self.max_loads_per_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._last_load = loop.time()
+
     async def _load_one(self, entry: _Entry) -> None:
         name, config = entry.config.name, entry.config
-        size = _file_size(config, self._cache_dir, self._storage)
         async with self._lock():
-            await self._make_room(name, entry.charge or size)
+            self._still_wanted(entry)
+            await self._pace()
+            path = await asyncio.to_thread(_resolved, config, self._cache_dir, self._storage)
+            size = _size(path)
+            if self._meter is not None and not entry.metered:
+                figure = await asyncio.to_thread(self._meter.charge, config, path)
+                if figure is not None:
+                    entry.charge, entry.metered = max(figure, size), True
+            expected = entry.charge or size
+            self._fits(name, expected)
+            await self._make_room(entry, expected)
+            self._still_wanted(entry)
             if not self._primed:  # the engine's one-time start is no model's memory
                 await self._release_served(await asyncio.to_thread(self._loader, config))
                 self._primed = True
             start, before = time.perf_counter(), self._measure()
             served = await asyncio.to_thread(self._loader, config)
-            # RSS growth reads low when a load reuses memory freed earlier: a model is
-            # charged the most any of its loads measured.
-            charged = max(self._measure() - before, size, entry.charge or 0)
+            if not entry.metered:
+                # No figure from the meter: this load's own growth, at least the file;
+                # the median of the last loads, so one noisy reading neither sticks nor
+                # ratchets the charge up.
+                entry.samples.append(max(self._measure() - before, size))
+                entry.charge = int(statistics.median(entry.samples))
+            charged = entry.charge or size
             batchers = {
                 m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
                 for m in served
             }
             resident = Resident(config, served, batchers, charged, 0.0, self._clock())
-            entry.charge = charged
-            if self.budget and charged > self.budget:
-                await self._release(resident)
-                raise ModelNotReady(
-                    f"model {name!r} takes {charged / MB:.1f} MB resident (measured after its "
-                    f"load and warm-up), more than the whole budget of {self.budget / MB:.1f} MB"
-                )
             try:
-                await self._make_room(name, charged)
-            except Overloaded:
+                self._fits(name, charged)
+                await self._make_room(entry, charged)
+            except (ModelNotReady, Overloaded, _Dropped):
                 await self._release(resident)
                 raise
             resident.load_s = time.perf_counter() - start
@@ -342,40 +464,59 @@ class ModelStore:
             resident_bytes=self.resident_bytes,
         )  # fmt: skip
 
-    async def _make_room(self, name: str, needed: int) -> None:
-        """Evict least recently used idle, unpinned models until ``needed`` bytes fit."""
+    def _fits(self, name: str, charge: int) -> None:
+        if self.budget and charge > self.budget:
+            raise ModelNotReady(
+                f"model {name!r} takes {charge / MB:.1f} MB resident (measured after its "
+                f"load and warm-up), more than the whole budget of {self.budget / MB:.1f} MB"
+            )
+
+    async def _make_room(self, entry: _Entry, needed: int) -> None:
+        """Evict least recently used models that nobody holds and that are not pinned,
+        until ``needed`` bytes fit; while none can go, wait for one to: a load on demand
+        as long as requests wait for it (then it is dropped), one asked for ``wait_s``."""
         if not self.budget:
             return
-        if needed > self.budget:
-            raise ModelNotReady(
-                f"model {name!r} takes {needed / MB:.1f} MB resident, more than the whole "
-                f"budget of {self.budget / MB:.1f} MB"
-            )
+        name = entry.config.name
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        room = self._room_event()
         while self.resident_bytes + needed > self.budget:
+            if self._closing:
+                raise ModelNotReady(f"model {name!r} is not loaded: the server is stopping")
             idle = [
                 (e.resident.last_used, n)
                 for n, e in self._entries.items()
-                if e.resident is not None and e.state == READY and e.resident.in_flight == 0
+                if e.resident is not None and e.state == READY and e.wanted == 0
                 and n not in self.pin and n != name
             ]  # fmt: skip
-            if not idle:
-                held = {n: round(r.charged / MB, 1) for n, r in self.resident().items()}
+            if idle:
+                await self._evict(min(idle)[1], name)
+                continue
+            self._still_wanted(entry)
+            remaining = deadline - loop.time() if entry.requested else None
+            if remaining is not None and remaining <= 0:
+                held = {n: round(r.charged / MB, 1) for n, r in sorted(self.resident().items())}
                 raise Overloaded(
                     f"model {name!r} needs {needed / MB:.1f} MB and the budget of "
                     f"{self.budget / MB:.1f} MB is held by models in use or pinned (MB: {held})",
                     retry_after_s=1.0,
                 )
-            _, victim = min(idle)
-            entry = self._entries[victim]
-            entry.state, entry.reason = UNLOADING, f"evicted (least recently used) for {name}"
-            entry.unloaded.clear()
-            try:
-                await self._close(entry)
-            finally:
-                entry.state = UNAVAILABLE
-                entry.unloaded.set()
-            entry.counts["evictions"] += 1
-            self._event("evict", victim, why=f"room for {name}", freed_bytes=entry.charge)
+            room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room.wait(), remaining)
+
+    async def _evict(self, victim: str, name: str) -> None:
+        entry = self._entries[victim]
+        entry.state, entry.reason = UNLOADING, f"evicted (least recently used) for {name}"
+        entry.unloaded.clear()
+        try:
+            await self._close(entry)
+        finally:
+            entry.state = UNAVAILABLE
+            entry.unloaded.set()
+        entry.counts["evictions"] += 1
+        self._event("evict", victim, why=f"room for {name}", freed_bytes=entry.charge)
 
     async def _close(self, entry: _Entry) -> None:
         resident, entry.resident = entry.resident, None
@@ -409,8 +550,8 @@ class ModelStore:
     # ------------------------------------------------------------ reporting
 
     def totals(self) -> dict[str, float]:
-        """Loads, unloads, evictions and load seconds over every model."""
-        out = {"loads": 0.0, "unloads": 0.0, "evictions": 0.0, "load_seconds": 0.0}
+        """Loads, unloads, evictions, load seconds, refusals and dropped loads, summed."""
+        out = dict.fromkeys(COUNTS, 0.0)
         for entry in self._entries.values():
             for key in out:
                 out[key] += entry.counts[key]
@@ -427,6 +568,9 @@ class ModelStore:
             if e.resident is not None:
                 row["resident_bytes"] = e.resident.charged
                 row["in_flight"] = e.resident.in_flight
+            waiting = e.wanted - (e.resident.in_flight if e.resident else 0)
+            if waiting:
+                row["waiting"] = waiting
             out.append(row)
         return out
 
@@ -439,6 +583,14 @@ class ModelStore:
             "servekit_store_load_seconds_total": (
                 "counter", "Seconds spent loading and warming up the model", "load_seconds",
             ),
+            "servekit_store_refusals_total": (
+                "counter", "Requests refused (503) after waiting wait_s for the model",
+                "refusals",
+            ),
+            "servekit_store_dropped_loads_total": (
+                "counter", "Loads on demand dropped because no request waited any more",
+                "dropped",
+            ),
         }  # fmt: skip
         entries = sorted(self._entries.items())
         for metric, (kind, help_text, key) in per_model.items():
@@ -449,16 +601,32 @@ class ModelStore:
             [({"model": n}, float(e.resident.charged if e.resident else 0)) for n, e in entries],
         )  # fmt: skip
         yield (
+            "servekit_store_waiting_requests", "gauge",
+            "Requests waiting for the model to be loaded",
+            [({"model": n}, float(e.wanted - (e.resident.in_flight if e.resident else 0)))
+             for n, e in entries],
+        )  # fmt: skip
+        yield (
             "servekit_store_budget_bytes", "gauge",
             "The store's memory budget (0: none)", [({}, float(self.budget))],
         )  # fmt: skip
 
 
-def _file_size(config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None) -> int:
-    """The model's file size: the first estimate of what it will take resident."""
+def _resolved(
+    config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None
+) -> str | None:
+    """The model's file (fetched first where it is remote); None where it has none."""
     from .. import zoo
 
     try:
-        return os.path.getsize(zoo.resolve(config.source, cache_dir, storage))
+        return os.fspath(zoo.resolve(config.source, cache_dir, storage))
     except (OSError, ModelNotFound, FetchFailed):
+        return None
+
+
+def _size(path: str | None) -> int:
+    """The model's file size: what it takes at least, and the first estimate of its charge."""
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
         return 0
