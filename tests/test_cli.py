@@ -78,3 +78,14 @@ def test_commands_name_a_model_that_is_neither_in_the_zoo_nor_a_file(tmp_path, m
         assert result.exit_code == 2, result.output
         text = " ".join(result.output.split())
         assert "no zoo model or model file" in text and ".onnx'" in text
+
+
+def test_bench_against_a_server_that_is_not_up_says_it_cannot_reach_it():
+    from conftest import free_port
+
+    port = free_port()
+    for url in (f"http://127.0.0.1:{port}", f"grpc://127.0.0.1:{port}"):
+        result = cli.invoke(app, ["bench", "--url", url, "--model", "m", "--concurrency", "1"])
+        assert result.exit_code == 2, result.output
+        assert "ServerUnreachable: cannot reach" in result.output, result.output
+        assert "ModelNotReady" not in result.output

@@ -114,7 +114,7 @@ max_queue_delay_us = 1000
         code = stop(proc)
     assert code == 0
     log = proc.stdout_text
-    assert "tiny_cnn: now serving version 2" in log
+    assert "tiny_cnn: reloaded from" in log and "(reload 1)" in log
     assert "reload failed, the serving version stays" in log and "tiny_cnn.onnx" in log
     assert "model instance(s) ['tiny_cnn_0_0']: worker process died; restarting (1/5)" in log
 
@@ -348,7 +348,7 @@ def test_serve_natively_answers_both_protocols_reloads_on_sighup_and_stops_clean
     finally:
         code = stop(proc)
     assert code == 0
-    assert "tiny: now serving version 2" in proc.stdout_text
+    assert "tiny: reloaded" in proc.stdout_text and "(reload 1)" in proc.stdout_text
     assert "reload failed, the serving version stays" in proc.stdout_text
 
 

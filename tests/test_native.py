@@ -161,7 +161,7 @@ def test_reload_swaps_the_model_file_between_batches(tmp_path, tiny_cnn_path):
     with NativeServer(config) as server, Client(config.server.grpc_url) as c:
         before = c.infer("tiny", x)["logits"]
         path.write_bytes(build_tiny_cnn(seed=1).SerializeToString())
-        assert server.reload() == ["tiny: now serving version 2"]
+        assert server.reload() == [f"tiny: reloaded from {path} (reload 1)"]
         after = c.infer("tiny", x)["logits"]
         assert not np.allclose(before, after)
         np.testing.assert_allclose(after, OnnxRuntimeRunner(path).infer(x)["logits"], rtol=1e-5)

@@ -195,10 +195,25 @@ def test_the_split_sticky_named_versions_and_the_traffic_api(versions, serving):
             )
             assert status == 200 and state["split"] == {"2": 100}
             assert {client.infer() for _ in range(50)} == {"2"}
+            status, state = client.call("POST", "/v2/models/m/traffic", json.dumps({"shadow": 1}))
+            assert status == 200 and state["shadow"] == 1 and state["split"] == {"2": 100}
+            runs = state["counts"]["1"]["shadow_runs"]
+            assert {client.infer() for _ in range(20)} == {"2"}  # the shadow never answers
+
+            def shadow_runs() -> int:
+                return client.call("GET", "/v2/models/m/traffic")[1]["counts"]["1"]["shadow_runs"]
+
+            wait_until(lambda: shadow_runs() >= runs + 20, "20 shadow runs of version 1", 10)
+            bad = {"split": {"1": 100}, "shadow": 9}
+            status, answer = client.call("POST", "/v2/models/m/traffic", json.dumps(bad))
+            assert status == 400 and "unknown version(s) [9]" in answer["error"], answer
+            status, state = client.call("POST", "/v2/models/m/traffic", '{"shadow": null}')
+            assert status == 200 and state["shadow"] is None and state["split"] == {"2": 100}
             for bad, message in [
                 ({"split": {"1": 60, "2": 60}}, "shares must sum to 100, got 120"),
                 ({"split": {"1": 50, "9": 50}}, "unknown version(s) [9]"),
                 ({"weights": {"1": 100}}, 'expected {"split"'),
+                ({"shadow": "two"}, "shadow must be a version number or null, got 'two'"),
             ]:
                 status, answer = client.call("POST", "/v2/models/m/traffic", json.dumps(bad))
                 assert status == 400 and message in answer["error"], answer

@@ -302,6 +302,25 @@ def test_tritonclient_drives_the_repository_extension_over_http_and_grpc(folder)
             grpc.load_model("cnn_7", config=config, headers=headers)
             assert server.store.config("cnn_7").batching.max_batch_size == 4
             assert server.store.config("cnn_7").instances == 2
+            # What the model runs now is what its configuration says, on both protocols.
+            shown = http.get_model_config("cnn_7")
+            assert shown["max_batch_size"] == 4 and shown["instance_group"][0]["count"] == 2
+            grpc_served = grpc.get_model_config("cnn_7", as_json=True)["config"]
+            assert grpc_served["instance_group"][0]["count"] == 2
+            # A configuration read back, changed and sent again loads as it is.
+            shown["instance_group"][0]["count"] = 3
+            http.load_model("cnn_7", config=json.dumps(shown), headers=headers)
+            assert server.store.resident()["cnn_7"].batchers["cnn_7"].instance_count == 3
+            for bad, message in [
+                ('{"optimization": {"priority": 1}}', r"does not apply \['optimization'\]"),
+                ('{"instance_group": [{"kind": "KIND_GPU"}]}', "not KIND_GPU"),
+                ('{"input": [{"name": "X"}]}', "'input' cannot change on a load"),
+                ('{"max_batch_size": 4', "parameters.config is not valid JSON"),
+            ]:
+                for client in (http, grpc):
+                    with pytest.raises(InferenceServerException, match=message):
+                        client.load_model("cnn_7", config=bad, headers=headers)
+            assert server.store.resident()["cnn_7"].batchers["cnn_7"].instance_count == 3
             ready = {m.name for m in grpc.get_model_repository_index().models if m.state == "READY"}
             assert ready == {"add_3", "cnn_7"}
             request = urllib.request.Request(

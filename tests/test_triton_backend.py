@@ -372,6 +372,37 @@ def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(
             client.close()
 
 
+def test_a_load_tritonserver_cannot_take_is_the_client_s_error_not_a_retry(tmp_path):
+    """In poll mode tritonserver answers a load UNAVAILABLE (503: retry); through the front
+    it is the client's request that cannot work here: 400 / FAILED_PRECONDITION, naming
+    the flag, and the model goes on serving."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    write_adder(tmp_path, "adder", versions=(1,))
+    server = ServerConfig.on_loopback(exit_timeout_s=2)
+    with TritonProcess(TritonOptions(tmp_path, server, model_control_mode="poll")):
+        http = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        grpc = tg.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        try:
+            for call in (http.load_model, http.unload_model):
+                with pytest.raises(InferenceServerException) as e:
+                    call("adder")
+                assert e.value.status() == "400"
+                assert "--model-control-mode poll" in str(e.value)
+            with pytest.raises(InferenceServerException) as e:
+                grpc.load_model("adder")
+            assert e.value.status() == "StatusCode.FAILED_PRECONDITION"
+            assert "needs explicit mode" in str(e.value)
+            a = np.ones((1, 4), np.float32)
+            with Client(server.http_url) as c:
+                assert c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
+        finally:
+            http.close()
+            grpc.close()
+
+
 def test_repo_build_and_triton_commands(tmp_path, model_cache):
     from typer.testing import CliRunner
 

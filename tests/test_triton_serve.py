@@ -327,6 +327,9 @@ def test_bench_command_measures_the_served_model(server, tmp_path):
         ],
     )  # fmt: skip
     assert json_run.exit_code == 0, json_run.output
+    # One progress line per level, and the table once, at the end.
+    assert json_run.output.count("resnet50 at http") == 1, json_run.output
+    assert json_run.output.count("concurrency 1:") == 1, json_run.output
 
 
 def test_bench_command_reports_an_unknown_model(server):

@@ -16,6 +16,7 @@ from .errors import (
     Overloaded,
     RunnerError,
     ServekitError,
+    ServerUnreachable,
     Unauthenticated,
 )
 from .metrics import Metrics
@@ -56,6 +57,7 @@ __all__ = [
     "RunnerError",
     "ServeConfig",
     "ServekitError",
+    "ServerUnreachable",
     "ServerConfig",
     "StorageConfig",
     "TensorSpec",

@@ -23,6 +23,7 @@ from .errors import (
     INFERENCE_TOKEN_HEADER,
     ModelNotReady,
     ServekitError,
+    ServerUnreachable,
     from_grpc_code,
     from_http_status,
 )
@@ -45,13 +46,15 @@ def _error(exc: Exception, protocol: str) -> ServekitError:
     status = getattr(exc, "status", lambda: None)()
     message = getattr(exc, "message", lambda: str(exc))() or str(exc)
     if protocol == "grpc":
+        if "failed to connect to all addresses" in message:  # gRPC's own, not the server's
+            return ServerUnreachable(f"cannot reach the server: {message}")
         return from_grpc_code(str(status or "UNKNOWN"), message)
     try:
         code = int(status) if status is not None else 0
     except ValueError:
         code = 0
     if code == 0:  # no HTTP status: the connection itself failed
-        return ModelNotReady(f"cannot reach the server: {message}")
+        return ServerUnreachable(f"cannot reach the server: {message}")
     return from_http_status(code, message)
 
 
@@ -60,7 +63,7 @@ def _remote_failure(exc: Exception, url: str, protocol: str) -> ServekitError:
     if isinstance(exc, ServekitError):
         return exc
     if not hasattr(exc, "status"):
-        return ModelNotReady(f"cannot reach {url}: {exc}")
+        return ServerUnreachable(f"cannot reach {url}: {exc}")
     return _error(exc, protocol)
 
 

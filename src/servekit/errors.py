@@ -85,6 +85,11 @@ class FetchFailed(ModelNotReady):
     (bucket, key) and the error. Nothing half-written is left, and a serving version stays."""
 
 
+class ServerUnreachable(ModelNotReady):
+    """The client could not reach the server at all (connection refused or reset, no such
+    host): nothing answered, so no model's state is known. A client-side error."""
+
+
 class Overloaded(ServekitError):
     """The queue is full; the request was rejected at once so memory stays bounded.
 

@@ -317,7 +317,7 @@ ROLLOUT = {
     "servekit_shadow_dropped_total": ("counter", "Shadow copies dropped: too many in flight"),
     "servekit_traffic_share_percent": ("gauge", "A version's share of the split, percent"),
     "servekit_canary_window_p99_seconds": ("gauge", "p99 latency in the canary's current window"),
-    "servekit_canary_verdicts_total": ("counter", "Canary verdicts: step, promoted, failed"),
+    "servekit_canary_verdicts_total": ("counter", "Canary verdicts: step, promoted, fail"),
 }
 """Rollout's series (``servekit.rollout``): kind and help text."""
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ModelNotFound, ModelNotReady, ServekitError
+from ..errors import ServekitError, ServerUnreachable
 
 __all__ = ["BatcherTarget", "RemoteTarget", "RunnerTarget", "Target", "open_target"]
 
@@ -78,10 +78,8 @@ class RemoteTarget:
         """Fail fast and clearly: the server must answer and know the model."""
         try:
             await self.send()  # the very request the measurement sends
-        except ModelNotFound:
-            raise
-        except ModelNotReady as exc:
-            raise ModelNotReady(f"cannot reach {self.url}: {exc}") from None
+        except ServerUnreachable as exc:
+            raise ServerUnreachable(f"{exc} (is the server up at {self.url}?)") from None
 
     async def send(self) -> None:
         if self._body is None:
@@ -101,7 +99,7 @@ class RemoteTarget:
                 if r.status != 200:
                     raise from_http_status(r.status, payload[:500].decode("utf-8", "replace"))
         except aiohttp.ClientError as exc:
-            raise ModelNotReady(f"cannot reach {self.url}: {exc}") from None
+            raise ServerUnreachable(f"cannot reach {self.url}: {exc}") from None
 
     async def close(self) -> None:
         if self._session is not None:

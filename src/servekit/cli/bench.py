@@ -51,6 +51,7 @@ def bench(
     import asyncio
 
     from ..bench import MeasureConfig, open_target, parse_levels, sweep
+    from ..bench.loadgen import Point
     from ..bench.payload import payload_from_metadata
     from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
     from ..client import Client
@@ -76,6 +77,13 @@ def bench(
         console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(2) from None
 
+    def progress(point: Point) -> None:
+        """One line per level as it finishes; the table comes once, at the end."""
+        console.print(
+            f"{mode} {point.level:g}: {point.stats.inferences_per_s:.1f} infer/s, "
+            f"p99 {point.stats.p99_ms:.2f} ms"
+        )
+
     async def run() -> list:
         target = open_target(
             url,
@@ -86,9 +94,7 @@ def bench(
             binary=not as_json,
         )
         try:
-            return await sweep(
-                target, levels, mode, cfg, on_point=lambda p: console.print(table([p]))
-            )
+            return await sweep(target, levels, mode, cfg, on_point=progress)
         finally:
             await target.close()
 

@@ -470,9 +470,10 @@ class TritonModels(Mapping[str, ForwardedModel]):
         ttl_s: float = 2.0,
         traffic: Mapping[str, Traffic] | None = None,
         recovery: Recovery | None = None,
+        control_mode: str = "explicit",
     ) -> None:
         self.http_url, self.grpc_url, self.ttl_s = http_url, grpc_url, ttl_s
-        self.recovery = recovery
+        self.recovery, self.control_mode = recovery, control_mode
         self._token, self._headers = inference_token, dict(control_headers or {})
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
         self.traffic = dict(traffic or {})
@@ -502,13 +503,28 @@ class TritonModels(Mapping[str, ForwardedModel]):
         self, path: str, body: bytes, headers: Mapping[str, str]
     ) -> tuple[int, bytes, dict[str, str]]:
         """Model control passed to tritonserver with the client's own control header (Triton
-        checks it); the model is looked up afresh after."""
+        checks it); the model is looked up afresh after. Outside explicit mode tritonserver
+        refuses it as UNAVAILABLE (503), which tells a client to retry what can never
+        work: the front refuses it first, as the client's request (400), naming the flag."""
+        why = self.control_refused()
+        if why is not None:
+            why = f"POST {path}: {why}"
+            return 400, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
         answer = await triton_fetch(self.http_url, headers, "POST", path, body)
         name = urllib.parse.unquote(path.split("/")[4])
         cached = self._cache.get(name)
         if cached is not None:  # looked up afresh next time (kept while it serves the same spec)
             self._cache[name] = (float("-inf"), cached[1])
         return answer
+
+    def control_refused(self) -> str | None:
+        """Why tritonserver cannot load or unload a model now (None: it can)."""
+        if self.control_mode == "explicit":
+            return None
+        return (
+            f"tritonserver runs with --model-control-mode {self.control_mode}: loading and "
+            "unloading models needs explicit mode (servekit triton --model-control-mode explicit)"
+        )
 
     def _fetch(self, name: str) -> ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")

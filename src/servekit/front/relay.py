@@ -18,6 +18,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
@@ -39,6 +40,7 @@ _BY_MODEL = {
     "ModelConfig": service_pb2.ModelConfigRequest,
 }
 """Calls about one model (``name``): servekit answers them for a routed or unknown model."""
+_CONTROL = ("RepositoryModelLoad", "RepositoryModelUnload")
 
 
 class _Raw:
@@ -88,6 +90,9 @@ class GrpcRelay:
                 table[path] = Method(method.name, _Raw, handler)
             elif method.name.startswith("Repository") and isinstance(self.registry, PyTritonModels):
                 continue  # PyTriton's models are fixed at start: servekit says so
+            elif method.name in _CONTROL and isinstance(self.registry, TritonModels):
+                handler = functools.partial(self._control, method.name)
+                table[path] = Method(method.name, _Raw, handler)
             else:
                 table[path] = Method(method.name, _Raw, functools.partial(self._pass, method.name))
         return table
@@ -113,6 +118,15 @@ class GrpcRelay:
         """tritonserver's answer, as it is."""
         outcome = await self.upstream.call(method, request.data, self._metadata(context))
         return await self._answer(context, outcome)
+
+    async def _control(self, method: str, request: _Raw, context: Any) -> _Raw:
+        """A load or unload passed on, or refused as the client's (FAILED_PRECONDITION, not
+        tritonserver's UNAVAILABLE, which asks for a retry) where it cannot work."""
+        assert isinstance(self.registry, TritonModels)
+        why = self.registry.control_refused()
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {why}")
+        return await self._pass(method, request, context)
 
     async def _model(self, name: str) -> ForwardedModel | None:
         """The model ``name`` names if tritonserver answers for it as it is; None where

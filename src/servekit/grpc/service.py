@@ -16,7 +16,6 @@ control without a store) answer UNIMPLEMENTED.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
@@ -41,6 +40,7 @@ from ..protocol.kserve import (
     check_datatype,
     classify,
     element_count,
+    parse_json,
     scheduling,
     tensor_from_raw,
     tensor_to_raw,
@@ -242,12 +242,13 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             override = None
             if "config" in request.parameters:
                 text = _parameter(request.parameters["config"])
-                override = json.loads(text) if isinstance(text, str) and text else None
+                where = "repository load: parameters.config"
+                override = (
+                    parse_json(text.encode(), where) if isinstance(text, str) and text else None
+                )
                 if override is not None and not isinstance(override, dict):
                     raise InvalidInput("repository load: parameters.config must be a JSON object")
             await control.load(request.model_name, override)
-        except json.JSONDecodeError as exc:
-            await self.fail(context, InvalidInput(f"repository load: parameters.config: {exc}"))
         except Exception as exc:
             await self.fail(context, exc)
         return service_pb2.RepositoryModelLoadResponse()

@@ -283,20 +283,25 @@ class KServeApp:
         return self._json(405, {"error": f"{method} not allowed on {request.path}"})
 
     def _traffic(self, name: str, model: FrontModel, request: HttpRequest) -> Answer:
-        """``GET``: the model's split, canary state and counts; ``POST {"split": {...}}``
-        sets a new split, live (behind the control token when one is set)."""
+        """``GET``: the model's split, shadow, canary state and counts; ``POST {"split":
+        {...}, "shadow": <version or null>}`` (either or both) sets them, live (behind the
+        control token when one is set)."""
         if not isinstance(model, RoutedModel):
             raise ModelNotFound(f"model {name!r} has one version: no traffic split to show or set")
         if request.method == "POST":
             self._check_control(request)
             data = parse_json(self._body(request), "traffic request")
-            if not isinstance(data, dict) or set(data) != {"split"}:
+            if not isinstance(data, dict) or not data or set(data) - {"split", "shadow"}:
                 raise InvalidInput(
-                    'traffic request: expected {"split": {"<version>": <percent>, ...}}, '
-                    f"got {str(data)[:200]}"
+                    'traffic request: expected {"split": {"<version>": <percent>, ...}, '
+                    f'"shadow": <version or null>}} (either or both), got {str(data)[:200]}'
                 )
             try:
-                model.traffic.set_split(data["split"])
+                shadow = model.traffic.parse_shadow(data.get("shadow"))  # checked before any change
+                if "split" in data:
+                    model.traffic.set_split(data["split"])
+                if "shadow" in data:
+                    model.traffic.set_shadow(shadow)
             except ValueError as exc:  # a bad split is this request's fault
                 raise exc if isinstance(exc, InvalidInput) else InvalidInput(str(exc)) from None
         elif request.method != "GET":
@@ -334,7 +339,9 @@ class KServeApp:
                 "repository load: parameters.config must be a JSON string, "
                 f"got {type(config).__name__}"
             )
-        override = parse_json(config.encode(), "parameters.config") if config else None
+        override = (
+            parse_json(config.encode(), "repository load: parameters.config") if config else None
+        )
         if override is not None and not isinstance(override, dict):
             raise InvalidInput("repository load: parameters.config must be a JSON object")
         await control.load(name, override)

@@ -219,9 +219,10 @@ def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> M
     return params
 
 
-def _json_header(data: bytes) -> Any:
-    """The request's JSON header: orjson's parse, or, for what orjson refuses (NaN,
-    Infinity, deep nesting, bad JSON), Python's json, which decides and says why."""
+def _json_header(data: bytes, what: str = "request") -> Any:
+    """The request's JSON header (or ``what`` else): orjson's parse, or, for what orjson
+    refuses (NaN, Infinity, deep nesting, bad JSON), Python's json, which decides and says
+    why."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -229,15 +230,15 @@ def _json_header(data: bytes) -> Any:
     try:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"request is not valid JSON: {exc}") from None
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise InvalidInput("request JSON is nested too deeply") from None
+        raise InvalidInput(f"{what} JSON is nested too deeply") from None
 
 
 def parse_json(body: bytes, what: str) -> Any:
     """A JSON request body other than an infer request's (the repository index's), parsed
     with the same limits: valid JSON nested at most ``MAX_JSON_DEPTH`` deep."""
-    data = _json_header(body)
+    data = _json_header(body, what)
     level, depth = [data], 1
     while level:
         level = [

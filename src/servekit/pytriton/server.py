@@ -267,7 +267,7 @@ class TritonServer:
         the new version number; a runner that fails to warm up or has another signature
         raises and the old version keeps serving."""
         number = self._versioned(name).update(runner, version)
-        log.info("%s: now serving version %d", name, number)
+        log.info("%s: reloaded (reload %d)", name, number - 1)
         return number
 
     def rollback(self, name: str) -> int:

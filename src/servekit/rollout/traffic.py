@@ -161,6 +161,28 @@ class Traffic:
             if self.canary_policy is not None:
                 self._start_canary()
 
+    def parse_shadow(self, shadow: Any) -> int | None:
+        """A shadow version as a request names it (a number, or null for none), checked."""
+        if shadow is None:
+            return None
+        try:
+            number = int(shadow)
+        except (TypeError, ValueError):
+            raise InvalidInput(
+                f"model {self.name!r}: shadow must be a version number or null, got {shadow!r}"
+            ) from None
+        self._known({number: 0})
+        return number
+
+    def set_shadow(self, shadow: int | None, *, why: str = "set by request") -> None:
+        """A new shadow version (None: none), live; the canary (if any) is judged afresh."""
+        shadow = self.parse_shadow(shadow)
+        with self._lock:
+            self.shadow = shadow
+            self._event("shadow", why, shadow=shadow)
+            if self.canary_policy is not None:
+                self._start_canary()
+
     def follow_file(self, policy: TrafficPolicy) -> str | None:
         """The file's split, re-read (SIGHUP): applied, and the canary judged afresh, only
         when the file changed it, so a reload does not undo a verdict or a live split the
@@ -250,7 +272,7 @@ class Traffic:
             else:
                 self._windows = {canary: Window(), baseline: Window()}
             return
-        self.verdicts[(canary, "failed")] += 1
+        self.verdicts[(canary, "fail")] += 1
         why = "; ".join(verdict.reasons)
         if policy.on_failure == "rollback":
             self._set_split({**{v: 0 for v in self._split}, baseline: 100})

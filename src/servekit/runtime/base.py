@@ -169,12 +169,11 @@ def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[st
             which = f"{model.name}" if version == 1 else f"{model.name} version {version}"
             source = model.for_version(version)
             number = refresh(versioned, source, config.cache_dir, config.storage)
+            # ``number`` counts the runner's swaps (its reloads), not the model's versions.
             if number is None:
-                done.append(
-                    f"{which}: unchanged ({source.source}), still version {versioned.version}"
-                )
+                done.append(f"{which}: unchanged ({source.source}), not reloaded")
             else:
-                done.append(f"{which}: now serving version {number}")
+                done.append(f"{which}: reloaded from {source.source} (reload {number - 1})")
     return done
 
 

@@ -24,11 +24,16 @@ class StoredModel:
     admission to answer, loading it first where it is not resident."""
 
     versioned = False
-    batcher: Batcher | None = None
-    """The store watches each Batcher as it comes and goes (``ModelStore(watch=...)``)."""
 
     def __init__(self, store: ModelStore, name: str, spec: ModelSpec) -> None:
         self.store, self.name, self.spec = store, name, spec
+
+    @property
+    def batcher(self) -> Batcher | None:
+        """The resident model's Batcher (its configuration and counters); None while it
+        is not loaded."""
+        resident = self.store.resident().get(self.store.owner(self.name))
+        return resident.batchers.get(self.name) if resident is not None else None
 
     async def infer(
         self,
@@ -87,23 +92,59 @@ class StoreModels:
         owner = self.store.owner(name)
         base = self.store.config(owner)
         with failed_load(owner):
-            await self.store.load(owner, overridden(base, config) if config else None)
+            changed = overridden(base, config, await self.store.spec(owner)) if config else None
+            await self.store.load(owner, changed)
 
     async def unload(self, name: str) -> None:
         await self.store.unload(self.store.owner(name))
 
 
-def overridden(model: Any, config: Mapping[str, Any]) -> Any:
+APPLIED = ("max_batch_size", "dynamic_batching", "instance_group")
+"""The fields of Triton's model configuration a load's override applies."""
+AS_SERVED = ("name", "backend", "input", "output")
+"""Fields taken when they say what is served already (a configuration read back with
+``get_model_config`` and changed loads as it is); refused when they differ."""
+
+
+def overridden(model: Any, config: Mapping[str, Any], spec: ModelSpec) -> Any:
     """``model`` (a ``ModelConfig``) with what Triton's model configuration JSON ``config``
     sets of its batching (``max_batch_size``, ``dynamic_batching``) and instances
-    (``instance_group`` counts); its other fields are Triton's own and not taken."""
+    (``instance_group`` counts on CPU). Every other field is refused by name, unless it
+    says what is served already (``spec``: the model's signature)."""
     from google.protobuf import json_format
     from tritonclient.grpc import model_config_pb2
 
+    from ..protocol.pbtxt import model_config
+
+    where = "repository load: parameters.config"
+    unknown = sorted(set(config) - set(APPLIED) - set(AS_SERVED))
+    if unknown:
+        raise InvalidInput(
+            f"{where}: servekit does not apply {unknown} to a stored model (it applies "
+            f"{list(APPLIED)}; {list(AS_SERVED)} only as they are served)"
+        )
     try:
         message = json_format.ParseDict(config, model_config_pb2.ModelConfig())
     except json_format.ParseError as exc:
-        raise InvalidInput(f"repository load: parameters.config: {exc}") from None
+        raise InvalidInput(f"{where}: {exc}") from None
+    served = model_config(model.name, spec, backend="servekit")
+    for key in AS_SERVED:
+        if key in config and getattr(message, key) != getattr(served, key):
+            has = json_format.MessageToDict(served, preserving_proto_field_name=True).get(key)
+            raise InvalidInput(
+                f"{where}: {key!r} cannot change on a load: the model has {has!r}, "
+                f"the config says {config[key]!r}"
+            )
+    for group in message.instance_group:
+        extra = [f.name for f, _ in group.ListFields() if f.name not in ("name", "count", "kind")]
+        if extra or group.kind not in (
+            model_config_pb2.ModelInstanceGroup.KIND_AUTO,
+            model_config_pb2.ModelInstanceGroup.KIND_CPU,
+        ):
+            raise InvalidInput(
+                f"{where}: instance_group: servekit applies a count of CPU instances here, "
+                f"not {extra or model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)}"
+            )
     changes: dict[str, Any] = {}
     if "max_batch_size" in config or "dynamic_batching" in config:
         changes["batching"] = BatchingPolicy.from_triton(message)
@@ -112,4 +153,4 @@ def overridden(model: Any, config: Mapping[str, Any]) -> Any:
     try:
         return dataclasses.replace(model, **changes)
     except ValueError as exc:
-        raise InvalidInput(f"repository load: parameters.config: {exc}") from None
+        raise InvalidInput(f"{where}: {exc}") from None

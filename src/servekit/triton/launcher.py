@@ -216,6 +216,7 @@ class TritonProcess:
             control_headers={CONTROL_TOKEN_HEADER: s.control_token} if s.control_token else None,
             traffic=self.traffic,
             recovery=recovery,
+            control_mode=self.options.model_control_mode,
         )
         self._front = Front(
             registry,
