@@ -43,8 +43,10 @@ class FrontModel(Protocol):
     versioned: bool
     """True: ``/versions/<v>/`` passes through to ``infer`` (the runtime owns versions);
     False: only version 1 exists."""
-    batcher: Batcher | None
-    """The Batcher whose counters the front exports as Triton's metrics, if any."""
+    @property
+    def batcher(self) -> Batcher | None:
+        """The Batcher whose counters the front exports as Triton's metrics, if any."""
+        ...
 
     async def infer(
         self,
