@@ -189,6 +189,14 @@ def test_the_split_sticky_named_versions_and_the_traffic_api(versions, serving):
             assert status == 404 and "has no version '3'; it has [1, 2]" in answer["error"]
             status, state = client.call("GET", "/v2/models/m/traffic")
             assert status == 200 and state["split"] == {"1": 70, "2": 30}
+            status, meta = client.call("GET", "/v2/models/m")
+            assert status == 200 and meta["versions"] == ["1", "2"], meta
+            if runtime.triton_metrics is None:  # servekit answers the index (else Triton)
+                status, index = client.call("POST", "/v2/repository/index", "{}")
+                assert [(e["name"], e["version"]) for e in index if e["name"] == "m"] == [
+                    ("m", "1"),
+                    ("m", "2"),
+                ], index
             assert state["counts"]["2"]["requests"] >= got.count("2") + 1
             status, state = client.call(
                 "POST", "/v2/models/m/traffic", json.dumps({"split": {"2": 100}})
@@ -251,6 +259,7 @@ def test_the_split_sticky_named_versions_and_the_traffic_api(versions, serving):
             inputs = [grpcclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
             inputs[0].set_data_from_numpy(A)
             inputs[1].set_data_from_numpy(B)
+            assert list(grpc.get_model_metadata("m").versions) == ["1", "2"]
             answer = grpc.infer("m", inputs).get_response()
             assert answer.model_version == "2"  # the split set above: all to 2
             assert grpc.infer("m", inputs, model_version="1").get_response().model_version == "1"

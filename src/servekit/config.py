@@ -63,6 +63,7 @@ __all__ = [
     "image_model_name",
     "load_config",
     "model_name",
+    "split_version_name",
     "version_model_name",
 ]
 
@@ -94,9 +95,19 @@ def image_model_name(name: str) -> str:
 
 
 def version_model_name(name: str, version: int) -> str:
-    """The Triton model that serves version ``version`` (> 1) of ``name`` on PyTriton, which
-    binds one version per Triton model; servekit's front routes ``name`` to it."""
+    """The one spelling of a version's own served name, on every runtime: the Triton model
+    that serves version ``version`` (> 1) of ``name`` on PyTriton (which binds one version
+    per Triton model), a Batcher's name on native, a chain's key in Ray's ingress; the
+    front routes ``name`` to it."""
     return f"{name}.v{version}"
+
+
+def split_version_name(served: str) -> tuple[str, int]:
+    """``version_model_name``'s way back: ``(name, version)``; a plain name is version 1."""
+    name, dot, number = served.rpartition(".v")
+    if dot and number.isdigit() and int(number) > 1:
+        return name, int(number)
+    return served, 1
 
 
 @dataclass(frozen=True)

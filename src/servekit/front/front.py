@@ -65,6 +65,8 @@ class ForwardedModel:
     """Triton batches; its own metrics port exports the counters."""
     versioned = True
     """The front passes ``/versions/<v>/`` through; Triton answers for the versions it has."""
+    versions: tuple[str, ...] = ()
+    """Triton lists them (metadata and the index pass through to it)."""
 
     def __init__(
         self,
@@ -306,6 +308,7 @@ class TritonVersion:
     (``""``: the one it has). ``RoutedModel`` chooses among these; Triton batches."""
 
     versioned = False
+    versions: tuple[str, ...] = ("1",)
     batcher: Batcher | None = None
 
     def __init__(self, model: ForwardedModel, version: str = "") -> None:
@@ -336,11 +339,11 @@ async def version_ready(model: RoutedModel, version: str | None, http_url: str) 
     """Whether Triton has the routed model's named version (every version: none named) ready."""
     if version:
         try:
-            versions = [model.versions[model.traffic.version(version)]]
+            versions = [model.by_version[model.traffic.version(version)]]
         except ModelNotFound:
             return False
     else:
-        versions = list(model.versions.values())
+        versions = list(model.by_version.values())
     for target in versions:
         if not await cast(TritonVersion, target).ready(http_url):
             return False

@@ -191,7 +191,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
         return service_pb2.ModelMetadataResponse(
             name=request.name,
-            versions=["1"],
+            versions=list(model.versions or ("1",)),
             platform="servekit",
             inputs=tensors(model.spec.inputs),
             outputs=tensors(model.spec.outputs),
@@ -290,9 +290,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         try:
             self.authenticate(context)
             model = await self.models.lookup(name)
-            if request.model_version not in ("", "1") and not model.versioned:
+            wanted = request.model_version
+            if wanted and not model.versioned and wanted not in model.versions:
                 raise ModelNotFound(
-                    f"model {name!r} has no version {request.model_version!r}; it has ['1']"
+                    f"model {name!r} has no version {wanted!r}; it has {list(model.versions)}"
                 )
             try:
                 inputs = decode_inputs(request)

@@ -254,8 +254,10 @@ class KServeApp:
             return self._json(404, {"error": f"no route {method} {request.path}"})
         model = await self.models.lookup(m["name"])
         version = m["version"]
-        if version not in (None, "1") and not model.versioned:
-            raise ModelNotFound(f"model {m['name']!r} has no version {version!r}; it has ['1']")
+        if version is not None and not model.versioned and version not in model.versions:
+            raise ModelNotFound(
+                f"model {m['name']!r} has no version {version!r}; it has {list(model.versions)}"
+            )
         if m["rest"] == "/traffic":
             return self._traffic(m["name"], model, request)
         if m["rest"] in ("/config", "/stats") and method == "GET":
@@ -272,7 +274,9 @@ class KServeApp:
         ):
             raise ModelNotFound(f"model {m['name']!r} has no version {version!r} ready")
         if m["rest"] is None and method == "GET":
-            return self._json(200, metadata(m["name"], model.spec))
+            if behind is not None and not model.versions:  # tritonserver lists its versions
+                return await behind.fetch(method, path)
+            return self._json(200, metadata(m["name"], model.spec, model.versions))
         if m["rest"] == "/ready" and method == "GET":
             ready = self._ready() and await self.models.is_ready(m["name"], version)
             return (200 if ready else 503), b"", {}

@@ -14,7 +14,7 @@ import asyncio
 import logging
 
 from ..batching import Batcher
-from ..config import ServeConfig
+from ..config import ServeConfig, version_model_name
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
@@ -66,7 +66,8 @@ class NativeServer:
             by_name: dict[str, dict[int, Batcher]] = {}  # name -> version -> Batcher
             for m in self.models:
                 batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
-                self.batchers[m.name if m.version == 1 else f"{m.name}@v{m.version}"] = batcher
+                served = m.name if m.version == 1 else version_model_name(m.name, m.version)
+                self.batchers[served] = batcher
                 by_name.setdefault(m.name, {})[m.version] = batcher
             self.traffic = self.traffic or traffic_of(c)
             self.app = KServeApp(

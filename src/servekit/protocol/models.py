@@ -43,6 +43,10 @@ class FrontModel(Protocol):
     versioned: bool
     """True: ``/versions/<v>/`` passes through to ``infer`` (the runtime owns versions);
     False: only version 1 exists."""
+    versions: tuple[str, ...]
+    """The versions served under this name, as metadata and the repository index list
+    them; empty where the server behind answers for its own (tritonserver)."""
+
     @property
     def batcher(self) -> Batcher | None:
         """The Batcher whose counters the front exports as Triton's metrics, if any."""
@@ -159,6 +163,7 @@ class BatchedModel:
     """A ``Batcher`` as a front model: requests are awaited on its loop, scheduling honoured."""
 
     versioned = False
+    versions: tuple[str, ...] = ("1",)
 
     def __init__(self, batcher: Batcher) -> None:
         self.batcher: Batcher | None = batcher
@@ -180,6 +185,7 @@ class RunnerModel:
     """A plain Runner as a front model: each request runs alone on a worker thread."""
 
     versioned = False
+    versions: tuple[str, ...] = ("1",)
     batcher: Batcher | None = None
 
     def __init__(self, runner: Runner) -> None:

@@ -32,7 +32,8 @@ SHADOWS_IN_FLIGHT = 32
 
 
 class RoutedModel:
-    """Versions of one model (``version -> FrontModel``, same signature) behind ``traffic``."""
+    """Versions of one model (``by_version``: version -> FrontModel, same signature) behind
+    ``traffic``."""
 
     versioned = True
 
@@ -43,8 +44,9 @@ class RoutedModel:
         *,
         max_shadows: int = SHADOWS_IN_FLIGHT,
     ) -> None:
-        self.versions, self.traffic = dict(versions), traffic
-        first = self.versions[min(self.versions)]
+        self.by_version, self.traffic = dict(versions), traffic
+        self.versions = tuple(str(v) for v in sorted(self.by_version))
+        first = self.by_version[min(self.by_version)]
         self.spec: ModelSpec = first.spec
         self.batcher: Batcher | None = first.batcher
         self.max_shadows = max_shadows
@@ -56,7 +58,7 @@ class RoutedModel:
         answered by another server under the routed name, and no shadow needs the answer."""
         return self.traffic.shadow is None and all(
             isinstance(m, VersionTarget) and m.pass_through() is not None
-            for m in self.versions.values()
+            for m in self.by_version.values()
         )
 
     async def forward_routed(
@@ -66,7 +68,7 @@ class RoutedModel:
         the other server's answer as it is, and the version; the canary sees its outcome."""
         traffic = self.traffic
         chosen = traffic.route(version, sticky)
-        target = cast(VersionTarget, self.versions[chosen]).pass_through()
+        target = cast(VersionTarget, self.by_version[chosen]).pass_through()
         assert target is not None, "forward_routed needs passes_through"
         model, target_version = target
         start = time.perf_counter()
@@ -81,7 +83,7 @@ class RoutedModel:
 
     def batchers(self) -> dict[str, Batcher]:
         """Each version's Batcher, by version (for metrics)."""
-        return {str(v): m.batcher for v, m in self.versions.items() if m.batcher is not None}
+        return {str(v): m.batcher for v, m in self.by_version.items() if m.batcher is not None}
 
     async def infer(
         self,
@@ -110,7 +112,7 @@ class RoutedModel:
         chosen = traffic.route(version, sticky)
         start = time.perf_counter()
         try:
-            outputs = await self.versions[chosen].infer(
+            outputs = await self.by_version[chosen].infer(
                 inputs, priority=priority, timeout_us=timeout_us
             )
         except InvalidInput:
@@ -140,7 +142,7 @@ class RoutedModel:
         """Run the copy, compare, record; whatever happens, the client has its answer already."""
         start = time.perf_counter()
         try:
-            outputs = await self.versions[version].infer(inputs)
+            outputs = await self.by_version[version].infer(inputs)
         except Exception as exc:
             self.traffic.record(version, time.perf_counter() - start, False, shadow=True)
             log.debug("%s: shadow run on version %d failed: %s", self.traffic.name, version, exc)

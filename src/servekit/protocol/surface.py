@@ -110,5 +110,9 @@ def statistics(models: Mapping[str, FrontModel]) -> dict[str, Any]:
 
 
 def repository_index(models: Mapping[str, FrontModel]) -> list[dict[str, str]]:
-    """``POST /v2/repository/index``: every model served, ready."""
-    return [{"name": n, "version": "1", "state": "READY"} for n in sorted(models)]
+    """``POST /v2/repository/index``: every version of every model served, ready."""
+    return [
+        {"name": n, "version": v, "state": "READY"}
+        for n in sorted(models)
+        for v in models[n].versions or ("1",)
+    ]

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..batching import Batcher, BatchingPolicy
 from ..batching.execute import as_error
-from ..config import ModelConfig, ServeConfig, image_model_name
+from ..config import ModelConfig, ServeConfig, image_model_name, version_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
 from ..protocol.routed import route, traffic_of
@@ -67,17 +67,15 @@ class _Batched:
         }
 
 
-def _key(name: str, version: int) -> str:
-    """A served model's key among the ingress's chains: its name, and the version beside it."""
-    return name if version == 1 else f"{name}@v{version}"
+Key = tuple[str, int]
+"""A served model's key among the ingress's chains: its name and version."""
 
 
-def _by_name(models: Mapping[str, Any]) -> dict[str, dict[int, Any]]:
-    """``_key``-keyed models as name -> version -> model, for ``route``."""
+def _by_name(models: Mapping[Key, Any]) -> dict[str, dict[int, Any]]:
+    """``(name, version)``-keyed models as name -> version -> model, for ``route``."""
     out: dict[str, dict[int, Any]] = {}
-    for key, model in models.items():
-        name, _, version = key.partition("@v")
-        out.setdefault(name, {})[int(version or 1)] = model
+    for (name, version), model in models.items():
+        out.setdefault(name, {})[version] = model
     return out
 
 
@@ -118,6 +116,7 @@ class _Remote:
     ) -> None:
         self.name, self.spec, self.handles, self.recovery = name, spec, handles, recovery
         self.versioned = False
+        self.versions: tuple[str, ...] = ("1",)
         self.batcher: Batcher | None = Batcher(
             self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
         )
@@ -225,7 +224,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
 
         def __init__(
             self,
-            chains: Mapping[str, tuple[ModelSpec, tuple[Any, ...], Any]],
+            chains: Mapping[Key, tuple[ModelSpec, tuple[Any, ...], Any]],
             fused: tuple[ModelConfig, ...] = (),
         ) -> None:
             self.store: Any = None
@@ -236,16 +235,19 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 self._started: Any = None
                 return
             recovery = config.server.recovery()  # this ingress replica's
-            models: dict[str, Any] = {
-                name: _Remote(name, spec, handles, policy, in_flight, recovery)
-                for name, (spec, handles, (policy, in_flight)) in chains.items()
-            }
+            models: dict[Key, Any] = {
+                (name, version): _Remote(
+                    name if version == 1 else version_model_name(name, version),
+                    spec, handles, policy, in_flight, recovery,
+                )
+                for (name, version), (spec, handles, (policy, in_flight)) in chains.items()
+            }  # fmt: skip
             for model in fused:  # every version, each checked against version 1's signature
                 from ..runtime.base import load_models
 
                 for m in load_models(model, config.cache_dir, config.storage):
                     m.runner.warmup()
-                    models[_key(m.name, m.version)] = Batcher(m.runner, m.policy, name=m.name)
+                    models[m.name, m.version] = Batcher(m.runner, m.policy, name=m.name)
             # One Traffic per ingress replica: the split is decided here, for every model.
             self.app = KServeApp(
                 route(_by_name(models), traffic_of(config)),
@@ -295,7 +297,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     if ray.fuse:
         return _fused(config, Ingress)
 
-    chains: dict[str, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
+    chains: dict[Key, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
     busiest = 16
     for model in config.models:
         probe = probe_model(model, config.cache_dir, config.storage)
@@ -323,11 +325,11 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         # Batches in flight from the ingress: enough to keep every model replica and stage busy.
         in_flight = ray.ingress_batches or 2 * replicas + 1
         net = Model.options(**options).bind(model, config.cache_dir)  # type: ignore[attr-defined]
-        chains[model.name] = (spec, (net,), (model.batching, in_flight))
+        chains[model.name, 1] = (spec, (net,), (model.batching, in_flight))
         for version in model.version_numbers[1:]:
-            named = {**options, "name": f"{model.name}_v{version}"}
+            named = {**options, "name": version_model_name(model.name, version)}
             other = Model.options(**named).bind(model.for_version(version), config.cache_dir)  # type: ignore[attr-defined]
-            chains[_key(model.name, version)] = (spec, (other,), (model.batching, in_flight))
+            chains[model.name, version] = (spec, (other,), (model.batching, in_flight))
         if image_spec is None:
             continue
         stage_options = {
@@ -341,7 +343,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             )
             for which, kind in enumerate(("preprocess", "postprocess"))
         )
-        chains[image_model_name(model.name)] = (
+        chains[image_model_name(model.name), 1] = (
             image_spec,
             (pre, net, post),
             (model.batching, in_flight),

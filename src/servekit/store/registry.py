@@ -24,6 +24,7 @@ class StoredModel:
     admission to answer, loading it first where it is not resident."""
 
     versioned = False
+    versions: tuple[str, ...] = ("1",)
 
     def __init__(self, store: ModelStore, name: str, spec: ModelSpec) -> None:
         self.store, self.name, self.spec = store, name, spec
