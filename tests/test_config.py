@@ -313,3 +313,14 @@ def test_model_flags_replace_the_files_models_and_keep_the_first_ones_settings()
     assert [(m.name, m.instances) for m in config.models] == [("x", 3), ("y", 3)]
     with pytest.raises(ValueError, match="--name applies to one model"):
         base.with_overrides(models=["x", "y"], model={"name": "z"})
+
+
+def test_a_models_version_number_comes_from_a_store_s_layout_and_is_refused_in_models():
+    config = ServeConfig((ModelConfig("m.onnx", "m", version=3),), runtime="native")
+    with pytest.raises(ValueError, match=r"models.m: version = 3 \(the number a \[store\] root"):
+        config.check("native")
+    with pytest.raises(ValueError, match="version must be >= 1"):
+        ModelConfig("m.onnx", "m", version=0)
+    three = ModelConfig("m.onnx", "m", version=3, versions=(ModelVersion(4, "n.onnx"),))
+    assert three.version_numbers == (3, 4) and three.for_version(4).source == "n.onnx"
+    assert "version" not in ModelConfig("m.onnx", "m").to_dict()

@@ -10,6 +10,7 @@ import contextlib
 import http.client
 import json
 import math
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import pytest
 from conftest import Load, parse_metrics, ray_serve, sample, scrape, wait_until
 from servekit import BatchingPolicy, ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.client import Client
+from servekit.config import StoreConfig
 from servekit.rollout import CanaryPolicy, ModelVersion, TrafficPolicy
 from servekit.serving import create_runtime
 from servekit.zoo.tiny import build_add_sub
@@ -111,13 +113,16 @@ def ray_url() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def on_ray(url: str, model: ModelConfig, **server) -> Iterator[Served]:
+def on_ray(
+    url: str, model: ModelConfig, store: StoreConfig | None = None, **server
+) -> Iterator[Served]:
     config = ServeConfig(
-        (model,), ServerConfig(**server), runtime="ray", ray=RayOptions(model_cpus=0.5)
-    )
+        (model,), ServerConfig(**server), runtime="ray", ray=RayOptions(model_cpus=0.5),
+        store=store or StoreConfig(),
+    )  # fmt: skip
     serve.run(build_app(config), name="servekit", route_prefix="/")
-    with Client(url) as c:
-        c.wait_ready("m", timeout_s=120)
+    with Client(url) as c:  # a stored model is ready once loaded: the server, then
+        c.wait_ready(None if config.store.active else "m", timeout_s=120)
     try:
         yield Served("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
     finally:
@@ -330,6 +335,117 @@ def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions
 def test_an_identical_canary_is_promoted_step_by_step(versions, serving):
     results, _, state = canary_run(
         serving, versions, "same", TrafficPolicy({1: 90, 2: 10}),
+        CanaryPolicy(min_requests=40, max_p99_ratio=20.0, step=(10, 50, 100)), "promoted",
+    )  # fmt: skip
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert state["split"] == {"1": 0, "2": 100}
+    assert [e["event"] for e in state["events"]] == ["step", "promoted"]
+
+
+@pytest.fixture(scope="module")
+def thirty(tmp_path_factory) -> tuple[Path, float]:
+    """A store's root of 29 add_sub models with 2 MB of weights (``f<i>.onnx``), and a
+    budget in MB that holds ten of them (as the meter charges them)."""
+    from servekit.store import Meter
+
+    root = tmp_path_factory.mktemp("thirty")
+    onnx.save(build_add_sub(weights_mb=2), root / "f0.onnx")
+    for i in range(1, 29):
+        (root / f"f{i}.onnx").write_bytes((root / "f0.onnx").read_bytes())
+    with Meter() as meter:
+        charge = meter.charge(ModelConfig(str(root / "f0.onnx"), "f0", image=False), None)
+    assert charge is not None
+    return root, 10.5 * charge / 2**20
+
+
+@pytest.fixture(params=["native", "ray"])
+def stored(request, thirty):
+    """``serving``'s contract, the model served among the 29 others of a [store] whose
+    budget holds ten, while two clients send to random others all along (evicting and
+    loading); any of their requests that fails fails the test."""
+    root, budget_mb = thirty
+    store = StoreConfig(root=str(root), memory_budget_mb=budget_mb, load="on_demand")
+
+    @contextlib.contextmanager
+    def serve_stored(model: ModelConfig, **server) -> Iterator[Served]:
+        if request.param == "ray":
+            url = request.getfixturevalue("ray_url")
+            served = on_ray(url, model, store=store, **server)
+        else:
+            config = ServeConfig(
+                (model,), ServerConfig(exit_timeout_s=2, **server), runtime="native", store=store
+            ).on_loopback()
+            served = _native(config)
+        with served as runtime:
+            stop, failures, answered = threading.Event(), [], [0]
+            fill = http.client.HTTPConnection(runtime.host, runtime.http_port, timeout=60)
+            for i in range(10):  # the budget is full before the canary's versions load
+                fill.request("POST", f"/v2/models/f{i}/infer", BODY)
+                r = fill.getresponse()
+                assert r.status == 200, r.read()
+                r.read()
+
+            def churn(k: int) -> None:
+                rng = np.random.default_rng(k)
+                conn = http.client.HTTPConnection(runtime.host, runtime.http_port, timeout=30)
+                try:
+                    while not stop.is_set():
+                        conn.request("POST", f"/v2/models/f{rng.integers(29)}/infer", BODY)
+                        r = conn.getresponse()
+                        body = r.read()
+                        if r.status != 200:
+                            failures.append(f"{r.status} {body[:200]!r}")
+                        answered[0] += 1
+                except Exception as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}")
+                finally:
+                    conn.close()
+
+            threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+            for t in threads:
+                t.start()
+            try:
+                yield runtime
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+            assert not failures, failures[:5]
+            assert answered[0] > 0
+            fill.request("GET", "/metrics")
+            metrics = parse_metrics(fill.getresponse().read().decode())
+            fill.close()
+            evictions = sum(v for (n, _), v in metrics.items() if n == "servekit_store_evictions")
+            assert evictions > 0  # the canary's versions came and went among the others
+
+    return serve_stored
+
+
+@contextlib.contextmanager
+def _native(config: ServeConfig) -> Iterator[Served]:
+    served = create_runtime(config)
+    served.start()
+    try:
+        s = config.server
+        yield Served("127.0.0.1", s.http_port, s.grpc_port)
+    finally:
+        served.stop()
+
+
+def test_a_canary_among_thirty_stored_models_is_rolled_back_as_without_a_store(versions, stored):
+    results, after, state = canary_run(
+        stored, versions, "slow", TrafficPolicy({1: 80, 2: 20}),
+        CanaryPolicy(min_requests=60, max_p99_ratio=1.5), "rolled back",
+    )  # fmt: skip
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert state["split"] == {"1": 100, "2": 0}
+    assert "2" in results[:after] and set(results[-50:]) == {"1"}
+    assert state["events"][-1]["event"] == "rollback"
+
+
+def test_a_canary_among_thirty_stored_models_is_promoted_as_without_a_store(versions, stored):
+    results, _, state = canary_run(
+        stored, versions, "same", TrafficPolicy({1: 90, 2: 10}),
         CanaryPolicy(min_requests=40, max_p99_ratio=20.0, step=(10, 50, 100)), "promoted",
     )  # fmt: skip
     assert not [r for r in results if isinstance(r, Exception)]

@@ -11,6 +11,7 @@ import random
 import shutil
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import sample, scrape
+from conftest import parse_metrics, sample, scrape
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import StoreConfig
 from servekit.store import Meter, rss_bytes
@@ -131,7 +132,8 @@ def test_a_hundred_models_answer_from_a_budget_that_holds_a_few_of_them(folder):
             return sum(v for (n, _), v in metrics.items() if n == metric)
 
         assert store.state("cnn_0") == "READY"
-        assert sample(metrics, "servekit_store_evictions", model="cnn_0") == 0
+        assert sample(metrics, "servekit_store_evictions", model="cnn_0", version="1") == 0
+        assert sample(metrics, "servekit_store_loads", model="cnn_0", version="1") == 1
         assert total("servekit_store_evictions") > 0
         assert total("servekit_store_loads") == store.totals()["loads"] >= 50
         assert sample(metrics, "servekit_store_budget_bytes") == budget_mb * MB
@@ -493,3 +495,93 @@ def test_a_model_file_that_does_not_load_is_a_503_naming_it_and_the_others_serve
             assert http_infer(client, "good", x)["OUTPUT0"].tolist() == [[2.0] * 16]
         finally:
             client.close()
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory, add_sub_path) -> Path:
+    """Triton's layout: ``adder/1/`` and ``adder/3/`` (the highest is served, as version 3)."""
+    root = tmp_path_factory.mktemp("layout")
+    for number in (1, 3):
+        (root / "adder" / str(number)).mkdir(parents=True)
+        shutil.copyfile(add_sub_path, root / "adder" / str(number) / "model.onnx")
+    return root
+
+
+def check_served_as_version_3(host_port: str, grpc_port: int | None) -> None:
+    """Metadata, the index, named and unnamed inference, readiness and the metrics all say
+    version 3 of ``adder``, over HTTP (and gRPC where it is served)."""
+    x = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+    body = json.dumps({"inputs": [
+        {"name": k, "datatype": "FP32", "shape": [1, 16], "data": v.ravel().tolist()}
+        for k, v in x.items()
+    ]}).encode()  # fmt: skip
+
+    def post(path: str, data: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://{host_port}{path}", data, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    assert post("/v2/models/adder/infer", body)[1]["model_version"] == "3"
+    status, answer = post("/v2/models/adder/versions/3/infer", body)
+    assert status == 200 and answer["model_version"] == "3"
+    status, answer = post("/v2/models/adder/versions/1/infer", body)
+    assert status == 404 and "has no version '1'; it has ['3']" in answer["error"]
+    http = httpclient.InferenceServerClient(host_port)
+    try:
+        assert http.get_model_metadata("adder")["versions"] == ["3"]
+        assert http.is_model_ready("adder", "3") and not http.is_model_ready("adder", "1")
+        index = [(e["name"], e["version"]) for e in http.get_model_repository_index()]
+        assert index == [("adder", "3")]
+    finally:
+        http.close()
+    with urllib.request.urlopen(f"http://{host_port}/metrics", timeout=10) as r:
+        metrics = parse_metrics(r.read().decode())
+    assert sample(metrics, "servekit_store_loads", model="adder", version="3") == 1
+    assert sample(metrics, "nv_inference_request_success", model="adder", version="3") >= 2
+    if grpc_port is None:
+        return
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        assert list(grpc.get_model_metadata("adder").versions) == ["3"]
+        assert [(m.name, m.version) for m in grpc.get_model_repository_index().models] == [
+            ("adder", "3")
+        ]
+        tensors = []
+        for k, v in x.items():
+            t = grpcclient.InferInput(k, [1, 16], "FP32")
+            t.set_data_from_numpy(v)
+            tensors.append(t)
+        assert grpc.infer("adder", tensors).get_response().model_version == "3"
+        with pytest.raises(InferenceServerException, match=r"it has \['3'\]"):
+            grpc.infer("adder", tensors, model_version="1")
+    finally:
+        grpc.close()
+
+
+def test_a_triton_layout_folder_keeps_its_version_number_natively(layout):
+    with served(layout, load="on_demand") as server:
+        s = server.config.server
+        check_served_as_version_3(s.http_url.removeprefix("http://"), s.grpc_port)
+
+
+def test_a_triton_layout_folder_keeps_its_version_number_on_ray(layout):
+    pytest.importorskip("ray", reason="needs the ray extra")
+    import warnings
+
+    from conftest import ray_serve
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
+        from ray import serve
+
+        from servekit.ray import build_app
+    config = ServeConfig((), runtime="ray", store=StoreConfig(root=str(layout), load="on_demand"))
+    with ray_serve() as url:
+        serve.run(build_app(config), name="servekit", route_prefix="/")
+        try:
+            check_served_as_version_3(url.removeprefix("http://"), None)
+        finally:
+            serve.delete("servekit")

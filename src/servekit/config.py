@@ -135,6 +135,9 @@ class ModelConfig:
     top_k: int = 5
     image: bool = True
     """Also serve ``<name>_image`` (encoded images in, top-k out) for an image classifier."""
+    version: int = 1
+    """The number ``source`` is served as: 1, except where a ``[store]`` root's Triton
+    layout says otherwise (``<name>/3/model.onnx`` is version 3)."""
     versions: tuple[ModelVersion, ...] = ()
     """Versions beside version 1 (``source``), each with the same signature; every one is
     loaded and served under the model's name (``/versions/<v>/`` names one)."""
@@ -173,7 +176,9 @@ class ModelConfig:
             v if isinstance(v, ModelVersion) else ModelVersion.from_dict(v) for v in self.versions
         )
         object.__setattr__(self, "versions", versions)
-        numbers = [1, *(v.version for v in versions)]
+        if self.version < 1:
+            raise ValueError(f"model {self.name!r}: version must be >= 1, got {self.version}")
+        numbers = [self.version, *(v.version for v in versions)]
         if len(set(numbers)) != len(numbers):
             raise ValueError(f"model {self.name!r}: versions must be unique, got {numbers}")
         if isinstance(self.traffic, Mapping):
@@ -198,12 +203,12 @@ class ModelConfig:
 
     @property
     def version_numbers(self) -> tuple[int, ...]:
-        """1 and every version beside it."""
-        return (1, *(v.version for v in self.versions))
+        """Its own version (1 but in a store's Triton layout) and every version beside it."""
+        return (self.version, *(v.version for v in self.versions))
 
     def for_version(self, version: int) -> ModelConfig:
         """The model as one of its versions: that version's source, no rollout of its own."""
-        sources = {1: self.source, **{v.version: v.source for v in self.versions}}
+        sources = {self.version: self.source, **{v.version: v.source for v in self.versions}}
         if version not in sources:
             raise ValueError(
                 f"model {self.name!r} has no version {version}; it has {sorted(sources)}"
@@ -222,6 +227,8 @@ class ModelConfig:
             if f.name not in rollout and getattr(self, f.name) is not None
         }
         data["batching"] = self.batching.to_dict()
+        if self.version == 1:
+            del data["version"]
         if self.versions:
             data["versions"] = [dataclasses.asdict(v) for v in self.versions]
         if self.traffic is not None:
@@ -525,13 +532,12 @@ class ServeConfig:
                     problems.append(f"[store] ({why})")
             elif getattr(self.server, knob) != getattr(default_server, knob):
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
-        if self.store.active:
-            problems += [
-                f"models.{m.name}: versions and [models.traffic] with a [store] (a store "
-                "serves one version of each model)"
-                for m in self.models
-                if m.versions or m.traffic or m.canary
-            ]
+        problems += [
+            f"models.{m.name}: version = {m.version} (the number a [store] root's Triton "
+            "layout gives a model's folder; versions beside it go in [[models.versions]])"
+            for m in self.models
+            if m.version != 1
+        ]
         if runtime in ("pytriton", "triton") and not self.server.front:
             problems += [
                 f"server.{knob} = {getattr(self.server, knob)!r} (with server.front = false "

@@ -69,7 +69,7 @@ class NativeServer:
                 served = m.name if m.version == 1 else version_model_name(m.name, m.version)
                 self.batchers[served] = batcher
                 by_name.setdefault(m.name, {})[m.version] = batcher
-            self.traffic = self.traffic or traffic_of(c)
+            self.traffic = self.traffic or traffic_of(c.models)
             self.app = KServeApp(
                 route(by_name, self.traffic),
                 max_body_bytes=c.server.max_body_bytes,

@@ -9,15 +9,16 @@ answered in the response's ``model_version``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from ..batching import Batcher
-from ..config import ServeConfig
+from ..config import ModelConfig, ServeConfig
 from ..errors import InvalidInput
 from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 
 SHADOWS_IN_FLIGHT = 32
 """Shadow copies running at once per model; one more is dropped (and counted), never queued."""
+
+SERVING_SINCE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "serving_since", default=None
+)
+"""When a version began to serve the request in hand (``time.perf_counter``), set by a
+version that may first wait to be loaded (a store's): the canary judges how a version
+serves, so its latency counts from then, not the wait for memory."""
 
 
 class RoutedModel:
@@ -110,21 +118,35 @@ class RoutedModel:
         """The answer and the version that gave it."""
         traffic = self.traffic
         chosen = traffic.route(version, sticky)
-        start = time.perf_counter()
-        try:
-            outputs = await self.by_version[chosen].infer(
-                inputs, priority=priority, timeout_us=timeout_us
-            )
-        except InvalidInput:
-            raise  # the request's fault, not the version's
-        except Exception:
-            traffic.record(chosen, time.perf_counter() - start, False)
-            raise
-        traffic.record(chosen, time.perf_counter() - start, True)
+        outputs, ok, took = await self._timed(self.by_version[chosen], inputs, priority, timeout_us)
+        traffic.record(chosen, took, ok)
+        if not ok:
+            raise cast(BaseException, outputs)
         shadow = traffic.shadow_of(chosen)
         if shadow is not None:
             self._start_shadow(shadow, inputs, outputs)
         return outputs, str(chosen)
+
+    @staticmethod
+    async def _timed(
+        model: FrontModel, inputs: Mapping[str, np.ndarray], priority: int, timeout_us: int | None
+    ) -> tuple[Any, bool, float]:
+        """(outputs or the error, whether it answered, seconds it took to serve, from
+        ``SERVING_SINCE`` where the version set it); ``InvalidInput`` is the request's
+        fault, not the version's, and raised at once."""
+        token = SERVING_SINCE.set(None)
+        start = time.perf_counter()
+        try:
+            outputs: Any = await model.infer(inputs, priority=priority, timeout_us=timeout_us)
+            ok = True
+        except InvalidInput:
+            raise
+        except Exception as exc:
+            outputs, ok = exc, False
+        finally:
+            since = SERVING_SINCE.get()
+            SERVING_SINCE.reset(token)
+        return outputs, ok, time.perf_counter() - (since or start)
 
     def _start_shadow(
         self, version: int, inputs: Mapping[str, np.ndarray], answer: Mapping[str, np.ndarray]
@@ -142,12 +164,15 @@ class RoutedModel:
         """Run the copy, compare, record; whatever happens, the client has its answer already."""
         start = time.perf_counter()
         try:
-            outputs = await self.by_version[version].infer(inputs)
-        except Exception as exc:
-            self.traffic.record(version, time.perf_counter() - start, False, shadow=True)
-            log.debug("%s: shadow run on version %d failed: %s", self.traffic.name, version, exc)
+            outputs, ok, took = await self._timed(self.by_version[version], inputs, 0, None)
+        except InvalidInput as exc:  # the answer's version took it: the shadow's own fault
+            outputs, ok, took = exc, False, time.perf_counter() - start
+        self.traffic.record(version, took, ok, shadow=True)
+        if not ok:
+            log.debug(
+                "%s: shadow run on version %d failed: %s", self.traffic.name, version, outputs
+            )
             return
-        self.traffic.record(version, time.perf_counter() - start, True, shadow=True)
         self.traffic.compared(version, same_answer(answer, outputs))
 
 
@@ -172,14 +197,14 @@ async def infer_answered(
             sticky=sticky_of(header) if header else None,
         )
     outputs = await model.infer(inputs, priority=priority, timeout_us=timeout_us, version=version)
-    return outputs, version or "1"
+    return outputs, version or (model.versions[-1] if model.versions else "1")
 
 
-def traffic_of(config: ServeConfig) -> dict[str, Traffic]:
+def traffic_of(models: Iterable[ModelConfig]) -> dict[str, Traffic]:
     """A ``Traffic`` for each model served in several versions or with a traffic table."""
     return {
         m.name: Traffic(m.name, m.version_numbers, m.traffic or TrafficPolicy(), m.canary)
-        for m in config.models
+        for m in models
         if m.versions or m.traffic
     }
 

@@ -61,7 +61,7 @@ class TritonServer:
         self.server = config or ServerConfig()
         self.config = serve_config
         """What ``reload`` reads the models' files from (set by ``from_config``)."""
-        self.traffic: dict[str, Traffic] = traffic_of(serve_config) if serve_config else {}
+        self.traffic: dict[str, Traffic] = traffic_of(serve_config.models) if serve_config else {}
         """Each versioned model's split and canary (servekit's front routes), kept across restarts."""
         self._triton: Any = None
         self._workdir: Workdir | None = None

@@ -250,7 +250,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                     models[m.name, m.version] = Batcher(m.runner, m.policy, name=m.name)
             # One Traffic per ingress replica: the split is decided here, for every model.
             self.app = KServeApp(
-                route(_by_name(models), traffic_of(config)),
+                route(_by_name(models), traffic_of(config.models)),
                 max_body_bytes=config.server.max_body_bytes,
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,

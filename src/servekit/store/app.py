@@ -8,6 +8,7 @@ from collections.abc import Callable
 from ..config import ServeConfig
 from ..http.app import KServeApp
 from ..metrics import Metrics
+from ..protocol.routed import traffic_of
 from .catalog import catalog
 from .meter import Meter
 from .registry import StoreModels
@@ -34,12 +35,15 @@ def store_app(
         cache_dir=config.cache_dir,
         storage=config.storage,
         meter=Meter(config.cache_dir, config.storage) if config.store.meter else None,
-        watch=lambda name, batcher: metrics.watch(batcher, name),
+        watch=lambda name, version, batcher: metrics.watch(batcher, name, version),
         unwatch=metrics.unwatch,
     )
     metrics.collect(store.figures)
+    traffic = traffic_of(models.values())
+    for t in traffic.values():
+        metrics.watch_traffic(t)
     app = KServeApp(
-        StoreModels(store),
+        StoreModels(store, traffic),
         max_body_bytes=config.server.max_body_bytes,
         ready=ready,
         metrics=metrics,

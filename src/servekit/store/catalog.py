@@ -14,9 +14,10 @@ from ..storage.objects import listing
 __all__ = ["catalog"]
 
 
-def _found(files: list[str], where: str) -> dict[str, str]:
-    """Name -> relative file, from a root's relative file paths: ``<name>.onnx``,
-    ``<name>/model.onnx`` or ``<name>/<version>/model.onnx`` (the highest version)."""
+def _found(files: list[str], where: str) -> dict[str, tuple[int, str]]:
+    """Name -> (version, relative file), from a root's relative file paths: ``<name>.onnx``
+    and ``<name>/model.onnx`` (version 1), or ``<name>/<version>/model.onnx`` (the highest
+    version, Triton's default policy, which keeps its number)."""
     found: dict[str, tuple[int, str]] = {}
     for rel in files:
         parts = rel.split("/")
@@ -34,7 +35,7 @@ def _found(files: list[str], where: str) -> dict[str, str]:
             )
         if name not in found or version > found[name][0]:
             found[name] = (version, rel)
-    return {name: rel for name, (_, rel) in found.items()}
+    return {name: (max(version, 1), rel) for name, (version, rel) in found.items()}
 
 
 def _files(root: str, storage: StorageConfig) -> list[str]:
@@ -60,11 +61,13 @@ def catalog(config: ServeConfig) -> dict[str, ModelConfig]:
     root = config.store.root
     if root is not None:
         template = ModelConfig(image=False)
-        for name, rel in _found(_files(root, config.storage), root).items():
+        for name, (version, rel) in _found(_files(root, config.storage), root).items():
             if name not in models:
                 source = f"{root.rstrip('/')}/{rel}" if is_remote(root) else str(Path(root, rel))
                 try:
-                    models[name] = dataclasses.replace(template, source=source, name=name)
+                    models[name] = dataclasses.replace(
+                        template, source=source, name=name, version=version
+                    )
                 except ValueError as exc:
                     raise ValueError(f"[store] {source}: {exc}") from None
     unknown = sorted(set(config.store.pin) - set(models))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -13,6 +14,9 @@ import numpy as np
 from ..batching import Batcher
 from ..batching.policy import BatchingPolicy
 from ..errors import InvalidInput, ModelNotFound, ModelNotReady, ServekitError
+from ..protocol.models import FrontModel
+from ..protocol.routed import SERVING_SINCE, RoutedModel
+from ..rollout import Traffic
 from ..spec import ModelSpec
 from .store import READY, ModelStore
 
@@ -20,20 +24,21 @@ __all__ = ["StoreModels", "StoredModel"]
 
 
 class StoredModel:
-    """One served model of the store: each request holds it (``ModelStore.lease``) from
-    admission to answer, loading it first where it is not resident."""
+    """One served model of the store at one version: each request holds it
+    (``ModelStore.lease``) from admission to answer, loading it first where it is not
+    resident."""
 
     versioned = False
-    versions: tuple[str, ...] = ("1",)
 
-    def __init__(self, store: ModelStore, name: str, spec: ModelSpec) -> None:
-        self.store, self.name, self.spec = store, name, spec
+    def __init__(self, store: ModelStore, name: str, spec: ModelSpec, version: int) -> None:
+        self.store, self.name, self.spec, self.version = store, name, spec, version
+        self.versions: tuple[str, ...] = (str(version),)
 
     @property
     def batcher(self) -> Batcher | None:
-        """The resident model's Batcher (its configuration and counters); None while it
+        """The resident version's Batcher (its configuration and counters); None while it
         is not loaded."""
-        resident = self.store.resident().get(self.store.owner(self.name))
+        resident = self.store.resident().get(self.store.unit(self.name, self.version))
         return resident.batchers.get(self.name) if resident is not None else None
 
     async def infer(
@@ -45,7 +50,8 @@ class StoredModel:
         version: str = "",
     ) -> dict[str, np.ndarray]:
         with failed_load(self.name):
-            async with self.store.lease(self.name) as batcher:
+            async with self.store.lease(self.name, self.version) as batcher:
+                SERVING_SINCE.set(time.perf_counter())  # the wait for memory was no serving
                 return await batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
 
 
@@ -62,29 +68,42 @@ def failed_load(name: str) -> Iterator[None]:
 
 
 class StoreModels:
-    """``ModelRegistry`` and ``RepositoryControl`` over a ``ModelStore``."""
+    """``ModelRegistry`` and ``RepositoryControl`` over a ``ModelStore``. A model served in
+    several versions is a ``RoutedModel`` over its stored versions, each loaded, charged and
+    evicted on its own; its ``Traffic`` (split, shadow, canary) lives here, so it outlasts
+    every eviction."""
 
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
+    def __init__(self, store: ModelStore, traffic: Mapping[str, Traffic] | None = None) -> None:
+        self.store, self.traffic = store, dict(traffic or {})
+        self._routed: dict[str, RoutedModel] = {}
 
-    async def lookup(self, name: str) -> StoredModel:
+    async def lookup(self, name: str) -> FrontModel:
         with failed_load(name):
-            return StoredModel(self.store, name, await self.store.spec(name))
+            spec = await self.store.spec(name)
+        model = self.store.owner(name)
+        if name != model or model not in self.traffic:
+            return StoredModel(self.store, name, spec, self.store.config(model).version)
+        routed = self._routed.get(model)
+        if routed is None:
+            versions = {v: StoredModel(self.store, name, spec, v) for v in self.store.numbers(name)}
+            routed = self._routed[model] = RoutedModel(versions, self.traffic[model])
+        return routed
 
     async def is_ready(self, name: str, version: str | None) -> bool:
-        if version not in (None, "", "1"):
-            return False
         try:
-            return self.store.state(name) == READY
-        except ModelNotFound:
+            return self.store.state(name, int(version) if version else None) == READY
+        except (ModelNotFound, ValueError):
             return False
 
-    def loaded(self) -> Mapping[str, StoredModel]:
-        return {
-            served: StoredModel(self.store, served, batcher.spec)
-            for resident in self.store.resident().values()
-            for served, batcher in resident.batchers.items()
-        }
+    def loaded(self) -> Mapping[str, FrontModel]:
+        """The resident models' own versions (for metrics and statistics)."""
+        out: dict[str, FrontModel] = {}
+        for resident in self.store.resident().values():
+            for served, batcher in resident.batchers.items():
+                own = self.store.config(served).version
+                if self.store.state(served, own) == READY:
+                    out[served] = StoredModel(self.store, served, batcher.spec, own)
+        return out
 
     def index(self) -> list[dict[str, Any]]:
         return self.store.index()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import statistics
@@ -32,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching import Batcher
-from ..config import ModelConfig, image_model_name
+from ..config import ModelConfig, image_model_name, version_model_name
 from ..errors import FetchFailed, ModelNotFound, ModelNotReady, Overloaded
-from ..runners.versioned import VersionedRunner
+from ..runners.versioned import VersionedRunner, check_compatible
 from ..runtime.base import ServedModel, load_models, probe_model, refresh
 from ..spec import ModelSpec
 from ..storage import StorageConfig, is_remote
@@ -71,7 +72,15 @@ class _Dropped(Exception):
 
 @dataclass
 class _Entry:
+    """One unit of residency: a version of a model (its own file, load and charge)."""
+
     config: ModelConfig
+    model: str
+    """The model it is a version of (what clients name)."""
+    number: int
+    """Its version number."""
+    key: str
+    """The unit's name: the model's own for its version, ``version_model_name`` else."""
     state: str = UNAVAILABLE
     reason: str = "not loaded yet"
     resident: Resident | None = None
@@ -127,8 +136,8 @@ class ModelStore:
         storage: StorageConfig | None = None,
         loader: Callable[[ModelConfig], list[ServedModel]] | None = None,
         meter: Meter | None = None,
-        watch: Callable[[str, Batcher], None] = lambda name, batcher: None,
-        unwatch: Callable[[str], None] = lambda name: None,
+        watch: Callable[[str, str, Batcher], None] = lambda name, version, batcher: None,
+        unwatch: Callable[[str, str], None] = lambda name, version: None,
         clock: Callable[[], float] = time.monotonic,
         measure: Callable[[], int] = resident_bytes,
         prime: bool = True,
@@ -138,10 +147,19 @@ class ModelStore:
         self._cache_dir, self._storage, self._meter = cache_dir, storage, meter
         self._loader = loader or (lambda config: _load(config, cache_dir, storage))
         self._watch, self._unwatch, self._clock, self._measure = watch, unwatch, clock, measure
-        self._entries = {name: _Entry(config) for name, config in models.items()}
-        for entry in self._entries.values():
-            entry.idle.set()
-            entry.unloaded.set()
+        self._models = dict(models)
+        self._entries: dict[str, _Entry] = {}
+        self._units: dict[tuple[str, int], str] = {}
+        for name, config in models.items():
+            for number in config.version_numbers:
+                key = name if number == config.version else version_model_name(name, number)
+                if key in self._entries or (key != name and key in models):
+                    raise ValueError(f"[store] two models served as {key!r}")
+                entry = _Entry(self._unit_config(config, number), name, number, key)
+                entry.idle.set()
+                entry.unloaded.set()
+                self._entries[key] = entry
+                self._units[name, number] = key
         self._owner = {name: name for name in models}
         for name, config in models.items():
             if config.image:
@@ -164,14 +182,43 @@ class ModelStore:
         return name
 
     def known(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._models)
 
     def config(self, name: str) -> ModelConfig:
-        """The configuration ``name`` is (or will be) loaded with."""
-        return self._entries[self.owner(name)].config
+        """The configuration ``name`` is (or will be) loaded with, every version included."""
+        return self._models[self.owner(name)]
 
-    def state(self, name: str) -> str:
-        return self._entries[self.owner(name)].state
+    def numbers(self, name: str) -> tuple[int, ...]:
+        """The versions of ``name``'s model, its own first."""
+        return self._models[self.owner(name)].version_numbers
+
+    def state(self, name: str, version: int | None = None) -> str:
+        """``READY``, ``LOADING``, ``UNLOADING`` or ``UNAVAILABLE``: the model's own version,
+        or ``version``."""
+        return self._entry(name, version).state
+
+    def unit(self, served: str, version: int | None = None) -> str:
+        """The unit serving ``served`` at ``version`` (its model's own by default): the key
+        of ``resident()``."""
+        return self._entry(served, version).key
+
+    def _entry(self, served: str, version: int | None = None) -> _Entry:
+        model = self.owner(served)
+        number = self._models[model].version if version is None else version
+        key = self._units.get((model, number))
+        if key is None:
+            raise ModelNotFound(
+                f"model {model!r} has no version {number}; it has "
+                f"{list(self._models[model].version_numbers)}"
+            )
+        return self._entries[key]
+
+    @staticmethod
+    def _unit_config(config: ModelConfig, number: int) -> ModelConfig:
+        """One version as a unit loads it: its own file, no rollout; the image model
+        (encoded images in) is served over the model's own version only."""
+        unit = config.for_version(number)
+        return unit if number == config.version else dataclasses.replace(unit, image=False)
 
     def resident(self) -> dict[str, Resident]:
         return {n: e.resident for n, e in self._entries.items() if e.resident is not None}
@@ -181,33 +228,39 @@ class ModelStore:
         return sum(r.charged for r in self.resident().values())
 
     async def spec(self, served: str) -> ModelSpec:
-        """``served``'s signature: from its last load, else read from its file once."""
-        entry = self._entries[self.owner(served)]
+        """``served``'s signature (every version has it): from its last load, else read
+        from its file once."""
+        entry = self._entry(served)
         if served not in entry.specs:
             # One engine session at a time: a probe builds one, as a load does, and
             # their peaks (about three times the model's settled size) must not add up.
             async with self._lock():
-                probe = await asyncio.to_thread(
-                    probe_model, entry.config, self._cache_dir, self._storage
-                )
-            entry.specs.setdefault(entry.config.name, probe.spec)
-            if probe.image_spec is not None:
-                entry.specs.setdefault(image_model_name(entry.config.name), probe.image_spec)
+                await self._probe(entry)
             if served not in entry.specs:
                 raise ModelNotFound(
                     f"unknown model {served!r}: {entry.config.name} is no image classifier"
                 )
         return entry.specs[served]
 
+    async def _probe(self, entry: _Entry) -> None:
+        """Read the unit's signatures from its file (the caller holds the load lock)."""
+        if entry.config.name in entry.specs:
+            return
+        probe = await asyncio.to_thread(probe_model, entry.config, self._cache_dir, self._storage)
+        entry.specs.setdefault(entry.config.name, probe.spec)
+        if probe.image_spec is not None:
+            entry.specs.setdefault(image_model_name(entry.config.name), probe.image_spec)
+
     # ------------------------------------------------------------ requests
 
     @contextlib.asynccontextmanager
-    async def lease(self, served: str) -> AsyncIterator[Batcher]:
-        """``served``'s Batcher, held (never evicted or unloaded) from now until the block
-        ends; loads the model first where it is not resident and ``on_demand`` allows,
-        waiting at most ``wait_s`` (then ``Overloaded``, naming what holds the budget)."""
-        name = self.owner(served)
-        entry = self._entries[name]
+    async def lease(self, served: str, version: int | None = None) -> AsyncIterator[Batcher]:
+        """``served``'s Batcher (of its model's own version, or ``version``), held (never
+        evicted or unloaded) from now until the block ends; loads it first where it is not
+        resident and ``on_demand`` allows, waiting at most ``wait_s`` (then ``Overloaded``,
+        naming what holds the budget)."""
+        entry = self._entry(served, version)
+        name = entry.key
         entry.wanted += 1
         resident: Resident | None = None
         try:
@@ -231,7 +284,7 @@ class ModelStore:
 
     async def _admit(self, entry: _Entry) -> Resident:
         """The entry's resident model, once it is one: at most ``wait_s`` from now."""
-        name = entry.config.name
+        name = entry.key
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         while entry.state != READY or entry.resident is None:
@@ -262,7 +315,7 @@ class ModelStore:
         queued = sum(1 for e in self._entries.values() if e.state == LOADING)
         budget = f"the budget of {self.budget / MB:.1f} MB" if self.budget else "no budget"
         return Overloaded(
-            f"model {entry.config.name!r} was not loaded within {self.wait_s:g} s: {queued} "
+            f"model {entry.key!r} was not loaded within {self.wait_s:g} s: {queued} "
             f"load(s) queued, {budget}, held by models in use or pinned (MB: {held})",
             retry_after_s=1.0,
         )
@@ -270,16 +323,29 @@ class ModelStore:
     # ------------------------------------------------------------ control
 
     async def start(self) -> None:
-        """Pinned models, then (``on_demand`` false) every other model, loaded now."""
+        """Pinned models, then (``on_demand`` false) every other model, loaded now (each
+        of its versions)."""
         first = sorted(self.pin) + [n for n in self.known() if n not in self.pin]
         for name in first if not self.on_demand else sorted(self.pin):
             await self.load(name)
 
+    def _units_of(self, model: str) -> list[_Entry]:
+        return [self._entries[self._units[model, n]] for n in self._models[model].version_numbers]
+
     async def load(self, name: str, config: ModelConfig | None = None) -> None:
-        """Make ``name`` resident (again, with ``config``, when one is given); one load
-        per model however many callers ask at once."""
-        entry = self._entries[self.owner(name)]
-        name = entry.config.name
+        """Make every version of ``name`` resident (again, with ``config``, when one is
+        given); one load per version however many callers ask at once."""
+        model = self.owner(name)
+        if config is not None:
+            if config.version_numbers != self._models[model].version_numbers:
+                raise ValueError(f"model {model!r}: a load cannot change its versions")
+            self._models[model] = config
+        for entry in self._units_of(model):
+            unit = None if config is None else self._unit_config(config, entry.number)
+            await self._load_unit(entry, unit)
+
+    async def _load_unit(self, entry: _Entry, config: ModelConfig | None) -> None:
+        name = entry.key
         while True:
             if entry.state == LOADING and entry.loading is not None:
                 entry.requested = True
@@ -325,7 +391,7 @@ class ModelStore:
             refresh, versioned, entry.config, self._cache_dir, self._storage
         )
         if number is not None:
-            log.info("store: %s now serves its object's update %d", entry.config.name, number)
+            log.info("store: %s now serves its object's update %d", entry.key, number)
 
     async def _load_task(self, entry: _Entry) -> None:
         try:
@@ -333,20 +399,24 @@ class ModelStore:
         except _Dropped:
             entry.state, entry.reason = UNAVAILABLE, "load dropped: no request waited for it"
             entry.counts["dropped"] += 1
-            self._event("load dropped", entry.config.name, why="no request waited for it")
+            self._event("load dropped", entry, why="no request waited for it")
         except BaseException as exc:
             why = f"{exc}" or type(exc).__name__
             entry.state, entry.reason = UNAVAILABLE, f"load failed: {why}"
-            self._event("load failed", entry.config.name, why=why)
+            self._event("load failed", entry, why=why)
             raise
         finally:
             entry.loading = None
             self._freed()
 
     async def unload(self, name: str, *, why: str = "unloaded on request") -> None:
-        """Take ``name`` out of memory once no request holds it (requests already queued
-        are answered first; new ones wait for the unload, then load it again on demand)."""
-        entry = self._entries[self.owner(name)]
+        """Take every version of ``name`` out of memory once no request holds it (requests
+        already queued are answered first; new ones wait for the unload, then load it
+        again on demand)."""
+        for entry in self._units_of(self.owner(name)):
+            await self._unload_unit(entry, why)
+
+    async def _unload_unit(self, entry: _Entry, why: str) -> None:
         if entry.state == LOADING and entry.loading is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(entry.loading)
@@ -361,7 +431,7 @@ class ModelStore:
             await entry.idle.wait()
             await self._close(entry)
             entry.counts["unloads"] += 1
-            self._event("unload", entry.config.name, why=why)
+            self._event("unload", entry, why=why)
         finally:
             entry.state = UNAVAILABLE
             entry.unloaded.set()
@@ -375,8 +445,8 @@ class ModelStore:
         self._freed()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
-        for name in list(self.resident()):
-            await self.unload(name, why="the server stopped")
+        for key in list(self.resident()):
+            await self._unload_unit(self._entries[key], "the server stopped")
         if self._meter is not None:
             await asyncio.to_thread(self._meter.close)
 
@@ -399,9 +469,7 @@ class ModelStore:
 
     def _still_wanted(self, entry: _Entry) -> None:
         if self._closing:
-            raise ModelNotReady(
-                f"model {entry.config.name!r} is not loaded: the server is stopping"
-            )
+            raise ModelNotReady(f"model {entry.key!r} is not loaded: the server is stopping")
         if not entry.requested and entry.wanted == 0:
             raise _Dropped
 
@@ -415,7 +483,7 @@ class ModelStore:
             self._last_load = loop.time()
 
     async def _load_one(self, entry: _Entry) -> None:
-        name, config = entry.config.name, entry.config
+        name, config = entry.key, entry.config
         async with self._lock():
             self._still_wanted(entry)
             await self._pace()
@@ -441,6 +509,11 @@ class ModelStore:
                 entry.samples.append(max(self._measure() - before, size))
                 entry.charge = int(statistics.median(entry.samples))
             charged = entry.charge or size
+            try:
+                await self._same_signature(entry, served)
+            except BaseException:
+                await self._release_served(served)
+                raise
             batchers = {
                 m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
                 for m in served
@@ -458,11 +531,22 @@ class ModelStore:
         entry.counts["loads"] += 1
         entry.counts["load_seconds"] += resident.load_s
         for served_name, batcher in batchers.items():
-            self._watch(served_name, batcher)
+            self._watch(served_name, str(entry.number), batcher)
         self._event(
-            "load", name, seconds=round(resident.load_s, 4), bytes=charged,
+            "load", entry, seconds=round(resident.load_s, 4), bytes=charged,
             resident_bytes=self.resident_bytes,
         )  # fmt: skip
+
+    async def _same_signature(self, entry: _Entry, served: list[ServedModel]) -> None:
+        """A version beside the model's own serves its signature, or is refused naming the
+        difference (``UpdateRefused``), as everywhere versions are served."""
+        if entry.number == self._models[entry.model].version:
+            return
+        own = self._entry(entry.model)
+        await self._probe(own)
+        check_compatible(
+            own.specs[entry.model], served[0].runner.spec, f"{entry.model} version {entry.number}"
+        )
 
     def _fits(self, name: str, charge: int) -> None:
         if self.budget and charge > self.budget:
@@ -477,7 +561,7 @@ class ModelStore:
         as long as requests wait for it (then it is dropped), one asked for ``wait_s``."""
         if not self.budget:
             return
-        name = entry.config.name
+        name = entry.key
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         room = self._room_event()
@@ -488,7 +572,7 @@ class ModelStore:
                 (e.resident.last_used, n)
                 for n, e in self._entries.items()
                 if e.resident is not None and e.state == READY and e.wanted == 0
-                and n not in self.pin and n != name
+                and e.model not in self.pin and n != name
             ]  # fmt: skip
             if idle:
                 await self._evict(min(idle)[1], name)
@@ -516,13 +600,13 @@ class ModelStore:
             entry.state = UNAVAILABLE
             entry.unloaded.set()
         entry.counts["evictions"] += 1
-        self._event("evict", victim, why=f"room for {name}", freed_bytes=entry.charge)
+        self._event("evict", entry, why=f"room for {name}", freed_bytes=entry.charge)
 
     async def _close(self, entry: _Entry) -> None:
         resident, entry.resident = entry.resident, None
         if resident is not None:
             for served_name in resident.batchers:
-                self._unwatch(served_name)
+                self._unwatch(served_name, str(entry.number))
             await self._release(resident)
 
     async def _release(self, resident: Resident) -> None:
@@ -542,10 +626,13 @@ class ModelStore:
 
         await asyncio.to_thread(close)
 
-    def _event(self, kind: str, name: str, **details: Any) -> None:
-        event = {"time": round(time.time(), 3), "event": kind, "model": name, **details}
+    def _event(self, kind: str, entry: _Entry, **details: Any) -> None:
+        event = {
+            "time": round(time.time(), 3), "event": kind, "model": entry.model,
+            "version": entry.number, **details,
+        }  # fmt: skip
         self.events.append(event)
-        log.info("store: %s %s %s", kind, name, details or "")
+        log.info("store: %s %s %s", kind, entry.key, details or "")
 
     # ------------------------------------------------------------ reporting
 
@@ -560,9 +647,8 @@ class ModelStore:
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index of every known model, with what it is charged."""
         out = []
-        for name in self.known():
-            e = self._entries[name]
-            row: dict[str, Any] = {"name": name, "version": "1", "state": e.state}
+        for e in sorted(self._entries.values(), key=lambda e: (e.model, e.number)):
+            row: dict[str, Any] = {"name": e.model, "version": str(e.number), "state": e.state}
             if e.reason:
                 row["reason"] = e.reason
             if e.resident is not None:
@@ -592,19 +678,22 @@ class ModelStore:
                 "dropped",
             ),
         }  # fmt: skip
-        entries = sorted(self._entries.items())
+        units = [
+            ({"model": e.model, "version": str(e.number)}, e)
+            for e in sorted(self._entries.values(), key=lambda e: (e.model, e.number))
+        ]
         for metric, (kind, help_text, key) in per_model.items():
-            yield metric, kind, help_text, [({"model": n}, e.counts[key]) for n, e in entries]
+            yield metric, kind, help_text, [(labels, e.counts[key]) for labels, e in units]
         yield (
             "servekit_store_resident_bytes", "gauge",
             "Memory the model is charged while resident (0 when not)",
-            [({"model": n}, float(e.resident.charged if e.resident else 0)) for n, e in entries],
+            [(labels, float(e.resident.charged if e.resident else 0)) for labels, e in units],
         )  # fmt: skip
         yield (
             "servekit_store_waiting_requests", "gauge",
             "Requests waiting for the model to be loaded",
-            [({"model": n}, float(e.wanted - (e.resident.in_flight if e.resident else 0)))
-             for n, e in entries],
+            [(labels, float(e.wanted - (e.resident.in_flight if e.resident else 0)))
+             for labels, e in units],
         )  # fmt: skip
         yield (
             "servekit_store_budget_bytes", "gauge",

@@ -27,7 +27,7 @@ class TritonRuntime:
         self.config = config.check("triton")
         self.process: TritonProcess | None = None
         self._root: Path | None = None
-        self.traffic = traffic_of(self.config)
+        self.traffic = traffic_of(self.config.models)
         """Each versioned model's split and canary (the front's), kept across restarts."""
 
     @classmethod
