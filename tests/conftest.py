@@ -192,3 +192,15 @@ def served_models(
         str(source), name, batching=policy or BatchingPolicy(), instances=instances, threads=threads
     )
     return load_models(model)
+
+
+def metered_bytes(path: Path) -> int:
+    """What the model store charges the ONNX file at ``path`` (``servekit.store.Meter``:
+    measured alone, in a helper process)."""
+    from servekit import ModelConfig
+    from servekit.store import Meter
+
+    with Meter() as meter:
+        charge = meter.charge(ModelConfig(str(path), path.stem, image=False), str(path))
+    assert charge is not None, f"the meter could not measure {path}"
+    return charge

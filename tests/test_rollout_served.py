@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import Load, parse_metrics, ray_serve, sample, scrape, wait_until
+from conftest import Load, metered_bytes, parse_metrics, ray_serve, sample, scrape, wait_until
 from servekit import BatchingPolicy, ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.client import Client
 from servekit.config import StoreConfig
@@ -85,13 +85,16 @@ class Served:
         return {"model": "m", "version": version}
 
 
-def on(runtime: str):
-    """Serve one model with servekit's runtime ``runtime`` on loopback ports."""
+def on(runtime: str, store: StoreConfig | None = None):
+    """Serve one model with servekit's runtime ``runtime`` on loopback ports (beside the
+    models of ``store``, where one is given)."""
 
     @contextlib.contextmanager
     def serve_on(model: ModelConfig, **server) -> Iterator[Served]:
-        config = ServeConfig((model,), ServerConfig(exit_timeout_s=2, **server), runtime=runtime)
-        config = config.on_loopback()
+        config = ServeConfig(
+            (model,), ServerConfig(exit_timeout_s=2, **server), runtime=runtime,
+            store=store or StoreConfig(),
+        ).on_loopback()  # fmt: skip
         served = create_runtime(config)
         served.start()
         try:
@@ -129,15 +132,29 @@ def on_ray(
         serve.delete("servekit")
 
 
+def serve_on_runtime(request, runtime: str):
+    if runtime in ("pytriton", "triton"):
+        pytest.importorskip("pytriton", reason="needs the triton extra")
+    if runtime != "ray":
+        return on(runtime)
+    url = request.getfixturevalue("ray_url")
+    return lambda model, **server: on_ray(url, model, **server)
+
+
 @pytest.fixture(params=["native", "ray", "pytriton", "triton"])
 def serving(request):
     """Serve a model on each runtime in turn: ``serving(model, **server)``."""
-    if request.param in ("pytriton", "triton"):
-        pytest.importorskip("pytriton", reason="needs the triton extra")
-    if request.param != "ray":
-        return on(request.param)
-    url = request.getfixturevalue("ray_url")
-    return lambda model, **server: on_ray(url, model, **server)
+    return serve_on_runtime(request, request.param)
+
+
+@pytest.fixture(params=["native", "ray", "pytriton", "triton", "native+store", "ray+store"])
+def anywhere(request):
+    """``serving``, and the runtimes with a [store] serving the model among the 29 others
+    of ``thirty`` (``stored``)."""
+    runtime, _, store = request.param.partition("+")
+    if not store:
+        return serve_on_runtime(request, runtime)
+    return stored(request, runtime)
 
 
 def model_with(files, v2: str, traffic: TrafficPolicy, canary: CanaryPolicy | None = None):
@@ -316,9 +333,9 @@ def canary_run(
             client.close()
 
 
-def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions, serving):
+def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions, anywhere):
     results, after, state = canary_run(
-        serving, versions, "slow", TrafficPolicy({1: 80, 2: 20}),
+        anywhere, versions, "slow", TrafficPolicy({1: 80, 2: 20}),
         CanaryPolicy(min_requests=60, max_p99_ratio=1.5), "rolled back",
     )  # fmt: skip
     assert not [r for r in results if isinstance(r, Exception)]
@@ -332,9 +349,9 @@ def test_a_slow_canary_is_rolled_back_and_no_answer_comes_from_it_after(versions
     assert event["event"] == "rollback" and "the baseline's" in event["why"]
 
 
-def test_an_identical_canary_is_promoted_step_by_step(versions, serving):
+def test_an_identical_canary_is_promoted_step_by_step(versions, anywhere):
     results, _, state = canary_run(
-        serving, versions, "same", TrafficPolicy({1: 90, 2: 10}),
+        anywhere, versions, "same", TrafficPolicy({1: 90, 2: 10}),
         CanaryPolicy(min_requests=40, max_p99_ratio=20.0, step=(10, 50, 100)), "promoted",
     )  # fmt: skip
     assert not [r for r in results if isinstance(r, Exception)]
@@ -346,36 +363,27 @@ def test_an_identical_canary_is_promoted_step_by_step(versions, serving):
 def thirty(tmp_path_factory) -> tuple[Path, float]:
     """A store's root of 29 add_sub models with 2 MB of weights (``f<i>.onnx``), and a
     budget in MB that holds ten of them (as the meter charges them)."""
-    from servekit.store import Meter
-
     root = tmp_path_factory.mktemp("thirty")
     onnx.save(build_add_sub(weights_mb=2), root / "f0.onnx")
     for i in range(1, 29):
         (root / f"f{i}.onnx").write_bytes((root / "f0.onnx").read_bytes())
-    with Meter() as meter:
-        charge = meter.charge(ModelConfig(str(root / "f0.onnx"), "f0", image=False), None)
-    assert charge is not None
-    return root, 10.5 * charge / 2**20
+    return root, 10.5 * metered_bytes(root / "f0.onnx") / 2**20
 
 
-@pytest.fixture(params=["native", "ray"])
-def stored(request, thirty):
+def stored(request, kind: str):
     """``serving``'s contract, the model served among the 29 others of a [store] whose
     budget holds ten, while two clients send to random others all along (evicting and
     loading); any of their requests that fails fails the test."""
-    root, budget_mb = thirty
+    root, budget_mb = request.getfixturevalue("thirty")
     store = StoreConfig(root=str(root), memory_budget_mb=budget_mb, load="on_demand")
 
     @contextlib.contextmanager
     def serve_stored(model: ModelConfig, **server) -> Iterator[Served]:
-        if request.param == "ray":
+        if kind == "ray":
             url = request.getfixturevalue("ray_url")
             served = on_ray(url, model, store=store, **server)
         else:
-            config = ServeConfig(
-                (model,), ServerConfig(exit_timeout_s=2, **server), runtime="native", store=store
-            ).on_loopback()
-            served = _native(config)
+            served = on(kind, store)(model, **server)
         with served as runtime:
             stop, failures, answered = threading.Event(), [], [0]
             fill = http.client.HTTPConnection(runtime.host, runtime.http_port, timeout=60)
@@ -419,38 +427,6 @@ def stored(request, thirty):
             assert evictions > 0  # the canary's versions came and went among the others
 
     return serve_stored
-
-
-@contextlib.contextmanager
-def _native(config: ServeConfig) -> Iterator[Served]:
-    served = create_runtime(config)
-    served.start()
-    try:
-        s = config.server
-        yield Served("127.0.0.1", s.http_port, s.grpc_port)
-    finally:
-        served.stop()
-
-
-def test_a_canary_among_thirty_stored_models_is_rolled_back_as_without_a_store(versions, stored):
-    results, after, state = canary_run(
-        stored, versions, "slow", TrafficPolicy({1: 80, 2: 20}),
-        CanaryPolicy(min_requests=60, max_p99_ratio=1.5), "rolled back",
-    )  # fmt: skip
-    assert not [r for r in results if isinstance(r, Exception)]
-    assert state["split"] == {"1": 100, "2": 0}
-    assert "2" in results[:after] and set(results[-50:]) == {"1"}
-    assert state["events"][-1]["event"] == "rollback"
-
-
-def test_a_canary_among_thirty_stored_models_is_promoted_as_without_a_store(versions, stored):
-    results, _, state = canary_run(
-        stored, versions, "same", TrafficPolicy({1: 90, 2: 10}),
-        CanaryPolicy(min_requests=40, max_p99_ratio=20.0, step=(10, 50, 100)), "promoted",
-    )  # fmt: skip
-    assert not [r for r in results if isinstance(r, Exception)]
-    assert state["split"] == {"1": 0, "2": 100}
-    assert [e["event"] for e in state["events"]] == ["step", "promoted"]
 
 
 def test_a_version_with_other_answers_is_caught_by_its_shadow_and_never_answers(versions, serving):

@@ -69,6 +69,12 @@ def make_store(
     return store, memory
 
 
+async def hold(store: ModelStore, name: str, until: asyncio.Event) -> None:
+    """A request that holds ``name`` until ``until`` is set."""
+    async with store.lease(name):
+        await until.wait()
+
+
 async def answer(store: ModelStore, name: str) -> np.ndarray:
     async with store.lease(name) as batcher:
         return (await batcher.infer(X))["OUTPUT0"]
@@ -414,12 +420,7 @@ def test_a_request_waiting_for_room_gets_it_when_a_model_comes_free(add_sub_path
 
     async def run() -> None:
         release = asyncio.Event()
-
-        async def hold_a() -> None:
-            async with store.lease("a"):
-                await release.wait()
-
-        holder = asyncio.ensure_future(hold_a())
+        holder = asyncio.ensure_future(hold(store, "a", release))
         await asyncio.sleep(0.05)
         b = asyncio.ensure_future(answer(store, "b"))
         await asyncio.sleep(0.1)
@@ -439,12 +440,7 @@ def test_close_drops_queued_loads_and_leaves_no_task_behind(add_sub_path):
 
     async def run() -> None:
         holder = asyncio.Event()
-
-        async def hold_a() -> None:
-            async with store.lease("a"):
-                await holder.wait()
-
-        held = asyncio.ensure_future(hold_a())
+        held = asyncio.ensure_future(hold(store, "a", holder))
         await asyncio.sleep(0.05)
         waiting = [asyncio.ensure_future(answer(store, n)) for n in "bcde"]
         await asyncio.sleep(0.1)

@@ -13,17 +13,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from conftest import parse_metrics, sample, scrape
+from conftest import metered_bytes, parse_metrics, sample, scrape
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import StoreConfig
-from servekit.store import Meter, rss_bytes
+from servekit.store import rss_bytes
 from servekit.zoo.tiny import build_add_sub
 
 pytest.importorskip("httptools", reason="needs the http extra")
@@ -85,13 +85,11 @@ def test_a_hundred_models_answer_from_a_budget_that_holds_a_few_of_them(folder):
     budget_mb = 60
     with served(folder, memory_budget_mb=budget_mb, load="on_demand", pin=["cnn_0"]) as server:
         store, url = server.store, server.config.server.http_url.removeprefix("http://")
-        base, peaks, charged, stop = rss_bytes(), [], [], threading.Event()
+        base, peaks, charged = rss_bytes(), [], []
 
         def watch() -> None:
-            while not stop.is_set():
-                peaks.append(rss_bytes() - base)
-                charged.append(store.resident_bytes)
-                time.sleep(0.005)
+            peaks.append(rss_bytes() - base)
+            charged.append(store.resident_bytes)
 
         failures: list[str] = []
 
@@ -112,15 +110,7 @@ def test_a_hundred_models_answer_from_a_budget_that_holds_a_few_of_them(folder):
             finally:
                 c.close()
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        stop.set()
-        watcher.join()
+        in_threads(client, 4, beside=watch)
         assert not failures, failures[:5]
         assert len(store.known()) == 100
         assert max(charged) <= budget_mb * MB
@@ -156,6 +146,29 @@ def weighty(tmp_path_factory) -> Path:
     return root
 
 
+def in_threads(
+    client: Callable[[int], None], n: int, *, beside: Callable[[], None] | None = None
+) -> None:
+    """``client(k)`` for k in 0..n-1, each on a thread of its own, with ``beside()`` called
+    every 5 ms until they are done (sampling memory); returns once all are."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and beside is not None:
+            beside()
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    stop.set()
+    watcher.join()
+
+
 def add_sub_request(
     client: httpclient.InferenceServerClient, name: str, rng: np.random.Generator
 ) -> None:
@@ -169,10 +182,7 @@ def test_eight_clients_on_ten_models_and_a_budget_of_three_always_make_progress(
     # The livelock as users met it: every load evicted by the next before its waiters
     # ran, loads going on with no client connected, models stuck LOADING, a slow stop.
     root = weighty / "eight"
-    with Meter() as meter:
-        charge = meter.charge(ModelConfig(str(root / "w8_0.onnx"), "w8_0", image=False), None)
-    assert charge is not None
-    budget_mb = 3.5 * charge / MB
+    budget_mb = 3.5 * metered_bytes(root / "w8_0.onnx") / MB
     deadline_s = 10.0
     with served(root, memory_budget_mb=budget_mb, load="on_demand") as server:
         store, url = server.store, server.config.server.http_url.removeprefix("http://")
@@ -202,11 +212,7 @@ def test_eight_clients_on_ten_models_and_a_budget_of_three_always_make_progress(
             finally:
                 c.close()
 
-        clients = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
+        in_threads(client, 8)
         assert not failures, failures[:5]
         assert answered[0] >= 100 and refused[0] <= answered[0] / 10, (answered, refused)
         assert most_resident[0] == 3
@@ -250,12 +256,7 @@ def test_churn_keeps_a_budget_of_ten_models_nearly_full_and_charges_what_each_co
         c.load_model("w4_39", headers=headers)
         c.unload_model("w4_39", headers=headers)
         c.close()
-        base, peaks, stop, failures = rss_bytes(), [], threading.Event(), []
-
-        def watch() -> None:
-            while not stop.is_set():
-                peaks.append(rss_bytes() - base)
-                time.sleep(0.005)
+        base, peaks, failures = rss_bytes(), [], []
 
         def client(k: int) -> None:
             rng = np.random.default_rng(100 + k)
@@ -268,15 +269,7 @@ def test_churn_keeps_a_budget_of_ten_models_nearly_full_and_charges_what_each_co
             finally:
                 c.close()
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        stop.set()
-        watcher.join()
+        in_threads(client, 4, beside=lambda: peaks.append(rss_bytes() - base))
         assert not failures, failures[:5]
         resident = store.resident()
         assert len(resident) >= 8, {n: r.charged / MB for n, r in resident.items()}

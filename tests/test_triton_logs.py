@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from conftest import wait_until
 from servekit.triton.logs import LogFollower, filter_line
 
 START = """\
@@ -47,4 +48,6 @@ def test_the_follower_logs_a_growing_file_and_everything_when_verbose(tmp_path, 
             with path.open("a") as f:
                 f.write(START)
             follower.stop()
+            # stop() joins for 5 s; under a loaded suite the thread may finish later.
+            wait_until(lambda n=expected: len(caplog.records) >= n, f"{expected} lines logged", 30)
         assert len(caplog.records) == expected, [r.message for r in caplog.records]

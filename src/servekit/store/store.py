@@ -313,12 +313,15 @@ class ModelStore:
         entry.counts["refusals"] += 1
         held = {n: round(r.charged / MB, 1) for n, r in sorted(self.resident().items())}
         queued = sum(1 for e in self._entries.values() if e.state == LOADING)
-        budget = f"the budget of {self.budget / MB:.1f} MB" if self.budget else "no budget"
-        return Overloaded(
-            f"model {entry.key!r} was not loaded within {self.wait_s:g} s: {queued} "
-            f"load(s) queued, {budget}, held by models in use or pinned (MB: {held})",
-            retry_after_s=1.0,
+        why = (
+            f"model {entry.key!r} was not loaded within {self.wait_s:g} s: {queued} load(s) queued"
         )
+        if self.budget:
+            why += (
+                f"; the budget of {self.budget / MB:.1f} MB is held by models in use or pinned "
+                f"(MB: {held})"
+            )
+        return Overloaded(why, retry_after_s=1.0)
 
     # ------------------------------------------------------------ control
 
