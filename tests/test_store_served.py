@@ -578,3 +578,51 @@ def test_a_triton_layout_folder_keeps_its_version_number_on_ray(layout):
             check_served_as_version_3(url.removeprefix("http://"), None)
         finally:
             serve.delete("servekit")
+
+
+def test_a_stored_model_s_split_outlives_its_unload_and_each_version_loads_on_its_own(
+    tmp_path, add_sub_path
+):
+    from servekit.rollout import ModelVersion, TrafficPolicy
+    from servekit.zoo.tiny import build_add_sub as adder
+
+    onnx.save(adder(offset=1.0), tmp_path / "off.onnx")
+    shutil.copyfile(add_sub_path, tmp_path / "m.onnx")
+    model = ModelConfig(
+        str(tmp_path / "m.onnx"), "m", image=False,
+        versions=(ModelVersion(2, str(tmp_path / "off.onnx")),),
+        traffic=TrafficPolicy({1: 100, 2: 0}),
+    )  # fmt: skip
+    config = ServeConfig(
+        (model,), ServerConfig(exit_timeout_s=2, control_token=TOKEN), runtime="native",
+        store=StoreConfig(root=str(tmp_path / "empty"), load="on_demand"),
+    ).on_loopback()  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    headers = {"servekit-control-token": TOKEN}
+    x = np.ones((1, 16), np.float32)
+    with NativeServer(config) as server:
+        url = config.server.http_url
+        c = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        try:
+            assert (
+                http_infer(c, "m", {"INPUT0": x, "INPUT1": x})["OUTPUT0"].tolist()
+                == (2 * x).tolist()
+            )
+            # Only the version the split sent a request to was loaded.
+            assert server.store.state("m", 1) == "READY" and server.store.state("m", 2) != "READY"
+            request = urllib.request.Request(
+                f"{url}/v2/models/m/traffic", json.dumps({"split": {"2": 100}}).encode(),
+                headers=headers, method="POST",
+            )  # fmt: skip
+            urllib.request.urlopen(request, timeout=10).close()
+            c.unload_model("m", headers=headers)
+            assert server.store.resident() == {}
+            with urllib.request.urlopen(f"{url}/v2/models/m/traffic", timeout=10) as r:
+                assert json.loads(r.read())["split"] == {"2": 100}  # kept across the unload
+            got = http_infer(c, "m", {"INPUT0": x, "INPUT1": x})["OUTPUT0"]
+            assert got.tolist() == (2 * x + 1).tolist()  # version 2 (offset 1), loaded alone
+            assert server.store.state("m", 2) == "READY" and server.store.state("m", 1) != "READY"
+            index = {(e["version"], e["state"]) for e in c.get_model_repository_index()}
+            assert index == {("1", "UNAVAILABLE"), ("2", "READY")}
+        finally:
+            c.close()
