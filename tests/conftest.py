@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -204,3 +206,14 @@ def metered_bytes(path: Path) -> int:
         charge = meter.charge(ModelConfig(str(path), path.stem, image=False), str(path))
     assert charge is not None, f"the meter could not measure {path}"
     return charge
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, as Kubernetes sends it; SIGKILL if ``proc`` has not exited within
+    ``timeout_s``."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

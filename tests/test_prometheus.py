@@ -11,7 +11,6 @@ import contextlib
 import json
 import re
 import shutil
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import free_port, scrape, wait_until
+from conftest import free_port, scrape, terminate, wait_until
 from servekit import Client, InvalidInput, ModelConfig, ServeConfig, ServerConfig
 
 INSTALL = "apt-get install -y prometheus"
@@ -122,12 +121,7 @@ def prometheus(tmp: Path, targets: dict[str, tuple[str, str]]) -> Iterator[str]:
                    "Prometheus ready", 60, alive=lambda: proc.poll() is None)  # fmt: skip
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 def query(url: str, expr: str) -> list[tuple[dict, float]]:

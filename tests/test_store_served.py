@@ -9,7 +9,6 @@ import contextlib
 import json
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import metered_bytes, parse_metrics, sample, scrape, wait_until
+from conftest import metered_bytes, parse_metrics, sample, scrape, terminate, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.client import Client
 from servekit.config import StoreConfig
@@ -255,12 +254,7 @@ def serving_process(root: Path, tmp_path: Path, **store) -> Iterator[tuple[str, 
                        alive=lambda: proc.poll() is None)  # fmt: skip
         yield config.server.http_url.removeprefix("http://"), proc.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 def test_churn_keeps_a_budget_of_ten_models_nearly_full_and_charges_what_each_costs(
