@@ -348,7 +348,7 @@ def test_stop_answers_the_calls_in_flight(tmp_path):
     try:
         for t in threads:
             t.start()
-        stats = native.batchers["slow"].stats
+        stats = native.models.batchers["slow"].stats
         wait_until(lambda: stats.request_admitted == 3, "the three calls in flight", 10)
         assert stats.request_success == 0  # each batch takes 800 ms: none answered yet
     finally:

@@ -169,9 +169,9 @@ def test_native_runs_the_files_policy_instances_and_threads(config_file):
     want = expected(path)
     with NativeServer(loaded(path)) as server:
         answers(server.config.server.http_url)
-        assert set(server.batchers) == set(SERVED)
+        assert set(server.models.batchers) == set(SERVED)
         for name, model in SERVED.items():
-            batcher = server.batchers[name]
+            batcher = server.models.batchers[name]
             assert batcher.policy == want[model].batching, name
             assert batcher.instance_count == want[model].instances, name
         runners = {m.name: m.runner for m in server.models}

@@ -65,7 +65,7 @@ def test_a_runtime_serves_it_through_load_runner(sim_path):
 
     config = ServeConfig((ModelConfig(str(sim_path)),), runtime="native").on_loopback()
     with NativeServer(config) as server, Client(config.server.grpc_url) as c:
-        runner = server.models[0].runner.runner
+        runner = next(iter(server.models)).runner.runner
         assert isinstance(runner, SimulatedDevice)
         start = time.perf_counter()
         out = c.infer("sim_t4", {"input": np.ones((2, 64, 64, 3), np.float32)})

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .config import ServeConfig
 from .protocol.routed import follow_file
-from .runtime import Runtime, Supervisor
+from .runtime import Runtime, ServedModels, Supervisor
 
 __all__ = ["create_runtime", "reread_traffic", "serve"]
 
@@ -59,7 +59,12 @@ def reread_traffic(runtime: Runtime, config: ServeConfig) -> list[str]:
     """The splits ``config`` gives, applied where ``runtime`` routes (``follow_file``)."""
     if not any(m.traffic for m in config.models):
         return []
-    traffic = getattr(runtime, "traffic", None)
+    models = getattr(runtime, "models", None)
+    # In-process runtimes keep the splits in their ServedModels; the triton runtime's front
+    # keeps its own.
+    traffic = (
+        models.traffic if isinstance(models, ServedModels) else getattr(runtime, "traffic", None)
+    )
     if traffic is None:  # Ray: each ingress replica keeps its own split
         raise ValueError(
             f"the {config.runtime} runtime does not re-read traffic splits on SIGHUP: "

@@ -1,6 +1,6 @@
 """``NativeServer``: servekit's KServe v2 server over its ``Batcher``s, in one process.
 
-Every model of the ``ServeConfig`` is loaded through ``load_models`` and batched by a
+Every model of the ``ServeConfig`` is loaded into ``ServedModels`` and batched by a
 ``Batcher`` with the model's own ``BatchingPolicy`` and ``instances`` worker threads;
 KServe v2 is answered over HTTP on ``http_port`` (the hardened front) and over gRPC on
 ``grpc_port`` (Triton's ``GRPCInferenceService``), both on one event loop, and the
@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..batching import Batcher
-from ..config import ServeConfig, version_model_name
+from ..config import ServeConfig
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
-from ..protocol.routed import route, traffic_of
-from ..rollout import Traffic
-from ..runtime.base import ServedModel, load_models, reload_models
+from ..runtime.registry import ServedModels
 from ..store import ModelStore, store_app
 
 __all__ = ["NativeServer"]
@@ -33,11 +30,9 @@ class NativeServer:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config.check("native")
-        self.models: list[ServedModel] = []
-        self.batchers: dict[str, Batcher] = {}
+        self.models = ServedModels(self.config)
+        """What it serves: each model's versions, traffic and Batchers."""
         self.app: KServeApp | None = None
-        self.traffic: dict[str, Traffic] = {}
-        """Each versioned model's split and canary, kept across restarts."""
         self.store: ModelStore | None = None
         """The ``[store]``'s models, when the config has one."""
         self._threads: list[H1Server] = []
@@ -56,22 +51,9 @@ class NativeServer:
             if c.store.active:
                 self._start_store()
                 return self
-            if not self.models:  # a restart keeps the warm runners
-                self.models = [
-                    m for model in c.models for m in load_models(model, c.cache_dir, c.storage)
-                ]
-                for m in self.models:
-                    m.runner.warmup()
-            self.batchers = {}
-            by_name: dict[str, dict[int, Batcher]] = {}  # name -> version -> Batcher
-            for m in self.models:
-                batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
-                served = m.name if m.version == 1 else version_model_name(m.name, m.version)
-                self.batchers[served] = batcher
-                by_name.setdefault(m.name, {})[m.version] = batcher
-            self.traffic = self.traffic or traffic_of(c.models)
+            self.models.load()  # a restart keeps the warm runners
             self.app = KServeApp(
-                route(by_name, self.traffic),
+                self.models.batch(),
                 max_body_bytes=c.server.max_body_bytes,
                 ready=lambda: self._ready,
                 inference_token=c.server.inference_token,
@@ -83,7 +65,7 @@ class NativeServer:
             self._shutdown()
             raise
         self._ready = True
-        log.info("serving %s on %s", list(self.batchers), c.server.http_url)
+        log.info("serving %s on %s", self.models.names(), c.server.http_url)
         return self
 
     def _listen(self, app: KServeApp) -> H1Server:
@@ -139,7 +121,7 @@ class NativeServer:
                 "a [store]'s models reload through the repository API "
                 "(POST /v2/repository/models/<m>/load), not on SIGHUP"
             )
-        return reload_models(self.config, self.models)
+        return self.models.reload()
 
     def _shutdown(self) -> None:
         self._ready = False
@@ -150,19 +132,12 @@ class NativeServer:
         for thread in self._threads:
             thread.stop(self.config.server.exit_timeout_s + 5)
         self._threads = []
-        for batcher in self.batchers.values():
-            batcher.close()
-        self.batchers = {}
+        self.models.close_batchers()
 
     def stop(self) -> None:
         """Stop listening, drain the Batchers and close the runners."""
         self._shutdown()
-        closed: set[int] = set()
-        for m in self.models:
-            if id(m.runner) not in closed:
-                closed.add(id(m.runner))
-                m.runner.close()
-        self.models = []
+        self.models.close()
 
     def __enter__(self) -> NativeServer:
         return self.start()

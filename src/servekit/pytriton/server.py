@@ -7,21 +7,17 @@ signatures and batching policies, and per-request error handling.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import ServeConfig, ServerConfig, version_model_name
+from ..config import ServeConfig, ServerConfig
 from ..endpoints import free_port
-from ..errors import ModelNotFound
-from ..protocol.routed import traffic_of
-from ..rollout import Traffic
 from ..runners.base import Runner
-from ..runners.versioned import VersionedRunner
-from ..runtime.base import ServedModel, load_models, reload_models
+from ..runtime.base import ServedModel
 from ..runtime.processes import kill_leftovers, processes
+from ..runtime.registry import ServedModels, served_name
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
@@ -48,21 +44,11 @@ class TritonServer:
     ) -> None:
         if not models and serve_config is None:
             raise ValueError("nothing to serve: pass at least one ServedModel")
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique, got {names}")
         # Every model is updatable in place: see ``update``.
-        self.models = [
-            m
-            if isinstance(m.runner, VersionedRunner)
-            else dataclasses.replace(m, runner=VersionedRunner(m.runner, name=m.name))
-            for m in models
-        ]
+        self.models = ServedModels(serve_config, models)
+        """What it serves: each model's versions and traffic (servekit's front routes)."""
         self.server = config or ServerConfig()
         self.config = serve_config
-        """What ``reload`` reads the models' files from (set by ``from_config``)."""
-        self.traffic: dict[str, Traffic] = traffic_of(serve_config.models) if serve_config else {}
-        """Each versioned model's split and canary (servekit's front routes), kept across restarts."""
         self._triton: Any = None
         self._workdir: Workdir | None = None
         self._front: Any = None
@@ -89,13 +75,6 @@ class TritonServer:
         local-model-store mode would avoid that but races its own handshake with the
         Python backend stubs.)
         """
-        if not self.models:  # loaded here, so a signal can interrupt it (``Supervisor``)
-            assert self.config is not None
-            self.models = [
-                m
-                for model in self.config.models
-                for m in load_models(model, self.config.cache_dir, self.config.storage)
-            ]
         apply_triton_environment()
         from pytriton.triton import (
             Triton,
@@ -103,13 +82,9 @@ class TritonServer:
             TritonSecurityConfig,
         )
 
-        for m in self.models:
-            m.runner.warmup()
-        # Triton's model for each: PyTriton binds one version per Triton model.
-        bound = {
-            m: m.name if m.version == 1 else version_model_name(m.name, m.version)
-            for m in self.models
-        }
+        # Loaded here, so a signal can interrupt it (``Supervisor``). Triton's model for
+        # each: PyTriton binds one version per Triton model.
+        bound = {m: served_name(m) for m in self.models.load()}
         c = self.server
         security = TritonSecurityConfig(
             access_token=c.control_token, restricted_endpoints=list(CONTROL_ENDPOINTS)
@@ -163,10 +138,6 @@ class TritonServer:
                 from ..front import Front
                 from ..front.demand import TritonDemand
 
-                routes: dict[str, dict[int, str]] = {}
-                for m in self.models:
-                    if m.name in self.traffic:
-                        routes.setdefault(m.name, {})[m.version] = bound[m]
                 self._front = Front(
                     {bound[m]: m.runner.spec for m in self.models},
                     f"grpc://127.0.0.1:{triton_grpc_port}",
@@ -176,8 +147,8 @@ class TritonServer:
                     max_body_bytes=c.max_body_bytes,
                     http_url=f"http://127.0.0.1:{triton_http_port}",
                     control_headers={"triton-access-token": security.access_token or ""},
-                    traffic=self.traffic,
-                    routes=routes,
+                    traffic=self.models.traffic,
+                    routes=self.models.routes(),
                     grpc_port=c.grpc_port,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
@@ -230,9 +201,7 @@ class TritonServer:
 
     def reload(self) -> list[str]:
         """Read each configured model's file again and swap it in live (``update``)."""
-        if self.config is None:
-            raise ValueError("reload needs a server built by TritonServer.from_config")
-        return reload_models(self.config, self.models)
+        return self.models.reload()
 
     def is_healthy(self) -> bool:
         """Triton alive and every model instance's worker process alive."""
@@ -255,30 +224,24 @@ class TritonServer:
             if recovery is not None:
                 recovery.restarted()
 
-    def _versioned(self, name: str) -> VersionedRunner:
-        for m in self.models:
-            if m.name == name:
-                return m.runner  # type: ignore[return-value]
-        raise ModelNotFound(f"no model named {name!r}; serving {[m.name for m in self.models]}")
-
     def update(self, name: str, runner: Runner, version: int | None = None) -> int:
         """Serve ``runner`` as model ``name`` from the next batch on, without a reload in
         Triton: no request fails and none mixes versions (``VersionedRunner``). Returns
         the new version number; a runner that fails to warm up or has another signature
         raises and the old version keeps serving."""
-        number = self._versioned(name).update(runner, version)
+        number = self.models.runner(name).update(runner, version)
         log.info("%s: reloaded (reload %d)", name, number - 1)
         return number
 
     def rollback(self, name: str) -> int:
         """Serve model ``name``'s previous version again; returns its number."""
-        number = self._versioned(name).rollback()
+        number = self.models.runner(name).rollback()
         log.info("%s: rolled back to version %d", name, number)
         return number
 
     def version(self, name: str) -> int:
         """The version of model ``name`` new batches run on."""
-        return self._versioned(name).version
+        return self.models.runner(name).version
 
     def is_alive(self) -> bool:
         return self._triton is not None and self._triton.is_alive()
@@ -286,8 +249,7 @@ class TritonServer:
     def stop(self) -> None:
         """Stop Triton (waiting up to ``exit_timeout_s`` for in-flight requests) and close runners."""
         self._shutdown()
-        for m in self.models:
-            m.runner.close()
+        self.models.close()
 
     def _shutdown(self, *, keep_front: bool = False) -> None:
         if self._front is not None and not keep_front:

@@ -1,0 +1,125 @@
+"""``ServedModels``: the one record of what an in-process runtime serves, by model name.
+
+Per model it holds every version served (``ServedModel``, a ``VersionedRunner`` each), the
+model's ``Traffic`` (split, shadow, canary), and while serving the version's ``Batcher``;
+each version's served name is ``version_model_name``'s. Native and PyTriton keep nothing
+of their own beside it; the ``[store]`` keeps residency, over the same ``Traffic``
+(``servekit.store.StoreModels``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..batching import Batcher
+from ..config import ServeConfig, version_model_name
+from ..errors import ModelNotFound
+from ..protocol.routed import route, traffic_of
+from ..rollout import Traffic
+from ..runners.versioned import VersionedRunner
+from .base import ServedModel, load_models, reload_models
+
+__all__ = ["ServedModels", "served_name"]
+
+
+def served_name(model: ServedModel) -> str:
+    """The name a version is served under on its own (``version_model_name``)."""
+    return model.name if model.version == 1 else version_model_name(model.name, model.version)
+
+
+class ServedModels:
+    """Every model of one runtime: its versions, its traffic and, while serving, its
+    Batchers. Loaded once (``load``); a restart keeps the warm runners and the traffic.
+
+    Args:
+        config: what ``load`` and ``reload`` read (the models' files, their splits).
+        models: models built by app code instead (each wrapped in a ``VersionedRunner``
+            so that it can be updated in place).
+    """
+
+    def __init__(self, config: ServeConfig | None = None, models: Sequence[ServedModel] = ()):
+        names = [served_name(m) for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        self.config = config
+        self._models = [
+            m
+            if isinstance(m.runner, VersionedRunner)
+            else dataclasses.replace(m, runner=VersionedRunner(m.runner, name=m.name))
+            for m in models
+        ]
+        self.traffic: dict[str, Traffic] = traffic_of(config.models) if config else {}
+        """Each versioned model's split, shadow and canary, kept across restarts."""
+        self.batchers: dict[str, Batcher] = {}
+        """Served name -> its Batcher, while ``batch`` has them running."""
+
+    def load(self) -> list[ServedModel]:
+        """Load every configured model (the first time only) and warm it up."""
+        if not self._models:
+            assert self.config is not None, "nothing to load: no config and no models"
+            c = self.config
+            self._models = [
+                m for model in c.models for m in load_models(model, c.cache_dir, c.storage)
+            ]
+        for m in self._models:
+            m.runner.warmup()
+        return self._models
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models)
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def runner(self, name: str, version: int = 1) -> VersionedRunner:
+        """The runner serving ``name`` at ``version``."""
+        for m in self._models:
+            if m.name == name and m.version == version:
+                return m.runner  # type: ignore[return-value]
+        raise ModelNotFound(f"no model named {name!r} version {version}; serving {self.names()}")
+
+    def names(self) -> list[str]:
+        return [served_name(m) for m in self._models]
+
+    def routes(self) -> dict[str, dict[int, str]]:
+        """Name -> version -> served name, for each model with a ``Traffic`` (the front
+        routes these)."""
+        routes: dict[str, dict[int, str]] = {}
+        for m in self._models:
+            if m.name in self.traffic:
+                routes.setdefault(m.name, {})[m.version] = served_name(m)
+        return routes
+
+    def batch(self) -> dict[str, Any]:
+        """Start a ``Batcher`` per version (its policy, its instances) and return what a
+        front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
+        self.close_batchers()
+        by_name: dict[str, dict[int, Batcher]] = {}
+        for m in self._models:
+            batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
+            self.batchers[served_name(m)] = batcher
+            by_name.setdefault(m.name, {})[m.version] = batcher
+        return route(by_name, self.traffic)
+
+    def close_batchers(self) -> None:
+        for batcher in self.batchers.values():
+            batcher.close()
+        self.batchers = {}
+
+    def reload(self) -> list[str]:
+        """Read each configured model's file again and swap it in (``reload_models``)."""
+        if self.config is None:
+            raise ValueError("reload needs models loaded from a ServeConfig")
+        return reload_models(self.config, self._models)
+
+    def close(self) -> None:
+        """Stop the Batchers and close each runner once; the next ``load`` loads again."""
+        self.close_batchers()
+        closed: set[int] = set()
+        for m in self._models:
+            if id(m.runner) not in closed:
+                closed.add(id(m.runner))
+                m.runner.close()
+        self._models = []
