@@ -21,7 +21,7 @@ from servekit import ModelConfig
 from servekit.errors import ModelNotFound, ModelNotReady, Overloaded
 from servekit.runtime.base import ServedModel
 from servekit.store import ModelStore
-from servekit.store.store import _load
+from servekit.store.unit import load_served as _load
 
 MB = 1024 * 1024
 X = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}

@@ -23,95 +23,44 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
-import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching import Batcher
-from ..config import ModelConfig, image_model_name, version_model_name
-from ..errors import FetchFailed, ModelNotFound, ModelNotReady, Overloaded
+from ..config import ModelConfig, image_model_name
+from ..errors import ModelNotFound, ModelNotReady, Overloaded
 from ..runners.versioned import VersionedRunner, check_compatible
-from ..runtime.base import ServedModel, load_models, probe_model, refresh
+from ..runtime.base import ServedModel, probe_model, refresh
 from ..spec import ModelSpec
 from ..storage import StorageConfig, is_remote
-from .memory import release_freed, resident_bytes
+from . import report
+from .memory import resident_bytes
 from .meter import Meter
+from .unit import (
+    LOADING,
+    MB,
+    READY,
+    UNAVAILABLE,
+    UNLOADING,
+    Dropped,
+    Resident,
+    Unit,
+    Units,
+    file_size,
+    load_served,
+    release_served,
+    resolved,
+    unit_config,
+)
 
 __all__ = ["ModelStore", "Resident"]
 
 log = logging.getLogger(__name__)
 
-READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 EVENTS_KEPT = 100
-SAMPLES_KEPT = 3
-MB = 1024 * 1024
-COUNTS = ("loads", "unloads", "evictions", "load_seconds", "refusals", "dropped")
-
-
-@dataclass
-class Resident:
-    """A loaded model: its served models, a Batcher for each, what it is charged, its use."""
-
-    config: ModelConfig
-    served: list[ServedModel]
-    batchers: dict[str, Batcher]
-    charged: int
-    load_s: float
-    last_used: float
-    in_flight: int = 0
-
-
-class _Dropped(Exception):
-    """A load on demand that no request waits for any more."""
-
-
-@dataclass
-class _Entry:
-    """One unit of residency: a version of a model (its own file, load and charge)."""
-
-    config: ModelConfig
-    model: str
-    """The model it is a version of (what clients name)."""
-    number: int
-    """Its version number."""
-    key: str
-    """The unit's name: the model's own for its version, ``version_model_name`` else."""
-    state: str = UNAVAILABLE
-    reason: str = "not loaded yet"
-    resident: Resident | None = None
-    loading: asyncio.Future[None] | None = None
-    requested: bool = False
-    """The load under way was asked for (start, the repository API): never dropped."""
-    wanted: int = 0
-    """Requests holding the model or waiting for it: while any do, it is never evicted."""
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while no request holds the model (what an unload waits for)."""
-    unloaded: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set unless an unload is under way."""
-    charge: int | None = None
-    """What it is charged: the meter's figure, else the median of its last loads."""
-    metered: bool = False
-    """Whether ``charge`` is the meter's (measured alone) rather than measured in place."""
-    samples: collections.deque[int] = field(
-        default_factory=lambda: collections.deque(maxlen=SAMPLES_KEPT)
-    )
-    specs: dict[str, ModelSpec] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0.0))
-
-
-def _load(
-    config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None
-) -> list[ServedModel]:
-    served = load_models(config, cache_dir, storage)
-    for m in served:
-        m.runner.warmup()
-    release_freed()  # the load's scratch: what stays resident is the model's own
-    return served
 
 
 class ModelStore:
@@ -145,25 +94,10 @@ class ModelStore:
         self.budget, self.pin, self.on_demand = budget_bytes, frozenset(pin), on_demand
         self.wait_s, self.max_loads_per_s = wait_s, max_loads_per_s
         self._cache_dir, self._storage, self._meter = cache_dir, storage, meter
-        self._loader = loader or (lambda config: _load(config, cache_dir, storage))
+        self._loader = loader or (lambda config: load_served(config, cache_dir, storage))
         self._watch, self._unwatch, self._clock, self._measure = watch, unwatch, clock, measure
-        self._models = dict(models)
-        self._entries: dict[str, _Entry] = {}
-        self._units: dict[tuple[str, int], str] = {}
-        for name, config in models.items():
-            for number in config.version_numbers:
-                key = name if number == config.version else version_model_name(name, number)
-                if key in self._entries or (key != name and key in models):
-                    raise ValueError(f"[store] two models served as {key!r}")
-                entry = _Entry(self._unit_config(config, number), name, number, key)
-                entry.idle.set()
-                entry.unloaded.set()
-                self._entries[key] = entry
-                self._units[name, number] = key
-        self._owner = {name: name for name in models}
-        for name, config in models.items():
-            if config.image:
-                self._owner.setdefault(image_model_name(name), name)
+        self.units = Units(models)
+        self._entries = self.units.by_key
         self._load_lock: asyncio.Lock | None = None
         self._room: asyncio.Event | None = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -176,49 +110,28 @@ class ModelStore:
 
     def owner(self, served: str) -> str:
         """The store's model that serves ``served`` (itself, or the model of ``<m>_image``)."""
-        name = self._owner.get(served)
-        if name is None:
-            raise ModelNotFound(f"unknown model {served!r}; the store knows {len(self._entries)}")
-        return name
+        return self.units.owner(served)
 
     def known(self) -> list[str]:
-        return sorted(self._models)
+        return sorted(self.units.models)
 
     def config(self, name: str) -> ModelConfig:
         """The configuration ``name`` is (or will be) loaded with, every version included."""
-        return self._models[self.owner(name)]
+        return self.units.models[self.owner(name)]
 
     def numbers(self, name: str) -> tuple[int, ...]:
         """The versions of ``name``'s model, its own first."""
-        return self._models[self.owner(name)].version_numbers
+        return self.config(name).version_numbers
 
     def state(self, name: str, version: int | None = None) -> str:
         """``READY``, ``LOADING``, ``UNLOADING`` or ``UNAVAILABLE``: the model's own version,
         or ``version``."""
-        return self._entry(name, version).state
+        return self.units.get(name, version).state
 
     def unit(self, served: str, version: int | None = None) -> str:
         """The unit serving ``served`` at ``version`` (its model's own by default): the key
         of ``resident()``."""
-        return self._entry(served, version).key
-
-    def _entry(self, served: str, version: int | None = None) -> _Entry:
-        model = self.owner(served)
-        number = self._models[model].version if version is None else version
-        key = self._units.get((model, number))
-        if key is None:
-            raise ModelNotFound(
-                f"model {model!r} has no version {number}; it has "
-                f"{list(self._models[model].version_numbers)}"
-            )
-        return self._entries[key]
-
-    @staticmethod
-    def _unit_config(config: ModelConfig, number: int) -> ModelConfig:
-        """One version as a unit loads it: its own file, no rollout; the image model
-        (encoded images in) is served over the model's own version only."""
-        unit = config.for_version(number)
-        return unit if number == config.version else dataclasses.replace(unit, image=False)
+        return self.units.get(served, version).key
 
     def resident(self) -> dict[str, Resident]:
         return {n: e.resident for n, e in self._entries.items() if e.resident is not None}
@@ -230,7 +143,7 @@ class ModelStore:
     async def spec(self, served: str) -> ModelSpec:
         """``served``'s signature (every version has it): from its last load, else read
         from its file once."""
-        entry = self._entry(served)
+        entry = self.units.get(served)
         if served not in entry.specs:
             # One engine session at a time: a probe builds one, as a load does, and
             # their peaks (about three times the model's settled size) must not add up.
@@ -242,7 +155,7 @@ class ModelStore:
                 )
         return entry.specs[served]
 
-    async def _probe(self, entry: _Entry) -> None:
+    async def _probe(self, entry: Unit) -> None:
         """Read the unit's signatures from its file (the caller holds the load lock)."""
         if entry.config.name in entry.specs:
             return
@@ -259,7 +172,7 @@ class ModelStore:
         evicted or unloaded) from now until the block ends; loads it first where it is not
         resident and ``on_demand`` allows, waiting at most ``wait_s`` (then ``Overloaded``,
         naming what holds the budget)."""
-        entry = self._entry(served, version)
+        entry = self.units.get(served, version)
         name = entry.key
         entry.wanted += 1
         resident: Resident | None = None
@@ -282,7 +195,7 @@ class ModelStore:
             if entry.wanted == 0:
                 self._freed()
 
-    async def _admit(self, entry: _Entry) -> Resident:
+    async def _admit(self, entry: Unit) -> Resident:
         """The entry's resident model, once it is one: at most ``wait_s`` from now."""
         name = entry.key
         loop = asyncio.get_running_loop()
@@ -309,7 +222,7 @@ class ModelStore:
                 raise self._refusal(entry) from None
         return entry.resident
 
-    def _refusal(self, entry: _Entry) -> Overloaded:
+    def _refusal(self, entry: Unit) -> Overloaded:
         entry.counts["refusals"] += 1
         held = {n: round(r.charged / MB, 1) for n, r in sorted(self.resident().items())}
         queued = sum(1 for e in self._entries.values() if e.state == LOADING)
@@ -332,22 +245,20 @@ class ModelStore:
         for name in first if not self.on_demand else sorted(self.pin):
             await self.load(name)
 
-    def _units_of(self, model: str) -> list[_Entry]:
-        return [self._entries[self._units[model, n]] for n in self._models[model].version_numbers]
+    def _units_of(self, model: str) -> list[Unit]:
+        return self.units.of(model)
 
     async def load(self, name: str, config: ModelConfig | None = None) -> None:
         """Make every version of ``name`` resident (again, with ``config``, when one is
         given); one load per version however many callers ask at once."""
         model = self.owner(name)
         if config is not None:
-            if config.version_numbers != self._models[model].version_numbers:
-                raise ValueError(f"model {model!r}: a load cannot change its versions")
-            self._models[model] = config
+            self.units.reconfigure(model, config)
         for entry in self._units_of(model):
-            unit = None if config is None else self._unit_config(config, entry.number)
+            unit = None if config is None else unit_config(config, entry.number)
             await self._load_unit(entry, unit)
 
-    async def _load_unit(self, entry: _Entry, config: ModelConfig | None) -> None:
+    async def _load_unit(self, entry: Unit, config: ModelConfig | None) -> None:
         name = entry.key
         while True:
             if entry.state == LOADING and entry.loading is not None:
@@ -367,7 +278,7 @@ class ModelStore:
         await asyncio.shield(self._start_load(entry, config, requested=True))
 
     def _start_load(
-        self, entry: _Entry, config: ModelConfig | None = None, *, requested: bool = False
+        self, entry: Unit, config: ModelConfig | None = None, *, requested: bool = False
     ) -> asyncio.Future[None]:
         entry.state, entry.reason, entry.requested = LOADING, "", requested
         if config is not None:  # another configuration costs what it costs: measured anew
@@ -382,7 +293,7 @@ class ModelStore:
         entry.loading = task
         return task
 
-    async def _refresh(self, entry: _Entry) -> None:
+    async def _refresh(self, entry: Unit) -> None:
         """A resident model from object storage, asked to load again: re-check the object
         and swap a changed one in between batches (as SIGHUP does elsewhere)."""
         resident = entry.resident
@@ -396,10 +307,10 @@ class ModelStore:
         if number is not None:
             log.info("store: %s now serves its object's update %d", entry.key, number)
 
-    async def _load_task(self, entry: _Entry) -> None:
+    async def _load_task(self, entry: Unit) -> None:
         try:
             await self._load_one(entry)
-        except _Dropped:
+        except Dropped:
             entry.state, entry.reason = UNAVAILABLE, "load dropped: no request waited for it"
             entry.counts["dropped"] += 1
             self._event("load dropped", entry, why="no request waited for it")
@@ -419,7 +330,7 @@ class ModelStore:
         for entry in self._units_of(self.owner(name)):
             await self._unload_unit(entry, why)
 
-    async def _unload_unit(self, entry: _Entry, why: str) -> None:
+    async def _unload_unit(self, entry: Unit, why: str) -> None:
         if entry.state == LOADING and entry.loading is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(entry.loading)
@@ -470,11 +381,11 @@ class ModelStore:
         wake the load waiting for room."""
         self._room_event().set()
 
-    def _still_wanted(self, entry: _Entry) -> None:
+    def _still_wanted(self, entry: Unit) -> None:
         if self._closing:
             raise ModelNotReady(f"model {entry.key!r} is not loaded: the server is stopping")
         if not entry.requested and entry.wanted == 0:
-            raise _Dropped
+            raise Dropped
 
     async def _pace(self) -> None:
         """At most ``max_loads_per_s`` loads (and so evictions) a second."""
@@ -485,13 +396,13 @@ class ModelStore:
                 await asyncio.sleep(delay)
             self._last_load = loop.time()
 
-    async def _load_one(self, entry: _Entry) -> None:
+    async def _load_one(self, entry: Unit) -> None:
         name, config = entry.key, entry.config
         async with self._lock():
             self._still_wanted(entry)
             await self._pace()
-            path = await asyncio.to_thread(_resolved, config, self._cache_dir, self._storage)
-            size = _size(path)
+            path = await asyncio.to_thread(resolved, config, self._cache_dir, self._storage)
+            size = file_size(path)
             if self._meter is not None and not entry.metered:
                 figure = await asyncio.to_thread(self._meter.charge, config, path)
                 if figure is not None:
@@ -501,7 +412,7 @@ class ModelStore:
             await self._make_room(entry, expected)
             self._still_wanted(entry)
             if not self._primed:  # the engine's one-time start is no model's memory
-                await self._release_served(await asyncio.to_thread(self._loader, config))
+                await release_served(await asyncio.to_thread(self._loader, config))
                 self._primed = True
             start, before = time.perf_counter(), self._measure()
             served = await asyncio.to_thread(self._loader, config)
@@ -515,7 +426,7 @@ class ModelStore:
             try:
                 await self._same_signature(entry, served)
             except BaseException:
-                await self._release_served(served)
+                await release_served(served)
                 raise
             batchers = {
                 m.name: Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
@@ -525,7 +436,7 @@ class ModelStore:
             try:
                 self._fits(name, charged)
                 await self._make_room(entry, charged)
-            except (ModelNotReady, Overloaded, _Dropped):
+            except (ModelNotReady, Overloaded, Dropped):
                 await self._release(resident)
                 raise
             resident.load_s = time.perf_counter() - start
@@ -540,12 +451,12 @@ class ModelStore:
             resident_bytes=self.resident_bytes,
         )  # fmt: skip
 
-    async def _same_signature(self, entry: _Entry, served: list[ServedModel]) -> None:
+    async def _same_signature(self, entry: Unit, served: list[ServedModel]) -> None:
         """A version beside the model's own serves its signature, or is refused naming the
         difference (``UpdateRefused``), as everywhere versions are served."""
-        if entry.number == self._models[entry.model].version:
+        if entry.number == self.units.models[entry.model].version:
             return
-        own = self._entry(entry.model)
+        own = self.units.get(entry.model)
         await self._probe(own)
         check_compatible(
             own.specs[entry.model], served[0].runner.spec, f"{entry.model} version {entry.number}"
@@ -558,7 +469,7 @@ class ModelStore:
                 f"load and warm-up), more than the whole budget of {self.budget / MB:.1f} MB"
             )
 
-    async def _make_room(self, entry: _Entry, needed: int) -> None:
+    async def _make_room(self, entry: Unit, needed: int) -> None:
         """Evict least recently used models that nobody holds and that are not pinned,
         until ``needed`` bytes fit; while none can go, wait for one to: a load on demand
         as long as requests wait for it (then it is dropped), one asked for ``wait_s``."""
@@ -605,7 +516,7 @@ class ModelStore:
         entry.counts["evictions"] += 1
         self._event("evict", entry, why=f"room for {name}", freed_bytes=entry.charge)
 
-    async def _close(self, entry: _Entry) -> None:
+    async def _close(self, entry: Unit) -> None:
         resident, entry.resident = entry.resident, None
         if resident is not None:
             for served_name in resident.batchers:
@@ -615,21 +526,9 @@ class ModelStore:
     async def _release(self, resident: Resident) -> None:
         for batcher in resident.batchers.values():
             await batcher.aclose()
-        await self._release_served(resident.served)
+        await release_served(resident.served)
 
-    @staticmethod
-    async def _release_served(served: list[ServedModel]) -> None:
-        def close() -> None:
-            closed: set[int] = set()
-            for m in served:
-                if id(m.runner) not in closed:
-                    closed.add(id(m.runner))
-                    m.runner.close()
-            release_freed()
-
-        await asyncio.to_thread(close)
-
-    def _event(self, kind: str, entry: _Entry, **details: Any) -> None:
+    def _event(self, kind: str, entry: Unit, **details: Any) -> None:
         event = {
             "time": round(time.time(), 3), "event": kind, "model": entry.model,
             "version": entry.number, **details,
@@ -641,84 +540,12 @@ class ModelStore:
 
     def totals(self) -> dict[str, float]:
         """Loads, unloads, evictions, load seconds, refusals and dropped loads, summed."""
-        out = dict.fromkeys(COUNTS, 0.0)
-        for entry in self._entries.values():
-            for key in out:
-                out[key] += entry.counts[key]
-        return out
+        return report.totals(self._entries.values())
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index of every known model, with what it is charged."""
-        out = []
-        for e in sorted(self._entries.values(), key=lambda e: (e.model, e.number)):
-            row: dict[str, Any] = {"name": e.model, "version": str(e.number), "state": e.state}
-            if e.reason:
-                row["reason"] = e.reason
-            if e.resident is not None:
-                row["resident_bytes"] = e.resident.charged
-                row["in_flight"] = e.resident.in_flight
-            waiting = e.wanted - (e.resident.in_flight if e.resident else 0)
-            if waiting:
-                row["waiting"] = waiting
-            out.append(row)
-        return out
+        return report.index(self._entries.values())
 
-    def figures(self) -> Iterable[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+    def figures(self) -> Iterable[report.Family]:
         """Prometheus families: (name, kind, help, [(labels, value)])."""
-        per_model = {
-            "servekit_store_loads_total": ("counter", "Loads of the model", "loads"),
-            "servekit_store_unloads_total": ("counter", "Unloads on request", "unloads"),
-            "servekit_store_evictions_total": ("counter", "Evictions for room", "evictions"),
-            "servekit_store_load_seconds_total": (
-                "counter", "Seconds spent loading and warming up the model", "load_seconds",
-            ),
-            "servekit_store_refusals_total": (
-                "counter", "Requests refused (503) after waiting wait_s for the model",
-                "refusals",
-            ),
-            "servekit_store_dropped_loads_total": (
-                "counter", "Loads on demand dropped because no request waited any more",
-                "dropped",
-            ),
-        }  # fmt: skip
-        units = [
-            ({"model": e.model, "version": str(e.number)}, e)
-            for e in sorted(self._entries.values(), key=lambda e: (e.model, e.number))
-        ]
-        for metric, (kind, help_text, key) in per_model.items():
-            yield metric, kind, help_text, [(labels, e.counts[key]) for labels, e in units]
-        yield (
-            "servekit_store_resident_bytes", "gauge",
-            "Memory the model is charged while resident (0 when not)",
-            [(labels, float(e.resident.charged if e.resident else 0)) for labels, e in units],
-        )  # fmt: skip
-        yield (
-            "servekit_store_waiting_requests", "gauge",
-            "Requests waiting for the model to be loaded",
-            [(labels, float(e.wanted - (e.resident.in_flight if e.resident else 0)))
-             for labels, e in units],
-        )  # fmt: skip
-        yield (
-            "servekit_store_budget_bytes", "gauge",
-            "The store's memory budget (0: none)", [({}, float(self.budget))],
-        )  # fmt: skip
-
-
-def _resolved(
-    config: ModelConfig, cache_dir: str | None, storage: StorageConfig | None
-) -> str | None:
-    """The model's file (fetched first where it is remote); None where it has none."""
-    from .. import zoo
-
-    try:
-        return os.fspath(zoo.resolve(config.source, cache_dir, storage))
-    except (OSError, ModelNotFound, FetchFailed):
-        return None
-
-
-def _size(path: str | None) -> int:
-    """The model's file size: what it takes at least, and the first estimate of its charge."""
-    try:
-        return os.path.getsize(path) if path else 0
-    except OSError:
-        return 0
+        return report.figures(self._entries.values(), self.budget)
