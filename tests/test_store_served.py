@@ -377,6 +377,63 @@ def test_tritonclient_drives_the_repository_extension_over_http_and_grpc(folder)
             grpc.close()
 
 
+def test_a_load_with_a_new_configuration_under_eight_clients_fails_no_request(folder):
+    # Four tritonclient HTTP and four gRPC clients on one model while its configuration
+    # is loaded three times over: each load waits for the requests holding the model, the
+    # ones that come meanwhile wait for the load, and every answer is the model's.
+    with served(folder, load="on_demand", wait_s=30) as server:
+        s = server.config.server
+        headers = {"servekit-control-token": TOKEN}
+        wrong: list[str] = []
+        answered = [0] * 8
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(k)
+            if k < 4:
+                c = httpclient.InferenceServerClient(s.http_url.removeprefix("http://"))
+            else:
+                c = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+            try:
+                while not stop.is_set():
+                    x, out = inputs_for("add_5", rng)
+                    try:
+                        if k < 4:
+                            got = http_infer(c, "add_5", x)[out]
+                        else:
+                            tensors = [grpcclient.InferInput(n, [1, 16], "FP32") for n in x]
+                            for t, a in zip(tensors, x.values(), strict=True):
+                                t.set_data_from_numpy(a)
+                            got = c.infer("add_5", tensors).as_numpy(out)
+                        if not np.array_equal(got, 2 * x["INPUT0"]):
+                            wrong.append(f"client {k}: a wrong answer")
+                        answered[k] += 1
+                    except InferenceServerException as exc:
+                        wrong.append(f"client {k}: {exc.status()} {exc.message()}")
+            finally:
+                c.close()
+
+        def control() -> None:
+            c = httpclient.InferenceServerClient(s.http_url.removeprefix("http://"))
+            try:
+                for count in (2, 3, 1):
+                    time.sleep(0.3)
+                    config = json.dumps({"instance_group": [{"count": count}]})
+                    c.load_model("add_5", config=config, headers=headers)
+                    serving = server.store.resident()["add_5"].batchers["add_5"]
+                    if serving.instance_count != count:
+                        wrong.append(f"{serving.instance_count} instances after a load of {count}")
+                time.sleep(0.3)
+            finally:
+                stop.set()
+                c.close()
+
+        in_threads(lambda k: control() if k == 8 else client(k), 9)
+        assert not wrong, wrong[:5]
+        assert min(answered) > 0, answered
+        assert server.store.totals()["loads"] == 4  # the first on demand, then three
+
+
 def test_races_of_load_unload_and_infer_leave_every_model_consistent(folder):
     names = ["add_1", "add_2", "cnn_1", "cnn_2"]
     with served(folder, load="on_demand", memory_budget_mb=30) as server:
