@@ -6,7 +6,9 @@ Raw: the runner's CUDA graph for each batch size, replayed back to back on devic
 tensors (the engine alone), and the same through ``runner.infer`` from host numpy
 arrays (copies in and out, as a server pays them). Served: one-image requests from
 ``--clients`` asyncio tasks through servekit's ``Batcher`` (max batch 128, preferred
-64/128, 2 instances sharing the GPU). FP32 runs with TF32 off, FP16 and BF16 with
+64/128) at each of ``--instances`` (Batcher instances sharing the GPU): one instance
+leaves the device idle while a batch is handed over, so the served figure over the
+engine's at batch 128 is the device's busy share. FP32 runs with TF32 off, FP16 and BF16 with
 channels_last. Weights are the zoo's seeded ResNet-50: throughput does not depend on them.
 """
 
@@ -48,13 +50,13 @@ def runner_images_per_s(runner: TorchRunner, batch: int, seconds: float) -> floa
 
 
 async def served_images_per_s(
-    runner: TorchRunner, clients: int, seconds: float, most: int
+    runner: TorchRunner, clients: int, seconds: float, most: int, instances: int
 ) -> dict[str, float]:
     preferred = tuple(b for b in (64, 128) if b <= most) or (most,)
     policy = BatchingPolicy(
         max_batch_size=min(128, most), preferred_batch_sizes=preferred, max_queue_delay_us=2000
     )
-    batcher = Batcher(runner, policy, instance_count=2, name="resnet50")
+    batcher = Batcher(runner, policy, instance_count=instances, name="resnet50")
     x = runner.spec.sample_inputs(1)
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=512)
     ap.add_argument("--precisions", default="fp32,fp16,bf16")
+    ap.add_argument("--instances", default="1,2", help="Batcher instances, each served apart")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu.json"))
@@ -121,9 +124,12 @@ def main() -> None:
             "runner_images_per_s": {
                 b: round(runner_images_per_s(runner, b, args.seconds), 1) for b in batches
             },
-            "served": asyncio.run(
-                served_images_per_s(runner, args.clients, 2 * args.seconds, max(batches))
-            ),
+            "served": {
+                n: asyncio.run(
+                    served_images_per_s(runner, args.clients, 2 * args.seconds, max(batches), n)
+                )
+                for n in (int(i) for i in args.instances.split(","))
+            },
         }
         runner.close()
         result["precisions"][precision] = row  # type: ignore[index]
@@ -144,11 +150,15 @@ def _table(result: dict[str, object]) -> None:
         for what in ("engine", "runner"):
             cells = " | ".join(str(row[f"{what}_images_per_s"][b]) for b in batches)  # type: ignore[attr-defined]
             print(f"| {precision} | {what} | {cells} |")
+    top = min(128, max(batches))  # type: ignore[call-overload]  # the served max batch
     for precision, row in result["precisions"].items():  # type: ignore[union-attr]
-        s = row["served"]
-        print(
-            f"served {precision}: {s['images_per_s']} images/s, p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms"
-        )
+        for n, s in row["served"].items():
+            ceiling = row["engine_images_per_s"][top] or row["runner_images_per_s"][top]
+            print(
+                f"served {precision}, {n} instance(s): {s['images_per_s']} images/s "
+                f"({100 * s['images_per_s'] / ceiling:.1f} % of batch {top}'s), "
+                f"p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms"
+            )
 
 
 if __name__ == "__main__":

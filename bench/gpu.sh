@@ -10,4 +10,4 @@ out="${OUT:-bench/results}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 export SERVEKIT_CACHE="${SERVEKIT_CACHE:-/tmp/servekit-cache}"
-PYTHONPATH=src exec python3 bench/gpu.py --out "$out/gpu.json" "$@"
+PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" exec python3 bench/gpu.py --out "$out/gpu.json" "$@"
