@@ -7,8 +7,11 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -159,8 +162,10 @@ class Load:
 def ray_serve() -> Iterator[str]:
     """A one-machine Ray (``address="local"``, 2 CPUs, no dashboard) with Serve's HTTP
     proxy on a free loopback port; yields its URL and always shuts both down."""
-    import ray
-    from ray import serve
+    with warnings.catch_warnings():  # Ray Serve's own import warns (pydantic): not ours
+        warnings.simplefilter("ignore")
+        import ray
+        from ray import serve
 
     ray.init(
         address="local",
@@ -217,3 +222,89 @@ def terminate(proc: subprocess.Popen, timeout_s: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@dataclass
+class Served:
+    host: str
+    http_port: int
+    grpc_port: int | None
+    triton_metrics: str | None = None
+    """Triton's own metrics (the Triton runtimes): each version's ``nv_inference_*``."""
+    pytriton: bool = False
+
+    def version_labels(self, version: str) -> dict[str, str]:
+        """Where ``nv_inference_*`` counts version ``version`` of m: PyTriton serves it as
+        its own Triton model ``m.v<N>`` (``version_model_name``)."""
+        if self.pytriton and version != "1":
+            return {"model": f"m.v{version}", "version": "1"}
+        return {"model": "m", "version": version}
+
+
+def on(runtime: str, store: Any = None):
+    """Serve one model with servekit's runtime ``runtime`` on loopback ports (beside the
+    models of ``store``, where one is given)."""
+
+    @contextlib.contextmanager
+    def serve_on(model: Any, **server: Any) -> Iterator[Served]:
+        from servekit import ServeConfig, ServerConfig
+        from servekit.config import StoreConfig
+        from servekit.serving import create_runtime
+
+        config = ServeConfig(
+            (model,), ServerConfig(exit_timeout_s=2, **server), runtime=runtime,
+            store=store or StoreConfig(),
+        ).on_loopback()  # fmt: skip
+        served = create_runtime(config)
+        served.start()
+        try:
+            s = config.server
+            metrics = None if runtime == "native" else s.metrics_url
+            yield Served("127.0.0.1", s.http_port, s.grpc_port, metrics, runtime == "pytriton")
+        finally:
+            served.stop()
+
+    return serve_on
+
+
+@pytest.fixture(scope="module")
+def ray_url() -> Iterator[str]:
+    """A Ray Serve instance for the module's tests (skipped without the ray extra)."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    with ray_serve() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def on_ray(url: str, model: Any, store: Any = None, **server: Any) -> Iterator[Served]:
+    with warnings.catch_warnings():  # Ray Serve's own import warns (pydantic): not ours
+        warnings.simplefilter("ignore")
+        from ray import serve
+
+        from servekit.ray import build_app
+    from servekit import RayOptions, ServeConfig, ServerConfig
+    from servekit.client import Client
+    from servekit.config import StoreConfig
+
+    config = ServeConfig(
+        (model,), ServerConfig(**server), runtime="ray", ray=RayOptions(model_cpus=0.5),
+        store=store or StoreConfig(),
+    )  # fmt: skip
+    serve.run(build_app(config), name="servekit", route_prefix="/")
+    with Client(url) as c:  # a stored model is ready once loaded: the server, then
+        c.wait_ready(None if config.store.active else model.name, timeout_s=120)
+    try:
+        yield Served("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
+    finally:
+        serve.delete("servekit")
+
+
+def serve_on_runtime(request: Any, runtime: str) -> Any:
+    """``serve(model, **server)`` on servekit's runtime ``runtime``, a context manager that
+    yields ``Served`` (Ray: on the module's ``ray_url``)."""
+    if runtime in ("pytriton", "triton"):
+        pytest.importorskip("pytriton", reason="needs the triton extra")
+    if runtime != "ray":
+        return on(runtime)
+    url = request.getfixturevalue("ray_url")
+    return lambda model, **server: on_ray(url, model, **server)

@@ -11,18 +11,26 @@ import http.client
 import json
 import math
 import threading
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from conftest import Load, metered_bytes, parse_metrics, ray_serve, sample, scrape, wait_until
-from servekit import BatchingPolicy, ModelConfig, RayOptions, ServeConfig, ServerConfig
-from servekit.client import Client
+from conftest import (
+    Load,
+    Served,
+    metered_bytes,
+    on,
+    on_ray,
+    parse_metrics,
+    sample,
+    scrape,
+    serve_on_runtime,
+    wait_until,
+)  # fmt: skip
+from servekit import BatchingPolicy, ModelConfig, ServeConfig
 from servekit.config import StoreConfig
 from servekit.rollout import CanaryPolicy, ModelVersion, TrafficPolicy
 from servekit.serving import create_runtime
@@ -30,14 +38,6 @@ from servekit.zoo.tiny import build_add_sub
 
 pytest.importorskip("httptools", reason="needs the http extra")
 
-try:  # as pytest.importorskip does: Ray Serve's own import warns (pydantic), which is not ours
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from ray import serve
-
-        from servekit.ray import build_app
-except ImportError:  # the ray extra is absent: the Ray cases skip
-    serve = build_app = None
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 B = np.ones((1, 16), np.float32)
@@ -66,79 +66,6 @@ def versions(tmp_path_factory) -> dict[str, Path]:
         files[name] = folder / f"{name}.onnx"
         onnx.save(build_add_sub(**kwargs), files[name])
     return files
-
-
-@dataclass
-class Served:
-    host: str
-    http_port: int
-    grpc_port: int | None
-    triton_metrics: str | None = None
-    """Triton's own metrics (the Triton runtimes): each version's ``nv_inference_*``."""
-    pytriton: bool = False
-
-    def version_labels(self, version: str) -> dict[str, str]:
-        """Where ``nv_inference_*`` counts version ``version`` of m: PyTriton serves it as
-        its own Triton model ``m.v<N>`` (``version_model_name``)."""
-        if self.pytriton and version != "1":
-            return {"model": f"m.v{version}", "version": "1"}
-        return {"model": "m", "version": version}
-
-
-def on(runtime: str, store: StoreConfig | None = None):
-    """Serve one model with servekit's runtime ``runtime`` on loopback ports (beside the
-    models of ``store``, where one is given)."""
-
-    @contextlib.contextmanager
-    def serve_on(model: ModelConfig, **server) -> Iterator[Served]:
-        config = ServeConfig(
-            (model,), ServerConfig(exit_timeout_s=2, **server), runtime=runtime,
-            store=store or StoreConfig(),
-        ).on_loopback()  # fmt: skip
-        served = create_runtime(config)
-        served.start()
-        try:
-            s = config.server
-            metrics = None if runtime == "native" else s.metrics_url
-            yield Served("127.0.0.1", s.http_port, s.grpc_port, metrics, runtime == "pytriton")
-        finally:
-            served.stop()
-
-    return serve_on
-
-
-@pytest.fixture(scope="module")
-def ray_url() -> Iterator[str]:
-    if serve is None:
-        pytest.skip("needs the ray extra")
-    with ray_serve() as url:
-        yield url
-
-
-@contextlib.contextmanager
-def on_ray(
-    url: str, model: ModelConfig, store: StoreConfig | None = None, **server
-) -> Iterator[Served]:
-    config = ServeConfig(
-        (model,), ServerConfig(**server), runtime="ray", ray=RayOptions(model_cpus=0.5),
-        store=store or StoreConfig(),
-    )  # fmt: skip
-    serve.run(build_app(config), name="servekit", route_prefix="/")
-    with Client(url) as c:  # a stored model is ready once loaded: the server, then
-        c.wait_ready(None if config.store.active else "m", timeout_s=120)
-    try:
-        yield Served("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
-    finally:
-        serve.delete("servekit")
-
-
-def serve_on_runtime(request, runtime: str):
-    if runtime in ("pytriton", "triton"):
-        pytest.importorskip("pytriton", reason="needs the triton extra")
-    if runtime != "ray":
-        return on(runtime)
-    url = request.getfixturevalue("ray_url")
-    return lambda model, **server: on_ray(url, model, **server)
 
 
 @pytest.fixture(params=["native", "ray", "pytriton", "triton"])

@@ -7,6 +7,7 @@ from ._version import __version__ as __version__
 from .batching import Batcher, BatcherStats, BatchingPolicy, QueuePolicy, TimeoutAction
 from .client import AsyncClient, Client
 from .config import ModelConfig, RayOptions, ServeConfig, ServerConfig
+from .custom import Model, infer_function
 from .errors import (
     DeadlineExceeded,
     FetchFailed,
@@ -41,6 +42,7 @@ __all__ = [
     "ImageClassifier",
     "InvalidInput",
     "Metrics",
+    "Model",
     "ModelConfig",
     "ModelNotFound",
     "ModelNotReady",
@@ -66,5 +68,6 @@ __all__ = [
     "as_dtype",
     "create_runtime",
     "image_classifier",
+    "infer_function",
     "serve",
 ]

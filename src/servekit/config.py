@@ -43,6 +43,7 @@ from typing import Any
 
 from .autoscale import AutoscalePolicy
 from .batching.policy import BatchingPolicy
+from .custom import is_import_path
 from .endpoints import Endpoints
 from .recovery import Recovery
 from .rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
@@ -82,6 +83,8 @@ def model_name(source: str | os.PathLike[str]) -> str:
     laid out as a repository (``.../<name>/model.onnx``, ``.../<name>/<version>/model.onnx``)
     the name's folder."""
     text = os.fspath(source)
+    if is_import_path(text):  # your own model: the attribute it names
+        return text.rpartition(":")[2].rpartition(".")[2]
     parts = [p for p in text.split("/") if p]
     if is_remote(text) and parts[-1] == "model.onnx" and len(parts) > 3:
         folder = parts[-2] if not parts[-2].isdigit() or len(parts) < 5 else parts[-3]
@@ -115,7 +118,9 @@ class ModelConfig:
     """One model: where it comes from, which engine runs it, how it is batched and scaled."""
 
     source: str = "resnet50"
-    """Zoo model name or path to an ONNX file."""
+    """Zoo model name, path to an ONNX file, or your own model's import path
+    (``module:attribute``: a ``servekit.Model`` subclass, an ``@infer_function``, or a
+    ``Runner`` class)."""
     name: str = ""
     """Served name; empty = ``model_name(source)``."""
     engine: str = "onnxruntime"
@@ -147,6 +152,11 @@ class ModelConfig:
     """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
     autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
     """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
+    path: str | None = None
+    """Your own model's folder, put first on ``sys.path`` in each process that imports it."""
+    args: Mapping[str, Any] = field(default_factory=dict)
+    """``[models.args]``: keyword arguments for your own model's ``setup`` (or its
+    ``Runner`` class)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.autoscale, Mapping):
@@ -169,7 +179,34 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.labels is not None:
             object.__setattr__(self, "labels", os.fspath(self.labels))
+        self._check_code()
         self._check_rollout()
+
+    @property
+    def is_code(self) -> bool:
+        """Whether ``source`` is your own Python model (an import path)."""
+        return is_import_path(self.source)
+
+    def _check_code(self) -> None:
+        if not isinstance(self.args, Mapping):
+            raise ValueError(
+                f"model {self.name!r}: [models.args] must be a table, got {self.args!r}"
+            )
+        object.__setattr__(self, "args", dict(self.args))
+        if self.path is not None:
+            object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        if not self.is_code:
+            for key in ("path", "args"):
+                if getattr(self, key):
+                    raise ValueError(
+                        f"model {self.name!r}: {key} is for your own model (source = "
+                        f'"module:attribute"), not {self.source!r}'
+                    )
+        elif self.engine != "onnxruntime" or self.precision != "fp32":
+            raise ValueError(
+                f"model {self.name!r}: {self.source} is your own code: engine and precision "
+                f"are its own, not {self.engine!r}/{self.precision!r}"
+            )
 
     def _check_rollout(self) -> None:
         versions = tuple(
@@ -229,6 +266,8 @@ class ModelConfig:
         data["batching"] = self.batching.to_dict()
         if self.version == 1:
             del data["version"]
+        if not self.args:
+            del data["args"]
         if self.versions:
             data["versions"] = [dataclasses.asdict(v) for v in self.versions]
         if self.traffic is not None:

@@ -95,6 +95,10 @@ def load_model_runner(
     from ..errors import ServekitError
     from ..runners import load_runner
 
+    if model.is_code:
+        from ..custom import import_model
+
+        return import_model(model.source, name=model.name, path=model.path, args=model.args)
     path = path or zoo.resolve(model.source, cache_dir, storage)
     try:
         return load_runner(
@@ -117,7 +121,7 @@ def _versioned(
 ) -> VersionedRunner:
     from .. import zoo
 
-    path = zoo.resolve(model.source, cache_dir, storage)
+    path = None if model.is_code else zoo.resolve(model.source, cache_dir, storage)
     runner = VersionedRunner(load_model_runner(model, cache_dir, storage, path), name=name)
     runner.origin = path
     return runner
@@ -188,7 +192,7 @@ def refresh(
     from .. import zoo
     from ..storage import is_remote
 
-    path = zoo.resolve(model.source, cache_dir, storage)
+    path = None if model.is_code else zoo.resolve(model.source, cache_dir, storage)
     if is_remote(model.source) and path == versioned.origin:
         return None
     number = versioned.update(load_model_runner(model, cache_dir, storage, path))
@@ -199,8 +203,8 @@ def refresh(
 @dataclass(frozen=True)
 class ModelProbe:
     """What a runtime that loads models elsewhere (Ray's replicas, Triton's backend) needs to
-    know first: the file, its signature and metadata, and the image model's signature
-    (None when no image model is served)."""
+    know first: the file (your own model's import path), its signature and metadata, and
+    the image model's signature (None when no image model is served)."""
 
     path: Path
     spec: ModelSpec
@@ -213,6 +217,8 @@ def probe_model(
 ) -> ModelProbe:
     """Load the model's file once with ONNX Runtime (the signature is the file's, whatever
     engine serves it) to read its signature; a file that does not load fails here, naming it.
+    Your own model is imported and set up here once for the same reason (never pickled:
+    each process that serves it imports it again).
     """
     from .. import zoo
     from ..pipeline import ImageClassifier, image_stages, is_image_classifier
@@ -220,7 +226,7 @@ def probe_model(
     probe = dataclasses.replace(
         model, engine="onnxruntime", precision="fp32", device=None, threads=1
     )
-    path = zoo.resolve(model.source, cache_dir, storage)
+    path = Path(model.source) if model.is_code else zoo.resolve(model.source, cache_dir, storage)
     runner = load_model_runner(probe, cache_dir, storage, path)
     try:
         spec = runner.spec

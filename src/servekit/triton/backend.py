@@ -34,7 +34,9 @@ from .stub_metrics import FailureCounter
 
 __all__ = ["TritonPythonModel", "build_runner", "check_config"]
 
-KINDS = ("runner", "preprocess", "postprocess")
+KINDS = ("runner", "preprocess", "postprocess", "code")
+CODE_FILE = "code.json"
+"""A ``code`` model's version folder: its import path, ``path`` and ``args`` (JSON)."""
 
 
 def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_size: int) -> Runner:
@@ -68,6 +70,8 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
             labels=version_dir / labels if labels else None,
             max_batch_size=mbs,
         )
+    if kind == "code":
+        return _code_runner(version_dir / CODE_FILE)
     path = version_dir / parameters.get("model_file", "model.onnx")
     if not path.is_file():
         raise ValueError(f"model file {path} does not exist (run `servekit repo build`)")
@@ -95,6 +99,21 @@ def build_runner(parameters: Mapping[str, str], version_dir: Path, max_batch_siz
         raise
     except Exception as exc:
         raise ValueError(f"cannot load {path.name}: {type(exc).__name__}: {exc}") from None
+
+
+def _code_runner(file: Path) -> Runner:
+    """Your own model, imported here in the stub from what its version folder names."""
+    from ..custom import import_model
+
+    try:
+        code = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"{file}: {type(exc).__name__}: {exc} (run `servekit repo build`)"
+        ) from None
+    return import_model(
+        code["source"], name=code.get("name", ""), path=code.get("path"), args=code.get("args")
+    )
 
 
 def _int(parameters: Mapping[str, str], key: str, default: int) -> int:

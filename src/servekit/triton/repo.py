@@ -11,6 +11,7 @@ names ``preprocess``, ``postprocess`` and ``resnet50_ensemble``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from ..batching.policy import BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
 from ..spec import ModelSpec
+from .backend import CODE_FILE
 
 __all__ = [
     "RepositoryModel",
@@ -56,10 +58,14 @@ class RepositoryModel:
     """Other files for each version folder: name -> text (a labels file)."""
     version_weights: Mapping[int, str | os.PathLike[str]] = field(default_factory=dict)
     """A version's own weights in place of ``weights`` (a model's ``[[models.versions]]``)."""
+    version_files: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    """Files of one version folder only: your own model's ``code.json`` per version."""
 
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
     """The servekit backend's parameters for a model: its engine and how to run it."""
+    if model.is_code:
+        return {"kind": "code"}
     params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx"}
     if model.precision != "fp32":
         params["precision"] = model.precision
@@ -171,6 +177,11 @@ def model_repository(
             other = probe_model(model.for_version(number), config.cache_dir, config.storage)
             check_compatible(probe.spec, other.spec, f"{model.name} version {number}")
             own[number] = other.path
+        code = {
+            n: {CODE_FILE: _code_json(model.for_version(n))}
+            for n in model.version_numbers
+            if model.is_code
+        }
         out.append(
             RepositoryModel(
                 model.name,
@@ -184,9 +195,10 @@ def model_repository(
                     if own
                     else None,
                 ),
-                weights=probe.path,
+                weights=None if model.is_code else probe.path,
                 versions=model.version_numbers if own else versions,
-                version_weights=own,
+                version_weights={} if model.is_code else own,
+                version_files=code,
             )
         )
         if probe.image_spec is not None:
@@ -197,6 +209,14 @@ def model_repository(
             )
             out += _image_models(model, probe.spec, probe.metadata, names)
     return out
+
+
+def _code_json(model: ModelConfig) -> str:
+    """What the backend imports for your own model's version (``CODE_FILE``)."""
+    return json.dumps(
+        {"source": model.source, "name": model.name, "path": model.path, "args": model.args},
+        indent=2,
+    )
 
 
 def reference_repository(
@@ -271,7 +291,7 @@ def build_repository(
         for version in m.versions:
             vdir = folder / str(version)
             vdir.mkdir(exist_ok=True)
-            for filename, text in m.files.items():
+            for filename, text in {**m.files, **m.version_files.get(version, {})}.items():
                 (vdir / filename).write_text(text)
                 written.append(vdir / filename)
             weights = m.version_weights.get(version, m.weights)

@@ -1,0 +1,157 @@
+"""Your own Python model served on every runtime: the example ``Sentiment`` (a lexicon
+read in ``setup`` from ``[models.args]``) answers the same through tritonclient over
+HTTP and gRPC on native, PyTriton, the Triton backend and Ray, with eight clients at once;
+its errors (a request's fault, the code's failure, a wrong output) come back as 400s and
+500s that name what was wrong, and the server goes on serving."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import serve_on_runtime
+from servekit import BatchingPolicy, ModelConfig
+
+pytest.importorskip("tritonclient", reason="needs the triton extra")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "sentiment"
+TEXTS = [b"I love it", b"awful and slow", b"good good great", b"nothing here", b"fine"]
+EXPECTED = {b"I love it": (2.5, 1), b"awful and slow": (-3.0, 2), b"good good great": (4.0, 3),
+            b"nothing here": (0.0, 0), b"fine": (0.5, 1)}  # fmt: skip
+
+BROKEN = '''
+import numpy as np
+import servekit
+
+
+class Broken(servekit.Model):
+    """Fails as its input asks: a ValueError, or an output with the wrong name, dtype or rows."""
+
+    inputs = [("MODE", "INT32", [1])]
+    outputs = [("Y", "FP32", [1])]
+    max_batch_size = 8
+
+    def infer(self, batch):
+        mode = int(batch["MODE"][0, 0])
+        n = len(batch["MODE"])
+        if mode == 1:
+            raise ValueError("the model's own bug")
+        if mode == 2:
+            return {"Z": np.zeros((n, 1), np.float32)}
+        if mode == 3:
+            return {"Y": np.zeros((n, 1), np.float64)}
+        if mode == 4:
+            return {"Y": np.zeros((n + 1, 1), np.float32)}
+        if mode == 5:
+            raise servekit.InvalidInput("input 'MODE': 5 is not a mode")
+        return {"Y": np.full((n, 1), 7.0, np.float32)}
+'''
+
+
+def sentiment(**kwargs) -> ModelConfig:
+    return ModelConfig(
+        "sentiment:Sentiment", "sentiment", path=str(EXAMPLE), args={"lexicon": "lexicon.txt"},
+        batching=BatchingPolicy(max_batch_size=32, max_queue_delay_us=500), **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(params=["native", "pytriton", "triton", "ray"])
+def serving(request):
+    return serve_on_runtime(request, request.param)
+
+
+def ask(client, module, texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    text = module.InferInput("TEXT", [len(texts), 1], "BYTES")
+    text.set_data_from_numpy(np.array(texts, dtype=object).reshape(-1, 1))
+    result = client.infer("sentiment", [text])
+    return result.as_numpy("SCORE"), result.as_numpy("KNOWN")
+
+
+def connect(served) -> list:
+    """A tritonclient of each protocol the runtime serves (Ray: HTTP), as (module, client)."""
+    clients = [(httpclient, httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}"))]
+    if served.grpc_port is not None:
+        clients.append(
+            (grpcclient, grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}"))
+        )
+    return clients
+
+
+def test_your_own_model_answers_the_same_on_every_runtime_and_protocol(serving):
+    with serving(sentiment()) as served:
+        clients = connect(served)
+        wrong: list[str] = []
+
+        def client(k: int) -> None:
+            own = connect(served)  # clients of its own: tritonclient's are one per thread
+            try:
+                asks(*own[k % len(own)], k)
+            finally:
+                for _, c in own:
+                    c.close()
+
+        def asks(module, c, k: int) -> None:
+            for i in range(20):
+                texts = [TEXTS[(k + i + j) % len(TEXTS)] for j in range(1 + (k + i) % 3)]
+                try:
+                    score, known = ask(c, module, texts)
+                except InferenceServerException as exc:
+                    wrong.append(f"{module.__name__}: {exc.message()}")
+                    continue
+                want = np.array([EXPECTED[t] for t in texts])
+                if not (np.allclose(score[:, 0], want[:, 0]) and (known[:, 0] == want[:, 1]).all()):
+                    wrong.append(f"{texts}: {score.tolist()} {known.tolist()}")
+
+        try:
+            meta = clients[0][1].get_model_metadata("sentiment")
+            assert [(t["name"], t["datatype"]) for t in meta["inputs"]] == [("TEXT", "BYTES")]
+            assert [t["name"] for t in meta["outputs"]] == ["SCORE", "KNOWN"]
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not wrong, wrong[:5]
+            # A request's fault, raised by the model as InvalidInput: a 400 naming it.
+            for module, c in clients:
+                with pytest.raises(InferenceServerException, match="not UTF-8") as caught:
+                    ask(c, module, [b"\xff\xfe"])
+                assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+                assert ask(c, module, [b"great"])[0].tolist() == [[2.0]]
+        finally:
+            for _, c in clients:
+                c.close()
+
+
+def test_a_failing_model_names_what_went_wrong_and_the_server_goes_on(serving, tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN)
+    model = ModelConfig("broken:Broken", "broken", path=str(tmp_path))
+    with serving(model) as served:
+        clients = connect(served)
+
+        def call(module, c, mode: int) -> np.ndarray:
+            x = module.InferInput("MODE", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[mode]], np.int32))
+            return c.infer("broken", [x]).as_numpy("Y")
+
+        try:
+            for module, c in clients:
+                for mode, message in [
+                    (1, r"broken.*ValueError: the model's own bug"),
+                    (2, r"no output 'Y'"),
+                    (3, r"output 'Y': expected dtype FP32, got float64"),
+                    (4, r"output 'Y': expected 1 rows for 1 input rows, got 2"),
+                    (5, r"input 'MODE': 5 is not a mode"),
+                ]:
+                    with pytest.raises(InferenceServerException, match=message):
+                        call(module, c, mode)
+                    assert call(module, c, 0).tolist() == [[7.0]]  # still serving
+        finally:
+            for _, c in clients:
+                c.close()
