@@ -26,10 +26,10 @@ from servekit.triton.repo import build_repository, reference_repository
 from servekit.zoo.tiny import build_tiny_cnn
 
 
-def spawn(argv: list[str], stdout=subprocess.PIPE) -> subprocess.Popen:
+def spawn(argv: list[str], stdout=subprocess.PIPE, cwd: Path | None = None) -> subprocess.Popen:
     """``argv`` in its own process; with a pipe, a thread keeps what it prints as it comes
     (``output()``), so a test can wait for a line."""
-    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, cwd=cwd)
     if stdout is subprocess.PIPE:
         lines: list[bytes] = []
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")))
@@ -331,6 +331,27 @@ def _serve(runtime: str, model: Path, http: int, grpc: int, *flags: str) -> subp
          "--name", "tiny", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),
          "--metrics-port", str(free_port()), *flags],
     )  # fmt: skip
+
+
+def test_serve_names_your_own_model_by_import_path_from_its_folder():
+    # `servekit serve --model module:Class` in the model's folder: imported from there, set
+    # up with its defaults, served under the class's name.
+    http, grpc = free_port(), free_port()
+    folder = Path(__file__).parent.parent / "examples" / "sentiment"
+    proc = spawn(
+        [sys.executable, "-m", "servekit", "serve", "--runtime", "native", "--model",
+         "sentiment:Sentiment", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
+         str(grpc), "--metrics-port", str(free_port())],
+        cwd=folder,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "Sentiment", proc)
+        with Client(f"grpc://127.0.0.1:{grpc}") as c:
+            text = np.array([[b"great and fine"]], dtype=object)
+            answer = c.infer("Sentiment", {"TEXT": text})
+            assert answer["SCORE"].tolist() == [[2.5]] and answer["KNOWN"].tolist() == [[2]]
+    finally:
+        assert stop(proc) == 0
 
 
 def test_serve_natively_answers_both_protocols_reloads_on_sighup_and_stops_cleanly(

@@ -155,3 +155,55 @@ def test_a_failing_model_names_what_went_wrong_and_the_server_goes_on(serving, t
         finally:
             for _, c in clients:
                 c.close()
+
+
+@pytest.fixture(params=["native", "ray"])
+def with_store(request, tmp_path_factory):
+    """Serve beside a [store] of ten add_sub models under a budget that holds a few, on
+    the runtimes that have a store."""
+    import onnx
+
+    from conftest import on, on_ray
+    from servekit.config import StoreConfig
+    from servekit.zoo.tiny import build_add_sub
+
+    root = tmp_path_factory.mktemp("store")
+    for i in range(10):
+        onnx.save(build_add_sub(weights_mb=2), root / f"add_{i}.onnx")
+    store = StoreConfig(root=str(root), memory_budget_mb=80, load="on_demand")
+    if request.param == "ray":
+        url = request.getfixturevalue("ray_url")
+        return lambda model: on_ray(url, model, store=store)
+    return lambda model: on(request.param, store)(model)
+
+
+def test_your_model_in_a_store_with_a_canary_version_answers_every_request(with_store):
+    from servekit.rollout import ModelVersion, TrafficPolicy
+
+    model = sentiment(
+        versions=(ModelVersion(2, "sentiment:Sentiment"),),
+        traffic=TrafficPolicy(split={1: 50, 2: 50}),
+    )
+    with with_store(model) as served:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        try:
+            answered: set[str] = set()
+            for i in range(40):
+                texts = [TEXTS[i % len(TEXTS)]]
+                text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+                text.set_data_from_numpy(np.array(texts, dtype=object).reshape(-1, 1))
+                result = c.infer("sentiment", [text])
+                assert result.as_numpy("SCORE")[0, 0] == EXPECTED[texts[0]][0]
+                answered.add(result.get_response()["model_version"])
+                a = np.ones((1, 16), np.float32)  # the store's other models, in turn
+                tensors = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+                for t in tensors:
+                    t.set_data_from_numpy(a)
+                assert c.infer(f"add_{i % 10}", tensors).as_numpy("OUTPUT0").tolist() == [
+                    [2.0] * 16
+                ]
+            assert answered == {"1", "2"}
+            index = {(e["name"], e["version"]): e for e in c.get_model_repository_index()}
+            assert ("sentiment", "1") in index and ("sentiment", "2") in index
+        finally:
+            c.close()

@@ -153,7 +153,8 @@ class ModelConfig:
     autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
     """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
     path: str | None = None
-    """Your own model's folder, put first on ``sys.path`` in each process that imports it."""
+    """Your own model's folder, put first on ``sys.path`` in each process that imports it
+    (default: the working directory the config was made in)."""
     args: Mapping[str, Any] = field(default_factory=dict)
     """``[models.args]``: keyword arguments for your own model's ``setup`` (or its
     ``Runner`` class)."""
@@ -195,6 +196,8 @@ class ModelConfig:
         object.__setattr__(self, "args", dict(self.args))
         if self.path is not None:
             object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        elif self.is_code:  # where the name was given, for processes that start elsewhere
+            object.__setattr__(self, "path", os.getcwd())
         if not self.is_code:
             for key in ("path", "args"):
                 if getattr(self, key):

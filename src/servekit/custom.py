@@ -115,12 +115,16 @@ def _label(owner: object) -> str:
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', target)}"
 
 
-def _takes_dict(fn: Callable[..., Any]) -> bool:
+def _takes_dict(fn: Callable[..., Any], spec: ModelSpec) -> bool:
+    """Whether ``fn`` takes the batch as one dict: a single parameter that is not named
+    after the inputs (``def f(X)`` for input ``X`` takes keywords, as ``def f(**inputs)``)."""
     params = list(inspect.signature(fn).parameters.values())
-    return len(params) == 1 and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
+    names = {p.name for p in params}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return False
+    if {t.name for t in spec.inputs} <= names:
+        return False
+    return len(params) == 1
 
 
 class UserRunner(BaseRunner):
@@ -131,6 +135,8 @@ class UserRunner(BaseRunner):
         self.model, self.name = model, name or _label(model)
         if isinstance(model, Model):
             cls = type(model)
+            if not cls.inputs or not cls.outputs:
+                raise ValueError(f"{self.name}: declares no inputs or no outputs")
             self._spec = ModelSpec(
                 _tensors(cls.inputs, cls), _tensors(cls.outputs, cls), int(cls.max_batch_size)
             )
@@ -145,11 +151,10 @@ class UserRunner(BaseRunner):
                 )
             self._spec = spec
             fn = model
-            self._call = fn if _takes_dict(fn) else (lambda batch: fn(**batch))
-        if not self._spec.inputs or not self._spec.outputs:
-            raise ValueError(f"{self.name}: declares no inputs or no outputs")
+            self._call = fn if _takes_dict(fn, spec) else (lambda batch: fn(**batch))
         self._is_async = inspect.iscoroutinefunction(fn)
-        self._loops = threading.local()
+        self._local = threading.local()
+        self._loops: list[asyncio.AbstractEventLoop] = []
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         result = self._call(dict(inputs))
@@ -164,9 +169,10 @@ class UserRunner(BaseRunner):
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """This worker thread's own event loop for an ``async def infer``."""
-        loop = getattr(self._loops, "loop", None)
+        loop = getattr(self._local, "loop", None)
         if loop is None:
-            loop = self._loops.loop = asyncio.new_event_loop()
+            loop = self._local.loop = asyncio.new_event_loop()
+            self._loops.append(loop)
         return loop
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
@@ -187,9 +193,9 @@ class UserRunner(BaseRunner):
     def close(self) -> None:
         if isinstance(self.model, Model):
             self.model.close()
-        loop = getattr(self._loops, "loop", None)
-        if loop is not None:
+        for loop in self._loops:  # the workers are done with them by now
             loop.close()
+        self._loops.clear()
 
 
 def import_model(
