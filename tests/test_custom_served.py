@@ -207,3 +207,75 @@ def test_your_model_in_a_store_with_a_canary_version_answers_every_request(with_
             assert ("sentiment", "1") in index and ("sentiment", "2") in index
         finally:
             c.close()
+
+
+MEANS = '''
+import numpy as np
+import servekit
+
+
+class ChannelMeans(servekit.Model):
+    """What a user's step after a built-in stage looks like: a tensor in, a summary out."""
+
+    inputs = [("input", "FP32", [3, 32, 32])]
+    outputs = [("means", "FP32", [3])]
+    max_batch_size = 8
+
+    def infer(self, batch):
+        return {"means": batch["input"].mean(axis=(2, 3)).astype(np.float32)}
+'''
+
+
+def test_a_pipeline_of_a_built_in_stage_and_your_model_serves_as_one_model(serving, tmp_path):
+    import io
+
+    from PIL import Image
+
+    from servekit.runtime.base import load_model_runner
+
+    (tmp_path / "means.py").write_text(MEANS)
+    model = ModelConfig(
+        name="means",
+        steps=(
+            {"source": "servekit.stages:Preprocess", "args": {"resize": 32, "crop": 32}},
+            {"source": "means:ChannelMeans", "path": str(tmp_path)},
+        ),
+        batching=BatchingPolicy(max_batch_size=8),
+    )
+    rng = np.random.default_rng(0)
+    images = []
+    for _ in range(3):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), np.uint8)).save(buffer, "PNG")
+        images.append(buffer.getvalue())
+    blobs = np.array(images, dtype=object).reshape(-1, 1)
+    local = load_model_runner(model)
+    want = local.infer({"image": blobs})["means"]
+    local.close()
+    with serving(model) as served:
+        for module, c in connect(served):
+            try:
+                as_json = {"as_json": True} if module is grpcclient else {}
+                meta = c.get_model_metadata("means", **as_json)
+                assert [t["name"] for t in meta["inputs"]] == ["image"]
+                x = module.InferInput("image", [3, 1], "BYTES")
+                x.set_data_from_numpy(blobs)
+                got = c.infer("means", [x]).as_numpy("means")
+                assert np.allclose(got, want, atol=1e-6), (got, want)
+            finally:
+                c.close()
+
+
+def test_a_pipeline_whose_steps_do_not_fit_is_refused_naming_them(tmp_path):
+    from servekit.runtime.base import load_model_runner
+
+    (tmp_path / "means.py").write_text(MEANS)
+    model = ModelConfig(
+        name="bad",
+        steps=(
+            {"source": "servekit.stages:Preprocess", "args": {"resize": 64, "crop": 64}},
+            {"source": "means:ChannelMeans", "path": str(tmp_path)},
+        ),
+    )
+    with pytest.raises(ValueError, match=r"pipeline bad: step 1 \(UserRunner\) input 'input'"):
+        load_model_runner(model)

@@ -158,11 +158,17 @@ class ModelConfig:
     args: Mapping[str, Any] = field(default_factory=dict)
     """``[models.args]``: keyword arguments for your own model's ``setup`` (or its
     ``Runner`` class)."""
+    steps: tuple[ModelConfig, ...] = ()
+    """``[[models.steps]]``: a pipeline, served as this one model: each step (a zoo model,
+    an ONNX file, your own code, a stage such as ``servekit.stages:Preprocess``) takes the
+    request's tensors or an earlier step's outputs by name; ``source`` is unused."""
 
     def __post_init__(self) -> None:
         if isinstance(self.autoscale, Mapping):
             object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
         object.__setattr__(self, "source", os.fspath(self.source))
+        if self.steps:
+            self._check_steps()
         if not self.name:
             object.__setattr__(self, "name", model_name(self.source))
         if not _NAME.match(self.name):
@@ -186,7 +192,35 @@ class ModelConfig:
     @property
     def is_code(self) -> bool:
         """Whether ``source`` is your own Python model (an import path)."""
-        return is_import_path(self.source)
+        return not self.steps and is_import_path(self.source)
+
+    @property
+    def has_file(self) -> bool:
+        """Whether ``source`` is a model file (a zoo name, a path, an object): not code,
+        not a pipeline."""
+        return not self.steps and not self.is_code
+
+    def _check_steps(self) -> None:
+        if not self.name:
+            raise ValueError("a pipeline ([[models.steps]]) needs a name")
+        steps = tuple(
+            s if isinstance(s, ModelConfig) else ModelConfig.from_dict(s, f"{self.name}.steps.{i}")
+            for i, s in enumerate(self.steps)
+        )
+        object.__setattr__(self, "steps", steps)
+        for i, step in enumerate(steps):
+            if step.steps or step.versions or step.traffic or step.canary:
+                raise ValueError(
+                    f"model {self.name!r}: step {i} ({step.name}) has steps, versions or a "
+                    "traffic split of its own; a pipeline's steps are single models"
+                )
+        if self.versions:
+            raise ValueError(
+                f"model {self.name!r}: a pipeline has no [[models.versions]] yet; serve each "
+                "version as a pipeline of its own"
+            )
+        object.__setattr__(self, "source", "pipeline")
+        object.__setattr__(self, "image", False)
 
     def _check_code(self) -> None:
         if not isinstance(self.args, Mapping):
@@ -260,7 +294,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
-        rollout = ("batching", "versions", "traffic", "canary", "autoscale")
+        rollout = ("batching", "versions", "traffic", "canary", "autoscale", "steps")
         data = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -271,6 +305,9 @@ class ModelConfig:
             del data["version"]
         if not self.args:
             del data["args"]
+        if self.steps:
+            data["steps"] = [s.to_dict() for s in self.steps]
+            del data["source"], data["image"]
         if self.versions:
             data["versions"] = [dataclasses.asdict(v) for v in self.versions]
         if self.traffic is not None:
@@ -293,6 +330,12 @@ class ModelConfig:
             raise ValueError(f"[[{section}.versions]]: expected a list of tables, got {raw!r}")
         kwargs["versions"] = tuple(
             ModelVersion.from_dict(v, f"{section}.versions.{i}") for i, v in enumerate(raw)
+        )
+        steps = data.get("steps", [])
+        if not isinstance(steps, Sequence) or isinstance(steps, str):
+            raise ValueError(f"[[{section}.steps]]: expected a list of tables, got {steps!r}")
+        kwargs["steps"] = tuple(
+            ModelConfig.from_dict(v, f"{section}.steps.{i}") for i, v in enumerate(steps)
         )
         if "traffic" in data:
             kwargs["traffic"] = TrafficPolicy.from_dict(data["traffic"], f"{section}.traffic")

@@ -99,6 +99,8 @@ def load_model_runner(
         from ..custom import import_model
 
         return import_model(model.source, name=model.name, path=model.path, args=model.args)
+    if model.steps:
+        return _pipeline(model, cache_dir, storage)
     path = path or zoo.resolve(model.source, cache_dir, storage)
     try:
         return load_runner(
@@ -116,12 +118,29 @@ def load_model_runner(
         raise ValueError(f"{model.source}: cannot load: {type(exc).__name__}: {exc}") from None
 
 
+def _pipeline(model: ModelConfig, cache_dir: str | None, storage: StorageConfig | None) -> Runner:
+    """A ``[[models.steps]]`` pipeline as one Runner, each step batched as the pipeline is;
+    a step that does not fit the ones before it is refused naming both."""
+    from ..pipeline import Pipeline
+
+    runners: list[Runner] = []
+    try:
+        for step in model.steps:
+            batched = dataclasses.replace(step, batching=model.batching)
+            runners.append(load_model_runner(batched, cache_dir, storage))
+        return Pipeline(runners)
+    except ValueError as exc:
+        for runner in runners:
+            runner.close()
+        raise ValueError(f"pipeline {model.name}: {exc}") from None
+
+
 def _versioned(
     model: ModelConfig, name: str, cache_dir: str | None, storage: StorageConfig | None
 ) -> VersionedRunner:
     from .. import zoo
 
-    path = None if model.is_code else zoo.resolve(model.source, cache_dir, storage)
+    path = zoo.resolve(model.source, cache_dir, storage) if model.has_file else None
     runner = VersionedRunner(load_model_runner(model, cache_dir, storage, path), name=name)
     runner.origin = path
     return runner
@@ -192,7 +211,7 @@ def refresh(
     from .. import zoo
     from ..storage import is_remote
 
-    path = None if model.is_code else zoo.resolve(model.source, cache_dir, storage)
+    path = zoo.resolve(model.source, cache_dir, storage) if model.has_file else None
     if is_remote(model.source) and path == versioned.origin:
         return None
     number = versioned.update(load_model_runner(model, cache_dir, storage, path))
@@ -226,7 +245,7 @@ def probe_model(
     probe = dataclasses.replace(
         model, engine="onnxruntime", precision="fp32", device=None, threads=1
     )
-    path = Path(model.source) if model.is_code else zoo.resolve(model.source, cache_dir, storage)
+    path = zoo.resolve(model.source, cache_dir, storage) if model.has_file else Path(model.source)
     runner = load_model_runner(probe, cache_dir, storage, path)
     try:
         spec = runner.spec

@@ -11,19 +11,23 @@ names ``preprocess``, ``postprocess`` and ``resnet50_ensemble``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..batching.policy import BatchingPolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
 from ..spec import ModelSpec
 from .backend import CODE_FILE
+
+if TYPE_CHECKING:
+    from ..runtime.base import ModelProbe
 
 __all__ = [
     "RepositoryModel",
@@ -165,42 +169,14 @@ def model_repository(
     """Every model of ``config`` as repository folders, and beside each image classifier
     ``<name>_preprocess``, ``<name>_postprocess`` and their ensemble ``<name>_image``
     (``image_names`` renames those three, for a one-model repository)."""
-    from ..runners.versioned import check_compatible
-    from ..runtime.base import probe_model
-
     config.check("triton")
     out: list[RepositoryModel] = []
     for model in config.models:
-        probe = probe_model(model, config.cache_dir, config.storage)
-        own: dict[int, str | os.PathLike[str]] = {}
-        for number in model.version_numbers[1:]:
-            other = probe_model(model.for_version(number), config.cache_dir, config.storage)
-            check_compatible(probe.spec, other.spec, f"{model.name} version {number}")
-            own[number] = other.path
-        code = {
-            n: {CODE_FILE: _code_json(model.for_version(n))}
-            for n in model.version_numbers
-            if model.is_code
-        }
-        out.append(
-            RepositoryModel(
-                model.name,
-                model_config(
-                    model.name,
-                    probe.spec,
-                    model.batching,
-                    instance_count=model.instances,
-                    parameters=runner_parameters(model),
-                    versions="specific:" + ",".join(map(str, model.version_numbers))
-                    if own
-                    else None,
-                ),
-                weights=None if model.is_code else probe.path,
-                versions=model.version_numbers if own else versions,
-                version_weights={} if model.is_code else own,
-                version_files=code,
-            )
-        )
+        if model.steps:
+            out += _pipeline_models(model, config)
+            continue
+        probe, repository_model = _model_folder(model, config, versions)
+        out.append(repository_model)
         if probe.image_spec is not None:
             names = image_names or (
                 f"{model.name}_preprocess",
@@ -209,6 +185,77 @@ def model_repository(
             )
             out += _image_models(model, probe.spec, probe.metadata, names)
     return out
+
+
+def _model_folder(
+    model: ModelConfig, config: ServeConfig, versions: tuple[int, ...] = (1,)
+) -> tuple[ModelProbe, RepositoryModel]:
+    """One model's folder on the servekit backend: its engine's file, or your code's
+    import path (``code.json``), per version."""
+    from ..runners.versioned import check_compatible
+    from ..runtime.base import probe_model
+
+    probe = probe_model(model, config.cache_dir, config.storage)
+    own: dict[int, str | os.PathLike[str]] = {}
+    for number in model.version_numbers[1:]:
+        other = probe_model(model.for_version(number), config.cache_dir, config.storage)
+        check_compatible(probe.spec, other.spec, f"{model.name} version {number}")
+        own[number] = other.path
+    code = {
+        n: {CODE_FILE: _code_json(model.for_version(n))}
+        for n in model.version_numbers
+        if model.is_code
+    }
+    return probe, RepositoryModel(
+        model.name,
+        model_config(
+            model.name,
+            probe.spec,
+            model.batching,
+            instance_count=model.instances,
+            parameters=runner_parameters(model),
+            versions="specific:" + ",".join(map(str, model.version_numbers)) if own else None,
+        ),
+        weights=None if model.is_code else probe.path,
+        versions=model.version_numbers if own else versions,
+        version_weights={} if model.is_code else own,
+        version_files=code,
+    )
+
+
+def _pipeline_models(model: ModelConfig, config: ServeConfig) -> list[RepositoryModel]:
+    """A ``[[models.steps]]`` pipeline as Triton serves one: each step a model of its own
+    (``<name>_step<i>``, batched and scaled as the pipeline) and the ensemble ``<name>``
+    chaining them by tensor name, as the in-process ``Pipeline`` does."""
+    from ..runtime.base import probe_model
+
+    whole = probe_model(model, config.cache_dir, config.storage).spec  # checks the wiring
+    out: list[RepositoryModel] = []
+    steps: list[EnsembleStep] = []
+    produced: set[str] = {t.name for t in whole.inputs}
+    for i, step in enumerate(model.steps):
+        name = f"{model.name}_step{i}"
+        step = dataclasses.replace(
+            step, name=name, batching=model.batching, instances=model.instances, image=False
+        )
+        probe, folder = _model_folder(step, config)
+        again = produced & {t.name for t in probe.spec.outputs}
+        if again:
+            raise ValueError(
+                f"pipeline {model.name}: step {i} produces {sorted(again)} again; a Triton "
+                "ensemble names each tensor once"
+            )
+        produced |= {t.name for t in probe.spec.outputs}
+        out.append(folder)
+        steps.append(
+            EnsembleStep(
+                name,
+                {t.name: t.name for t in probe.spec.inputs},
+                {t.name: t.name for t in probe.spec.outputs},
+            )
+        )
+    ensemble = ensemble_config(model.name, whole.inputs, whole.outputs, steps, whole.max_batch_size)
+    return [*out, RepositoryModel(model.name, ensemble)]
 
 
 def _code_json(model: ModelConfig) -> str:
