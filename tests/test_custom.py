@@ -289,7 +289,7 @@ def test_the_docs_example_is_the_example_file_and_runs(monkeypatch):
     doc = (root / "docs" / "models.md").read_text()
     section = doc[doc.index("## Your own model") : doc.index("## Many models")]
     (cls, function) = re.findall(r"```python\n(.*?)```", section, re.S)
-    (toml,) = re.findall(r"```toml\n(.*?)```", section, re.S)
+    toml, pipeline = re.findall(r"```toml\n(.*?)```", section, re.S)
     assert cls in (root / "examples" / "sentiment" / "sentiment.py").read_text()
     monkeypatch.chdir(root)
     (model,) = ServeConfig.from_dict(__import__("tomllib").loads(toml)).models
@@ -297,6 +297,11 @@ def test_the_docs_example_is_the_example_file_and_runs(monkeypatch):
     answer = served.runner.infer({"TEXT": np.array([[b"I love it"], [b"bad"]], dtype=object)})
     assert answer["SCORE"].tolist() == [[2.5], [-1.0]]
     served.runner.close()
+    (means,) = ServeConfig.from_dict(__import__("tomllib").loads(pipeline)).models
+    assert [step.source for step in means.steps] == [
+        "servekit.stages:Preprocess",
+        "means:ChannelMeans",
+    ]
     space: dict = {}
     exec(compile(function, "docs/models.md", "exec"), space)
     runner = UserRunner(space["add"])
