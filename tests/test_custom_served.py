@@ -279,3 +279,43 @@ def test_a_pipeline_whose_steps_do_not_fit_is_refused_naming_them(tmp_path):
     )
     with pytest.raises(ValueError, match=r"pipeline bad: step 1 \(UserRunner\) input 'input'"):
         load_model_runner(model)
+
+
+def test_code_that_fails_to_set_up_is_refused_naming_why_and_others_serve(tmp_path):
+    import onnx
+
+    from conftest import on
+    from servekit import ServeConfig, ServerConfig
+    from servekit.config import StoreConfig
+    from servekit.serving import create_runtime
+    from servekit.zoo.tiny import build_add_sub
+
+    (tmp_path / "failing.py").write_text(
+        "import servekit\n\n\nclass Failing(servekit.Model):\n"
+        "    inputs = [('X', 'FP32', [1])]\n    outputs = [('Y', 'FP32', [1])]\n\n"
+        "    def setup(self):\n        raise OSError('weights missing')\n"
+    )
+    failing = ModelConfig("failing:Failing", "failing", path=str(tmp_path))
+    # Alone, the server refuses to start, saying why.
+    config = ServeConfig((failing,), ServerConfig(exit_timeout_s=2), runtime="native")
+    with pytest.raises(ValueError, match="failing:Failing failed to set up: OSError: weights"):
+        create_runtime(config.on_loopback()).start()
+    # In a store, the load of that model fails so (each time it is asked for), the rest serve.
+    onnx.save(build_add_sub(), tmp_path / "add.onnx")
+    store = StoreConfig(root=str(tmp_path), load="on_demand")
+    with on("native", store)(failing) as served:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        try:
+            x = httpclient.InferInput("X", [1, 1], "FP32")
+            x.set_data_from_numpy(np.ones((1, 1), np.float32))
+            for _ in range(2):
+                with pytest.raises(InferenceServerException, match="OSError: weights missing"):
+                    c.infer("failing", [x])
+            tensors = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+            for t in tensors:
+                t.set_data_from_numpy(np.ones((1, 16), np.float32))
+            assert c.infer("add", tensors).as_numpy("OUTPUT0").tolist() == [[2.0] * 16]
+            (row,) = [e for e in c.get_model_repository_index() if e["name"] == "failing"]
+            assert row["state"] == "UNAVAILABLE" and "weights missing" in row["reason"]
+        finally:
+            c.close()

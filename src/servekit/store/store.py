@@ -148,7 +148,11 @@ class ModelStore:
             # One engine session at a time: a probe builds one, as a load does, and
             # their peaks (about three times the model's settled size) must not add up.
             async with self._lock():
-                await self._probe(entry)
+                try:
+                    await self._probe(entry)
+                except Exception as exc:  # the index says why, as for a failed load
+                    entry.reason = f"load failed: {exc or type(exc).__name__}"
+                    raise
             if served not in entry.specs:
                 raise ModelNotFound(
                     f"unknown model {served!r}: {entry.config.name} is no image classifier"
