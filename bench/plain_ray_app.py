@@ -4,6 +4,7 @@ One deployment, ``@serve.batch`` over ONNX Runtime, KServe v2 JSON parsed with
 ``request.json()`` and answered as JSON; no servekit code on the request path.
 
     python bench/plain_ray_app.py --model PATH.onnx --name add_sub --port 8000
+    python bench/plain_ray_app.py --model numpy --name add_sub --port 8000   # numpy add_sub
 """
 
 from __future__ import annotations
@@ -26,14 +27,22 @@ def build(model_path: str, name: str, max_batch_size: int) -> serve.Application:
     @serve.deployment(max_ongoing_requests=4 * max_batch_size)
     class Model:
         def __init__(self) -> None:
+            if model_path == "numpy":  # the user-code row (bench/user_code.py): add_sub in numpy
+                self.outputs, self.session = ["OUTPUT0", "OUTPUT1"], None
+                return
             self.session = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
             self.outputs = [o.name for o in self.session.get_outputs()]
+
+        def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            if self.session is None:
+                return [feeds["INPUT0"] + feeds["INPUT1"], feeds["INPUT0"] - feeds["INPUT1"]]
+            return self.session.run(self.outputs, feeds)
 
         @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=0.0)
         async def run(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
             sizes = [len(next(iter(r.values()))) for r in requests]
             feeds = {k: np.concatenate([r[k] for r in requests]) for k in requests[0]}
-            results = dict(zip(self.outputs, self.session.run(self.outputs, feeds), strict=True))
+            results = dict(zip(self.outputs, self._run(feeds), strict=True))
             out, start = [], 0
             for n in sizes:
                 out.append({k: v[start : start + n] for k, v in results.items()})

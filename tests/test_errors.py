@@ -28,5 +28,26 @@ def test_subclasses_inherit_their_parents_mapping():
     assert errors.http_status(BadImage("x")) == 400
 
 
-def test_overloaded_carries_a_retry_hint():
-    assert errors.Overloaded("full", retry_after_s=0.5).retry_after_s == 0.5
+@pytest.mark.parametrize(("hint_s", "header"), [(0.5, "1"), (2.6, "3"), (30.0, "30")])
+def test_an_overloaded_model_s_retry_hint_reaches_the_client_as_whole_seconds(hint_s, header):
+    # Through the app, as a client meets it: a 503 with Retry-After in whole seconds, at
+    # least 1 (RFC 9110 takes no fractions), and the model's own message.
+    import asyncio
+    import json
+
+    import numpy as np
+
+    from servekit import FunctionRunner, ModelSpec, TensorSpec
+    from servekit.http import KServeApp
+    from servekit.http.h1 import HttpRequest
+
+    def full(inputs):
+        raise errors.Overloaded("the queue is full", retry_after_s=hint_s)
+
+    spec = ModelSpec((TensorSpec("x", np.float32, [1]),), (TensorSpec("y", np.float32, [1]),))
+    app = KServeApp({"m": FunctionRunner(full, spec)})
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]})
+    request = HttpRequest("POST", "/v2/models/m/infer", {}, body.encode())
+    status, answer, headers = asyncio.run(app.handle(request))
+    assert (status, headers["retry-after"]) == (503, header)
+    assert json.loads(answer) == {"error": "the queue is full"}
