@@ -364,7 +364,7 @@ class ServerConfig(Endpoints):
     control_token: str | None = None
     """When set, Triton's model control, shared memory, config, statistics, trace and
     logging APIs need it in ``servekit-control-token``, and so does changing a traffic split
-    (``POST /v2/models/<m>/traffic``, native and Ray); None on PyTriton = a random one."""
+    (``POST /v2/models/<m>/traffic``, every runtime); None on PyTriton = a random one."""
     log_verbose: int = 0
     """Triton's ``--log-verbose`` level; for ``native``, > 0 logs at DEBUG."""
     exit_timeout_s: int = 5

@@ -1,7 +1,7 @@
-"""The Runtime contract every runtime implements, the one model loader (``load_models``), the record of what a runtime serves
-(``ServedModels``) and
-the ``Supervisor`` (signals, SIGHUP reloads, restarts). Which runtime a ``ServeConfig``
-names is chosen above the runtimes, in ``servekit.serving``."""
+"""The Runtime contract every runtime implements, the model loader (``load_models``), the
+record of what a runtime serves (``ServedModels``) and the ``Supervisor`` (signals, SIGHUP
+reloads, restarts). Which runtime a ``ServeConfig`` names is chosen above the runtimes,
+in ``servekit.serving``."""
 
 from .base import Runtime, ServedModel, load_model_runner, load_models
 from .registry import ServedModels
