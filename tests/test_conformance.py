@@ -5,7 +5,7 @@ Well-formed requests get answers equal to the model run in-process; malformed on
 4xx naming the problem; nothing gets a 5xx, a reset connection or a dead server, and a
 correct request is answered after each case. The runtimes that expose tritonserver's
 own HTTP port (``--no-front``) deviate where Triton itself does: those cases are listed
-in ``DEVIATIONS`` with the reason, as README's table says, and are expected to fail
+in ``DEVIATIONS`` with the reason, as docs/protocol.md's table says, and are expected to fail
 there (strictly: if Triton changes, the table must too).
 """
 
@@ -73,7 +73,7 @@ DEVIATIONS: dict[str, dict[str, str]] = {
         "shared memory status": PYTRITON_TOKEN,
     },
 }
-"""Runtime -> case -> why tritonserver's own HTTP port fails it; README's conformance
+"""Runtime -> case -> why tritonserver's own HTTP port fails it; docs/protocol.md's conformance
 table says the same (``test_the_readme_lists_every_deviation``)."""
 
 
@@ -626,32 +626,32 @@ def run_matrix(endpoint: Endpoint) -> dict[tuple[str, str], str]:
     return results
 
 
-def readme_table(marker: str) -> list[list[str]]:
-    """The rows (cells stripped) of the README table after ``<!-- marker -->``."""
+def documented_table(marker: str) -> list[list[str]]:
+    """The rows (cells stripped) of the docs/protocol.md table after ``<!-- marker -->``."""
     from pathlib import Path
 
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    text = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
     section = text.split(f"<!-- {marker} -->")[1].split("<!-- end -->")[0]
     rows = [r for r in section.strip().splitlines() if r.startswith("|")]
     return [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
 
 
 def readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
-    """README's tritonclient matrix: (protocol, call) -> runtime -> cell."""
-    header, _, *rows = readme_table("tritonclient matrix")
+    """docs/protocol.md's tritonclient matrix: (protocol, call) -> runtime -> cell."""
+    header, _, *rows = documented_table("tritonclient matrix")
     return {(r[0], r[1]): dict(zip(header[2:], r[2:], strict=True)) for r in rows}
 
 
 def test_the_readme_lists_every_deviation():
-    """README's deviation table is ``DEVIATIONS``: case, runtimes, reason."""
-    _, _, *rows = readme_table("conformance deviations")
+    """docs/protocol.md's deviation table is ``DEVIATIONS``: case, runtimes, reason."""
+    _, _, *rows = documented_table("conformance deviations")
     listed = {(r[0], rt.strip()): r[2] for r in rows for rt in r[1].replace("`", "").split(",")}
     expected = {(case, rt): why for rt, cases in DEVIATIONS.items() for case, why in cases.items()}
     assert listed == expected
 
 
 def test_the_tritonclient_matrix_is_the_readmes(endpoint: Endpoint):
-    """Every tritonclient call over HTTP and gRPC; README's matrix says ok, n/a (no such
+    """Every tritonclient call over HTTP and gRPC; docs/protocol.md's matrix says ok, n/a (no such
     port) or why not, and must match what happens."""
     got = run_matrix(endpoint)
     expected = readme_matrix()
@@ -661,8 +661,8 @@ def test_the_tritonclient_matrix_is_the_readmes(endpoint: Endpoint):
         result = got.get((protocol, call))
         if result is None:
             if cell != "n/a":
-                mismatches.append(f"{protocol} {call}: README says {cell!r}, not run here")
+                mismatches.append(f"{protocol} {call}: docs/protocol.md says {cell!r}, not run here")
         elif (result == "ok") != (cell == "ok"):
-            mismatches.append(f"{protocol} {call}: README says {cell!r}, got {result!r}")
+            mismatches.append(f"{protocol} {call}: docs/protocol.md says {cell!r}, got {result!r}")
     missing = [key for key in got if key not in expected]
     assert not mismatches and not missing, (mismatches, missing)

@@ -138,3 +138,10 @@ def test_the_configuration_example_serves_natively(model_cache):
         x = np.arange(16, dtype=np.float32)[None]
         out = c.infer("add_sub", {"INPUT0": x, "INPUT1": x})
         np.testing.assert_array_equal(out["OUTPUT0"], 2 * x)
+
+
+def test_the_readme_is_a_guide_not_a_log():
+    # What it is, the two commands, a first request, which runtime, links: figures and
+    # matrices live in docs/ and BENCHMARKS.md.
+    assert len(README.splitlines()) <= 150
+    assert "| ---: |" not in README  # no figure table
