@@ -21,12 +21,12 @@ import platform
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from servekit import Batcher, BatchingPolicy, zoo
 from servekit.bench import rows_per_s
 from servekit.runners.torch import TorchRunner
+from servekit.window import percentiles
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 
@@ -74,11 +74,11 @@ async def served_images_per_s(
     await asyncio.gather(*(client() for _ in range(clients)))
     elapsed = time.perf_counter() - start
     await batcher.aclose()
-    ms = np.array(latencies) * 1e3
+    p50, p99 = percentiles((t * 1e3 for t in latencies), (50, 99))
     return {
         "images_per_s": round(len(latencies) / elapsed, 1),
-        "p50_ms": round(float(np.percentile(ms, 50)), 2),
-        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "p50_ms": round(p50, 2),
+        "p99_ms": round(p99, 2),
     }
 
 

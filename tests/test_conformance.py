@@ -661,7 +661,9 @@ def test_the_tritonclient_matrix_is_the_readmes(endpoint: Endpoint):
         result = got.get((protocol, call))
         if result is None:
             if cell != "n/a":
-                mismatches.append(f"{protocol} {call}: docs/protocol.md says {cell!r}, not run here")
+                mismatches.append(
+                    f"{protocol} {call}: docs/protocol.md says {cell!r}, not run here"
+                )
         elif (result == "ok") != (cell == "ok"):
             mismatches.append(f"{protocol} {call}: docs/protocol.md says {cell!r}, got {result!r}")
     missing = [key for key in got if key not in expected]

@@ -16,6 +16,7 @@ import pytest
 from conftest import Load
 from servekit import BatchingPolicy, FunctionRunner, ModelSpec, OnnxRuntimeRunner, TensorSpec
 from servekit.runners.versioned import UpdateRefused, VersionedRunner
+from servekit.store import rss_bytes
 from servekit.zoo.tiny import build_tiny_cnn
 
 ROWS = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)
@@ -184,8 +185,7 @@ def server(tiny_cnn_path):
 
 
 def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+    return rss_bytes() / 2**20
 
 
 def test_pytriton_swaps_roll_back_and_refuse_bad_versions_under_load_without_a_failed_request(

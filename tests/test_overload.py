@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ pytest.importorskip("uvicorn", reason="needs uvicorn (http extra)")
 from conftest import free_port, wait_until
 from servekit import Overloaded
 from servekit.client import AsyncClient
+from servekit.store import rss_bytes
 
 SERVER = """
 import sys, time
@@ -44,10 +44,9 @@ serve_http(KServeApp({"m": Batcher(FunctionRunner(slow, spec), policy, name="m")
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    rss = rss_bytes(pid)
+    assert rss, f"no RSS for process {pid}"
+    return rss / 2**20
 
 
 async def saturate(url: str, seconds: float, clients: int = 64) -> dict[str, int]:

@@ -21,7 +21,6 @@ however full the batches already are). When the traffic stops both fall to 0.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .tables import check_keys
+from .window import SlidingWindow
 
 __all__ = ["AutoscalePolicy", "Counters", "Demand", "replicas_needed"]
 
@@ -116,17 +116,18 @@ class Demand:
             policy or AutoscalePolicy(),
             clock,
         )
-        self._readings: collections.deque[tuple[float, Counters]] = collections.deque()
+        self._readings: SlidingWindow[Counters] = SlidingWindow(
+            self.policy.window_s, keep_base=True
+        )
 
     def observe(self, counters: Counters) -> float:
         """Record a reading now; the replicas the traffic since the window's start needs."""
         now = self._clock()
-        if self._readings and counters.requests < self._readings[-1][1].requests:
-            self._readings.clear()  # counters restart from zero with their server
-            self._readings.append((now, Counters()))
-        self._readings.append((now, counters))
-        start = now - self.policy.window_s
-        while len(self._readings) > 2 and self._readings[1][0] <= start:
-            self._readings.popleft()
-        base = self._readings[0][1]
+        readings = self._readings
+        readings.window_s = self.policy.window_s  # the policy can change (a reload)
+        if len(readings) and counters.requests < readings.last().requests:
+            readings.clear()  # counters restart from zero with their server
+            readings.add(now, Counters())
+        readings.add(now, counters)
+        base = readings.items(now)[0]
         return replicas_needed(counters - base, self.max_batch_size, self.policy)

@@ -13,19 +13,17 @@ NVML (``nvidia-ml-py``) where a GPU exists and are left out cleanly where none d
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from . import storage
 from .autoscale import AutoscalePolicy, Counters, Demand
 from .batching import Batcher, BatchRecord
 from .rollout import Traffic
+from .window import SlidingWindow, percentiles
 
 Family = tuple[str, str, str, list[tuple[dict[str, str], float]]]
 """A metric family from elsewhere (``Metrics.collect``): name, kind, help, (labels, value)s."""
@@ -79,30 +77,23 @@ GPU_GAUGES = {
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 
-@dataclass
 class _Window:
     """Per-request observations of one summary over the last ``window_s`` seconds."""
 
-    window_s: float
-    points: collections.deque[tuple[float, float]] = field(
-        default_factory=lambda: collections.deque(maxlen=100_000)
-    )
-    count: int = 0
-    total: float = 0.0
+    def __init__(self, window_s: float) -> None:
+        self.points: SlidingWindow[float] = SlidingWindow(window_s, maxlen=100_000)
+        self.count = 0
+        self.total = 0.0
 
     def add(self, now: float, values: Iterable[float]) -> None:
         for v in values:
-            self.points.append((now, v))
+            self.points.add(now, v)
             self.count += 1
             self.total += v
 
     def quantiles(self, now: float) -> list[float]:
-        while self.points and self.points[0][0] < now - self.window_s:
-            self.points.popleft()
-        if not self.points:
-            return [float("nan")] * len(QUANTILES)
-        values = np.fromiter((v for _, v in self.points), dtype=np.float64)
-        return [float(q) for q in np.quantile(values, QUANTILES)]
+        """Nearest rank, as every percentile servekit reports (``servekit.window``)."""
+        return percentiles(self.points.items(now), [100 * q for q in QUANTILES])
 
 
 @dataclass

@@ -7,21 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from ..window import percentile
+
 __all__ = ["WindowStats", "is_stable", "percentile", "rows_per_s", "summarize"]
-
-
-def percentile(sorted_values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile of already sorted values (p in [0, 100]); NaN when empty.
-
-    The smallest value with at least p% of the values at or below it, as perf_analyzer
-    reports: always an observed latency, never an interpolation.
-    """
-    if not sorted_values:
-        return math.nan
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {p}")
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return float(sorted_values[rank - 1])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..window import percentile
 from .policy import CanaryPolicy
 
 __all__ = ["Verdict", "Window", "judge"]
@@ -42,10 +43,7 @@ class Window:
 
     def p99(self) -> float:
         """The 99th percentile of the successful requests' latencies, seconds (nan: none)."""
-        if not self.latencies:
-            return math.nan
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return percentile(sorted(self.latencies), 99)
 
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
