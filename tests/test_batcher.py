@@ -757,3 +757,35 @@ def test_function_runner_with_its_own_spec():
             return await b.infer(request(3))
 
     np.testing.assert_array_equal(asyncio.run(main())["y"], row_fn(request(3)["x"]))
+
+
+def test_a_versioned_model_s_requests_are_checked_once_and_each_batch_s_outputs_once(
+    monkeypatch,
+):
+    # Every served model sits in a VersionedRunner: the Batcher validates each request on
+    # admission and each batch's outputs, and the version runs the batch unchecked.
+    from servekit.runners.versioned import VersionedRunner
+
+    counts = {"validate_inputs": 0, "check_outputs": 0}
+    for name in counts:
+        real = getattr(ModelSpec, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelSpec, name, counted)
+    spec = ModelSpec((TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [2]),), 8)
+    runner = VersionedRunner(FunctionRunner(lambda d: {"y": d["x"] * 2}, spec))
+    batches: list[int] = []
+
+    async def run() -> None:
+        batcher = Batcher(runner, BatchingPolicy(max_batch_size=8, max_queue_delay_us=20_000))
+        batcher.listeners.append(lambda record: batches.append(record.requests))
+        rows = [{"x": np.full((1, 2), i, np.float32)} for i in range(16)]
+        answers = await asyncio.gather(*(batcher.infer(r) for r in rows))
+        assert [a["y"][0, 0] for a in answers] == [2.0 * i for i in range(16)]
+        await batcher.aclose()
+
+    asyncio.run(run())
+    assert counts == {"validate_inputs": 16, "check_outputs": len(batches)}

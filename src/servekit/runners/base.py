@@ -110,7 +110,8 @@ class FunctionRunner(BaseRunner):
 def batch_function(
     runner: Runner,
 ) -> Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]:
-    """What a batcher calls for a batch it validated request by request: a ``BaseRunner``'s
-    ``run`` (no second validation; the batcher checks the outputs), any other Runner's
-    ``infer``."""
-    return runner.run if isinstance(runner, BaseRunner) else runner.infer
+    """What a batcher calls for a batch it validated request by request: the runner's
+    ``run`` where it has one (``BaseRunner``, ``VersionedRunner``: no second validation;
+    the batcher checks the outputs once), any other Runner's ``infer``."""
+    run = getattr(runner, "run", None)
+    return run if callable(run) else runner.infer
