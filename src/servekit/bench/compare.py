@@ -60,8 +60,9 @@ class Setup:
 
     @classmethod
     def of(cls, model: ModelConfig) -> Setup:
-        """An image classifier gets one 320x240 JPEG per request, any other model one row
-        of random tensors (``payload_from_metadata``)."""
+        """An image classifier gets one 320x240 JPEG per request, your own code one row of
+        its signature's sample inputs (BYTES: ``b"x"``, not an image), any other model one
+        row of random tensors (``payload_from_metadata``)."""
         from ..protocol.kserve import metadata
         from ..runtime.base import probe_model
         from .payload import payload_from_metadata
@@ -70,6 +71,8 @@ class Setup:
         if probe.image_spec is not None:
             payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
             return cls(model, image_model_name(model.name), payload, True)
+        if model.is_code:
+            return cls(model, model.name, probe.spec.sample_inputs(1), False)
         inputs = metadata(model.name, probe.spec)["inputs"]
         return cls(model, model.name, payload_from_metadata(inputs), False)
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ServekitError
-from .common import CacheDir, ConfigFile, console, serve_config, zoo_model
+from .common import CacheDir, ConfigFile, console, model_source, serve_config
 
 __all__ = ["bench", "compare"]
 
@@ -161,7 +161,7 @@ def compare(
 
     cfg = serve_config(
         config,
-        models=None if config else [str(zoo_model(model, cache_dir))],
+        models=None if config else [model_source(model, cache_dir)],
         cache_dir=cache_dir,
         instances=instances,
         threads=threads,

@@ -36,6 +36,14 @@ def zoo_model(model: str | Path, cache_dir: Path | None) -> Path:
         raise typer.BadParameter(str(exc), param_hint="MODEL") from None
 
 
+def model_source(model: str, cache_dir: Path | None) -> str:
+    """What ``--model`` names as a ``ModelConfig.source``: your own model's import path as
+    given (``module:attribute``), else ``zoo_model``'s file."""
+    from ..custom import is_import_path
+
+    return model if is_import_path(model) else str(zoo_model(model, cache_dir))
+
+
 CacheDir = Annotated[
     Path | None,
     typer.Option(

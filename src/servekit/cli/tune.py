@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ..config import RUNTIMES
-from .common import CacheDir, ConfigFile, console, fail, serve_config, zoo_model
+from .common import CacheDir, ConfigFile, console, fail, model_source, serve_config
 
 if TYPE_CHECKING:
     from ..tune import Knobs, Trial, TuneResult
@@ -107,7 +107,7 @@ def tune(
             f"must be one of {[*RUNTIMES, 'all']}, got {runtime!r}", param_hint="--runtime"
         )
     base = serve_config(
-        config, models=[str(zoo_model(model, cache_dir))] if model else None, cache_dir=cache_dir
+        config, models=[model_source(model, cache_dir)] if model else None, cache_dir=cache_dir
     )
     if len(base.models) != 1:
         raise typer.BadParameter(f"tune takes one model; the config has {len(base.models)}")
