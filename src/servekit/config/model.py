@@ -1,0 +1,255 @@
+"""``ModelConfig``: one model, where it comes from (a zoo name, a file, your code, a
+pipeline of steps), which engine runs it, how it is batched, versioned and scaled."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..autoscale import AutoscalePolicy
+from ..batching.policy import BatchingPolicy
+from ..custom import is_import_path
+from ..rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
+from ..runners import ENGINES
+from ..tables import check_keys
+from .names import NAME, PRECISIONS, model_name
+
+__all__ = ["ModelConfig"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model: where it comes from, which engine runs it, how it is batched and scaled."""
+
+    source: str = "resnet50"
+    """Zoo model name, path to an ONNX file, or your own model's import path
+    (``module:attribute``: a ``servekit.Model`` subclass, an ``@infer_function``, or a
+    ``Runner`` class)."""
+    name: str = ""
+    """Served name; empty = ``model_name(source)``."""
+    engine: str = "onnxruntime"
+    precision: str = "fp32"
+    """What the engine builds at load (TensorRT, Torch); ONNX Runtime runs the file as
+    written (``servekit optimize`` makes INT8/FP16 files)."""
+    device: str | None = None
+    """CUDA ordinal (TensorRT) or torch device (Torch); None = the engine's default."""
+    batching: BatchingPolicy = field(default_factory=BatchingPolicy)
+    """``max_batch_size`` 0 = the model's own (64 for an ONNX file with a dynamic batch)."""
+    instances: int = 1
+    """Triton's instance_group count, Ray's model replicas, the Batcher's worker threads."""
+    threads: int | None = None
+    """ONNX Runtime intra-op threads per instance; None = ONNX Runtime's default."""
+    labels: str | None = None
+    """Class names, one per line, for the image model (default: the model's own metadata)."""
+    top_k: int = 5
+    image: bool = True
+    """Also serve ``<name>_image`` (encoded images in, top-k out) for an image classifier."""
+    version: int = 1
+    """The number ``source`` is served as: 1, except where a ``[store]`` root's Triton
+    layout says otherwise (``<name>/3/model.onnx`` is version 3)."""
+    versions: tuple[ModelVersion, ...] = ()
+    """Versions beside version 1 (``source``), each with the same signature; every one is
+    loaded and served under the model's name (``/versions/<v>/`` names one)."""
+    traffic: TrafficPolicy | None = None
+    """How requests that name no version split over the versions (default: all to 1)."""
+    canary: CanaryPolicy | None = None
+    """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
+    autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
+    """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
+    path: str | None = None
+    """Your own model's folder, put first on ``sys.path`` in each process that imports it
+    (default: the working directory the config was made in)."""
+    args: Mapping[str, Any] = field(default_factory=dict)
+    """``[models.args]``: keyword arguments for your own model's ``setup`` (or its
+    ``Runner`` class)."""
+    steps: tuple[ModelConfig, ...] = ()
+    """``[[models.steps]]``: a pipeline, served as this one model: each step (a zoo model,
+    an ONNX file, your own code, a stage such as ``servekit.stages:Preprocess``) takes the
+    request's tensors or an earlier step's outputs by name; ``source`` is unused."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.autoscale, Mapping):
+            object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
+        object.__setattr__(self, "source", os.fspath(self.source))
+        if self.steps:
+            self._check_steps()
+        if not self.name:
+            object.__setattr__(self, "name", model_name(self.source))
+        if not NAME.match(self.name):
+            raise ValueError(
+                f"model name must be letters, digits, '_', '.' or '-', got {self.name!r}"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        for key in ("instances", "top_k"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.labels is not None:
+            object.__setattr__(self, "labels", os.fspath(self.labels))
+        self._check_code()
+        self._check_rollout()
+
+    @property
+    def is_code(self) -> bool:
+        """Whether ``source`` is your own Python model (an import path)."""
+        return not self.steps and is_import_path(self.source)
+
+    @property
+    def has_file(self) -> bool:
+        """Whether ``source`` is a model file (a zoo name, a path, an object): not code,
+        not a pipeline."""
+        return not self.steps and not self.is_code
+
+    def _check_steps(self) -> None:
+        if not self.name:
+            raise ValueError("a pipeline ([[models.steps]]) needs a name")
+        steps = tuple(
+            s if isinstance(s, ModelConfig) else ModelConfig.from_dict(s, f"{self.name}.steps.{i}")
+            for i, s in enumerate(self.steps)
+        )
+        object.__setattr__(self, "steps", steps)
+        for i, step in enumerate(steps):
+            if step.steps or step.versions or step.traffic or step.canary:
+                raise ValueError(
+                    f"model {self.name!r}: step {i} ({step.name}) has steps, versions or a "
+                    "traffic split of its own; a pipeline's steps are single models"
+                )
+        if self.versions:
+            raise ValueError(
+                f"model {self.name!r}: a pipeline has no [[models.versions]] yet; serve each "
+                "version as a pipeline of its own"
+            )
+        object.__setattr__(self, "source", "pipeline")
+        object.__setattr__(self, "image", False)
+
+    def _check_code(self) -> None:
+        if not isinstance(self.args, Mapping):
+            raise ValueError(
+                f"model {self.name!r}: [models.args] must be a table, got {self.args!r}"
+            )
+        object.__setattr__(self, "args", dict(self.args))
+        if self.path is not None:
+            object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        elif self.is_code:  # where the name was given, for processes that start elsewhere
+            object.__setattr__(self, "path", os.getcwd())
+        if not self.is_code:
+            for key in ("path", "args"):
+                if getattr(self, key):
+                    raise ValueError(
+                        f"model {self.name!r}: {key} is for your own model (source = "
+                        f'"module:attribute"), not {self.source!r}'
+                    )
+        elif self.engine != "onnxruntime" or self.precision != "fp32":
+            raise ValueError(
+                f"model {self.name!r}: {self.source} is your own code: engine and precision "
+                f"are its own, not {self.engine!r}/{self.precision!r}"
+            )
+
+    def _check_rollout(self) -> None:
+        versions = tuple(
+            v if isinstance(v, ModelVersion) else ModelVersion.from_dict(v) for v in self.versions
+        )
+        object.__setattr__(self, "versions", versions)
+        if self.version < 1:
+            raise ValueError(f"model {self.name!r}: version must be >= 1, got {self.version}")
+        numbers = [self.version, *(v.version for v in versions)]
+        if len(set(numbers)) != len(numbers):
+            raise ValueError(f"model {self.name!r}: versions must be unique, got {numbers}")
+        if isinstance(self.traffic, Mapping):
+            object.__setattr__(self, "traffic", TrafficPolicy.from_dict(self.traffic))
+        if isinstance(self.canary, Mapping):
+            object.__setattr__(self, "canary", CanaryPolicy.from_dict(self.canary))
+        traffic = self.traffic
+        if traffic is not None:
+            named = sorted({*traffic.split, *([traffic.shadow] if traffic.shadow else [])})
+            unknown = [v for v in named if v not in numbers]
+            if unknown:
+                raise ValueError(
+                    f"model {self.name!r}: [models.traffic] names version(s) {unknown}; "
+                    f"the model has {numbers} (add them under [[models.versions]])"
+                )
+        judged = {*traffic.split, traffic.shadow} - {None} if traffic is not None else set()
+        if self.canary is not None and len(judged) < 2:
+            raise ValueError(
+                f"model {self.name!r}: [models.canary] needs a [models.traffic] split over "
+                "two versions, or a shadow beside one (the canary is the smaller share)"
+            )
+
+    @property
+    def version_numbers(self) -> tuple[int, ...]:
+        """Its own version (1 but in a store's Triton layout) and every version beside it."""
+        return (self.version, *(v.version for v in self.versions))
+
+    def for_version(self, version: int) -> ModelConfig:
+        """The model as one of its versions: that version's source, no rollout of its own."""
+        sources = {self.version: self.source, **{v.version: v.source for v in self.versions}}
+        if version not in sources:
+            raise ValueError(
+                f"model {self.name!r} has no version {version}; it has {sorted(sources)}"
+            )
+        source = sources[version]
+        return dataclasses.replace(
+            self, source=source, name=self.name, versions=(), traffic=None, canary=None
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
+        rollout = ("batching", "versions", "traffic", "canary", "autoscale", "steps")
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in rollout and getattr(self, f.name) is not None
+        }
+        data["batching"] = self.batching.to_dict()
+        if self.version == 1:
+            del data["version"]
+        if not self.args:
+            del data["args"]
+        if self.steps:
+            data["steps"] = [s.to_dict() for s in self.steps]
+            del data["source"], data["image"]
+        if self.versions:
+            data["versions"] = [dataclasses.asdict(v) for v in self.versions]
+        if self.traffic is not None:
+            data["traffic"] = self.traffic.to_dict()
+        if self.canary is not None:
+            data["canary"] = self.canary.to_dict()
+        if self.autoscale != AutoscalePolicy():
+            data["autoscale"] = self.autoscale.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "models") -> ModelConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        kwargs = dict(data)
+        kwargs["batching"] = BatchingPolicy.from_dict(
+            data.get("batching", {}), f"{section}.batching"
+        )
+        raw = data.get("versions", [])
+        if not isinstance(raw, Sequence) or isinstance(raw, str):
+            raise ValueError(f"[[{section}.versions]]: expected a list of tables, got {raw!r}")
+        kwargs["versions"] = tuple(
+            ModelVersion.from_dict(v, f"{section}.versions.{i}") for i, v in enumerate(raw)
+        )
+        steps = data.get("steps", [])
+        if not isinstance(steps, Sequence) or isinstance(steps, str):
+            raise ValueError(f"[[{section}.steps]]: expected a list of tables, got {steps!r}")
+        kwargs["steps"] = tuple(
+            ModelConfig.from_dict(v, f"{section}.steps.{i}") for i, v in enumerate(steps)
+        )
+        if "traffic" in data:
+            kwargs["traffic"] = TrafficPolicy.from_dict(data["traffic"], f"{section}.traffic")
+        if "canary" in data:
+            kwargs["canary"] = CanaryPolicy.from_dict(data["canary"], f"{section}.canary")
+        if "autoscale" in data:
+            kwargs["autoscale"] = AutoscalePolicy.from_dict(
+                data["autoscale"], f"{section}.autoscale"
+            )
+        return cls(**kwargs)

@@ -1,0 +1,284 @@
+"""``ServeConfig``: the whole service, what each runtime can honour of it (``check``), and
+how it is read from a file (``load_config``, the legacy one-model format) and flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..autoscale import AutoscalePolicy
+from ..batching.policy import BatchingPolicy
+from ..storage import StorageConfig
+from ..tables import check_keys
+from .model import ModelConfig
+from .names import RUNTIMES, image_model_name, version_model_name
+from .server import RayOptions, ServerConfig, StoreConfig
+
+__all__ = ["ServeConfig", "load_config"]
+
+
+_IN_PROCESS = (
+    "native runs models in the server's own process: no worker dies alone, and a crash "
+    "takes the server with it (run several replicas, or the triton or ray runtime)"
+)
+# Knobs a runtime cannot honour: set to anything but the default, they are an error.
+_UNSUPPORTED: dict[str, dict[str, str]] = {
+    "pytriton": {
+        "ray": "Ray deployment options",
+        "store": "PyTriton cannot unload a model (pytriton#21)",
+        "inference_token": "PyTriton's tritonserver takes one access token, the control_token, "
+        "and servekit's front does not check an inference token in front of it",
+    },
+    "triton": {
+        "ray": "Ray deployment options",
+        "store": "tritonserver loads each model in a stub process of its own, outside the "
+        "store's measure and eviction: use servekit triton --model-control-mode explicit and "
+        "the repository API (load/unload pass through the front)",
+    },
+    "native": {
+        "ray": "Ray deployment options",
+        "request_timeout_s": _IN_PROCESS,
+        "max_worker_deaths": _IN_PROCESS,
+    },
+    "ray": {
+        "grpc_port": "Ray's ingress is HTTP only",
+        "metrics_port": "metrics are served on the HTTP port at /metrics",
+        "front": "Ray's ingress is always servekit's front",
+        "log_verbose": "Ray logs through its own settings",
+        "keep_alive_s": "Ray's HTTP proxy keeps its own connections",
+        "max_connections": "Ray's HTTP proxy keeps its own connections",
+        "grpc_handshake_timeout_s": "Ray's ingress is HTTP only",
+        "grpc_idle_timeout_s": "Ray's ingress is HTTP only",
+    },
+}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Models, the server they are served on, and the runtime serving them."""
+
+    models: tuple[ModelConfig, ...] = (ModelConfig(),)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    runtime: str = "pytriton"
+    cache_dir: str | None = None
+    """Zoo model cache (default ``$SERVEKIT_CACHE`` or ``~/.cache/servekit/models``)."""
+    ray: RayOptions = field(default_factory=RayOptions)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """How ``s3://`` and ``gs://`` sources are reached and cached (``servekit.storage``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        if isinstance(self.store, Mapping):
+            object.__setattr__(self, "store", StoreConfig.from_dict(self.store))
+        if isinstance(self.storage, Mapping):
+            object.__setattr__(self, "storage", StorageConfig.from_dict(self.storage))
+        if not self.models and self.store.root is None:
+            raise ValueError(
+                "nothing to serve: a ServeConfig needs at least one model or a [store] root"
+            )
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
+        served = [n for m in self.models for n in (m.name, image_model_name(m.name))[: 1 + m.image]]
+        served += [
+            version_model_name(m.name, v) for m in self.models for v in m.version_numbers[1:]
+        ]
+        if len(set(served)) != len(served):
+            raise ValueError(f"served model names must be unique, got {served}")
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+
+    def autoscale_policies(self) -> dict[str, AutoscalePolicy]:
+        """Model name -> its ``[models.autoscale]``: what each runtime's signal reads."""
+        return {m.name: m.autoscale for m in self.models}
+
+    def check(self, runtime: str | None = None) -> ServeConfig:
+        """Raise ``ValueError`` naming every knob set here that ``runtime`` (default: this
+        config's) cannot honour; returns self. Each runtime is checked once per config:
+        the entry points (the CLI, each runtime) may all ask."""
+        runtime = runtime or self.runtime
+        checked: set[str] = vars(self).setdefault("_checked", set())
+        if runtime not in checked:
+            self._check(runtime)
+            checked.add(runtime)
+        return self
+
+    def _check(self, runtime: str) -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {list(RUNTIMES)}, got {runtime!r}")
+        default_server, problems = ServerConfig(), []
+        for knob, why in _UNSUPPORTED[runtime].items():
+            if knob == "ray":
+                if self.ray != RayOptions():
+                    problems.append(f"[ray] ({why})")
+            elif knob == "store":
+                if self.store.active:
+                    problems.append(f"[store] ({why})")
+            elif getattr(self.server, knob) != getattr(default_server, knob):
+                problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
+        problems += [
+            f"models.{m.name}: version = {m.version} (the number a [store] root's Triton "
+            "layout gives a model's folder; versions beside it go in [[models.versions]])"
+            for m in self.models
+            if m.version != 1
+        ]
+        if runtime in ("pytriton", "triton") and not self.server.front:
+            problems += [
+                f"server.{knob} = {getattr(self.server, knob)!r} (with server.front = false "
+                "the public gRPC port is tritonserver's)"
+                for knob in ("grpc_handshake_timeout_s", "grpc_idle_timeout_s")
+                if getattr(self.server, knob) != getattr(default_server, knob)
+            ]
+            problems += [
+                f"models.{m.name}: versions and [models.traffic] with server.front = false "
+                "(on the Triton runtimes the split runs in servekit's front)"
+                for m in self.models
+                if m.versions or m.traffic or m.canary
+            ]
+        if problems:
+            raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
+
+    def on_loopback(self) -> ServeConfig:
+        """This config on 127.0.0.1 with free ports for the ports its runtime listens on
+        (tests, benchmarks, ``servekit compare``)."""
+        from ..endpoints import free_port
+
+        ports: dict[str, Any] = {
+            p: free_port()
+            for p in ("http_port", "grpc_port", "metrics_port")
+            if p not in _UNSUPPORTED[self.runtime]
+        }
+        server = dataclasses.replace(self.server, host="127.0.0.1", **ports)
+        return dataclasses.replace(self, server=server)
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole config as a file's tables (``from_dict``'s inverse)."""
+        data: dict[str, Any] = {
+            "runtime": self.runtime,
+            "server": self.server.to_dict(),
+            "models": [m.to_dict() for m in self.models],
+        }
+        if self.cache_dir is not None:
+            data["cache_dir"] = self.cache_dir
+        if self.ray != RayOptions():
+            data["ray"] = self.ray.to_dict()
+        if self.store.active:
+            data["store"] = self.store.to_dict()
+        if self.storage != StorageConfig():
+            data["storage"] = self.storage.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServeConfig:
+        """A config from a file's tables; an unknown key is named with its section."""
+        data = dict(data)
+        model_keys = {f.name for f in dataclasses.fields(ModelConfig)} | {"model"}
+        top = {"runtime", "server", "models", "cache_dir", "ray", "store", "storage"}
+        check_keys("top level", data, top | (model_keys if "models" not in data else set()))
+        flat = {k: data.pop(k) for k in list(data) if k in model_keys}
+        if "model" in flat:  # the one-model shorthand
+            flat["source"] = flat.pop("model")
+        if flat:
+            models = [ModelConfig.from_dict(flat, "top level")]
+        else:
+            store_root = isinstance(data.get("store"), Mapping) and "root" in data["store"]
+            raw = data.get("models", [] if store_root else [{}])
+            if not isinstance(raw, Sequence) or isinstance(raw, str):
+                raise ValueError(f"[[models]]: expected a list of tables, got {raw!r}")
+            models = [ModelConfig.from_dict(m, f"models.{i}") for i, m in enumerate(raw)]
+        return cls(
+            models=tuple(models),
+            server=ServerConfig.from_dict(data.get("server", {})),
+            runtime=data.get("runtime", "pytriton"),
+            cache_dir=data.get("cache_dir"),
+            ray=RayOptions.from_dict(data.get("ray", {})),
+            store=StoreConfig.from_dict(data.get("store", {})),
+            storage=StorageConfig.from_dict(data.get("storage", {})),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ServeConfig:
+        """Read a ``.toml`` / ``.yaml`` file; errors name the file and the bad key."""
+        try:
+            return cls.from_dict(load_config(path))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def to_toml(self) -> str:
+        """The config as a TOML file that ``ServeConfig.load`` reads back equal."""
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+    def with_overrides(
+        self,
+        *,
+        models: Sequence[str] = (),
+        server: Mapping[str, Any] | None = None,
+        model: Mapping[str, Any] | None = None,
+        batching: Mapping[str, Any] | None = None,
+        queue: Mapping[str, Any] | None = None,
+        runtime: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> ServeConfig:
+        """This config with command-line flags applied: ``models`` (sources) replace the
+        file's models, keeping the first one's settings; the rest override every model's
+        (``model``: ``ModelConfig`` fields, ``batching``/``queue``: the policy's), or the
+        server's. None values are flags not given."""
+
+        def given(d: Mapping[str, Any] | None) -> dict[str, Any]:
+            return {k: v for k, v in (d or {}).items() if v is not None}
+
+        base = self.models
+        if models:
+            first = dataclasses.replace(base[0], name="")
+            base = tuple(dataclasses.replace(first, source=os.fspath(s), name="") for s in models)
+        model_changes, batch_changes, queue_changes = given(model), given(batching), given(queue)
+        if "name" in model_changes and len(base) > 1:
+            raise ValueError("--name applies to one model; give it in the config file instead")
+        out = []
+        for m in base:
+            policy = m.batching
+            if batch_changes or queue_changes:
+                table = policy.to_dict()
+                table.update(batch_changes)
+                table["queue"] = {**table["queue"], **queue_changes}
+                policy = BatchingPolicy.from_dict(table)
+            out.append(dataclasses.replace(m, **model_changes, batching=policy))
+        return dataclasses.replace(
+            self,
+            models=tuple(out),
+            server=dataclasses.replace(self.server, **given(server)),
+            runtime=runtime or self.runtime,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else self.cache_dir,
+        )
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's tables, unchecked (``ServeConfig.load`` checks them)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(
+                f"{path}: YAML needs PyYAML (pip install pyyaml), or use TOML"
+            ) from None
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        raise ValueError(f"{path}: config files must end in .toml, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
+    return data

@@ -1,0 +1,187 @@
+"""Where and how a runtime listens (``ServerConfig``), Ray's options (``RayOptions``) and
+the model store's (``StoreConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..endpoints import Endpoints
+from ..recovery import Recovery
+from ..tables import check_keys
+from .names import MAX_BODY_BYTES
+
+__all__ = ["STORE_LOADS", "RayOptions", "ServerConfig", "StoreConfig"]
+
+
+@dataclass(frozen=True)
+class ServerConfig(Endpoints):
+    """Where and how a runtime listens; the defaults are Triton's own ports."""
+
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    front: bool = True
+    """Serve ``http_port`` with servekit's hardened KServe v2 front (Triton runtimes: Triton's
+    own HTTP moves to a private loopback port). Always on for ``native`` and ``ray``."""
+    inference_token: str | None = None
+    """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
+    control_token: str | None = None
+    """When set, Triton's model control, shared memory, config, statistics, trace and
+    logging APIs need it in ``servekit-control-token``, and so does changing a traffic split
+    (``POST /v2/models/<m>/traffic``, every runtime); None on PyTriton = a random one."""
+    log_verbose: int = 0
+    """Triton's ``--log-verbose`` level; for ``native``, > 0 logs at DEBUG."""
+    exit_timeout_s: int = 5
+    """How long a stopping server waits for requests in flight."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Larger request bodies get a 413 from servekit's front before they are read whole."""
+    keep_alive_s: float = 5.0
+    """HTTP/1.1: a connection with no request in progress this long is closed (one that
+    never finishes its headers, slowloris, included)."""
+    max_connections: int = 1024
+    """Connections servekit's HTTP server (all its ports together) and its gRPC server
+    each hold at once; one more is refused at once (HTTP 503, gRPC GOAWAY)."""
+    grpc_handshake_timeout_s: float = 10.0
+    """servekit's gRPC server: a connection without the HTTP/2 preface this long is closed."""
+    grpc_idle_timeout_s: float = 300.0
+    """servekit's gRPC server: a connection with no call and no frame this long gets GOAWAY."""
+    request_timeout_s: float = 30.0
+    """A request whose worker process died is sent again until this long after it arrived
+    (its KServe ``timeout`` parameter, when given, instead); then 504 saying the worker died."""
+    max_worker_deaths: int = 2
+    """A request in flight in this many worker deaths is not sent again: 400, and the same
+    input is refused at once from then on (``servekit.recovery``)."""
+
+    def __post_init__(self) -> None:
+        for key in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, key)
+            if not 0 < port < 65536:
+                raise ValueError(f"{key} must be in [1, 65535], got {port}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        for key in ("keep_alive_s", "max_connections", "grpc_handshake_timeout_s",
+                    "grpc_idle_timeout_s", "request_timeout_s", "max_worker_deaths"):  # fmt: skip
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+    def http_limits(self) -> dict[str, Any]:
+        """servekit's HTTP/1.1 server's connection limits (``H1Server``'s keywords)."""
+        return {"keep_alive_s": self.keep_alive_s, "max_connections": self.max_connections}
+
+    def recovery(self) -> Recovery:
+        """What re-sends requests a worker death cost and quarantines poison inputs."""
+        return Recovery(timeout_s=self.request_timeout_s, max_deaths=self.max_worker_deaths)
+
+    def grpc_limits(self) -> dict[str, Any]:
+        """servekit's gRPC server's connection limits (``GrpcH2Server``'s keywords)."""
+        return {
+            "handshake_timeout_s": self.grpc_handshake_timeout_s,
+            "idle_timeout_s": self.grpc_idle_timeout_s,
+            "max_connections": self.max_connections,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "server") -> ServerConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Ray Serve's deployment knobs beyond the model's own (``instances`` = model replicas)."""
+
+    model_cpus: float = 1.0
+    """CPUs reserved per model replica."""
+    stage_cpus: float = 0.25
+    """CPUs reserved per pre/postprocess replica and for the ingress."""
+    stage_replicas: int = 1
+    max_ongoing_requests: int = 0
+    """Per replica; 0 = four times the model's max batch size (at least 16). Ray's own
+    default (5) would starve the Batcher."""
+    ingress_batches: int = 0
+    """Batches the ingress keeps in flight per model; 0 = two per model replica, plus one."""
+    autoscaling: Mapping[str, Any] | None = None
+    """Ray's ``autoscaling_config`` for the model deployments (replaces ``instances``)."""
+    fuse: bool = False
+    """Serve tensor models inside the ingress replicas: one deployment, no handle call per
+    batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
+    each). Cheaper per request; models no longer scale apart. Image classifiers keep
+    their stage deployments, so they cannot be fused."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "ray") -> RayOptions:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+STORE_LOADS = ("eager", "on_demand")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Many models on shared hardware: every model under ``root`` is known without being
+    loaded, and the resident ones are held under ``memory_budget_mb`` by evicting the least
+    recently used idle, unpinned model (``servekit.store``)."""
+
+    root: str | None = None
+    """A folder of models: ``<name>.onnx`` files, ``<name>/model.onnx`` or a Triton-style
+    ``<name>/<version>/model.onnx`` (the highest version); each is served as ``<name>``."""
+    memory_budget_mb: float = 0.0
+    """What the resident models may take together, measured after each load and warm-up
+    (0 = no budget)."""
+    load: str = "eager"
+    """``eager``: load every known model at start (within the budget); ``on_demand``: a
+    request for a known model that is not loaded loads it and waits."""
+    pin: tuple[str, ...] = ()
+    """Models never evicted (loaded at start in either mode)."""
+    wait_s: float = 5.0
+    """How long a request waits for its model to be loaded (loads queued before it, room
+    in the budget) before a 503 with Retry-After naming what holds the budget."""
+    max_loads_per_s: float = 20.0
+    """At most this many loads (and so evictions) a second (0: no bound)."""
+    meter: bool = True
+    """Charge each model what it costs alone, measured once in a quiet helper process
+    (false: measure each load in the serving process, where other requests count too)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin", tuple(self.pin))
+        if self.root is not None:
+            object.__setattr__(self, "root", os.fspath(self.root))
+        if self.load not in STORE_LOADS:
+            raise ValueError(f"[store] load must be one of {list(STORE_LOADS)}, got {self.load!r}")
+        if self.memory_budget_mb < 0:
+            raise ValueError(f"[store] memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
+        if self.wait_s <= 0:
+            raise ValueError(f"[store] wait_s must be > 0, got {self.wait_s}")
+        if self.max_loads_per_s < 0:
+            raise ValueError(f"[store] max_loads_per_s must be >= 0, got {self.max_loads_per_s}")
+
+    @property
+    def active(self) -> bool:
+        """Whether the config asks for a model store at all."""
+        return self != StoreConfig()
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.memory_budget_mb * 1024 * 1024)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        data["pin"] = list(self.pin)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "store") -> StoreConfig:
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
