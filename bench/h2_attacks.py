@@ -33,15 +33,9 @@ from servekit import ModelConfig, ServeConfig, ServerConfig, zoo
 from servekit.bench.compare import ServerProcess
 from servekit.bench.cpu import descendants, tree_rss_bytes
 from servekit.bench.report import machine
+from servekit.grpc.frames import PREFACE, frame
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
 
 
 class RapidReset:

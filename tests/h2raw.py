@@ -13,11 +13,21 @@ import hpack
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    0, 1, 3, 4, 6, 7, 8, 9,
+from servekit.grpc.frames import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    frame,
+    grpc_message,
+    next_frame,
 )  # fmt: skip
-END_STREAM, END_HEADERS = 0x1, 0x4
+
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -36,16 +46,6 @@ def adder_request(value: float) -> service_pb2.ModelInferRequest:
 def sums(response: service_pb2.ModelInferResponse) -> np.ndarray:
     index = [o.name for o in response.outputs].index("OUTPUT0")
     return np.frombuffer(response.raw_output_contents[index], np.float32)
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
-def grpc_message(body: bytes, compressed: bool = False) -> bytes:
-    return bytes((int(compressed),)) + len(body).to_bytes(4, "big") + body
 
 
 class RawH2:
@@ -87,15 +87,13 @@ class RawH2:
 
     def frame(self) -> tuple[int, int, int, bytes] | None:
         """The next frame, or None once the server has closed the connection."""
-        while len(self.buffer) < 9 or len(self.buffer) < 9 + int.from_bytes(self.buffer[:3], "big"):
+        while (whole := next_frame(self.buffer)) is None:
             chunk = self.sock.recv(1 << 16)
             if not chunk:
                 return None
             self.buffer += chunk
-        length = int.from_bytes(self.buffer[:3], "big")
-        kind, flags = self.buffer[3], self.buffer[4]
-        stream = int.from_bytes(self.buffer[5:9], "big")
-        payload, self.buffer = self.buffer[9 : 9 + length], self.buffer[9 + length :]
+        kind, flags, stream, payload, end = whole
+        self.buffer = self.buffer[end:]
         return kind, flags, stream, payload
 
     def response(self, stream: int, on_data=None) -> tuple[dict, bytes, dict]:

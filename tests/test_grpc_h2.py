@@ -27,25 +27,27 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 from conftest import wait_until  # noqa: E402
 from h2raw import (  # noqa: E402
+    INFER,
+    RawH2,
+    adder_request,
+    address,
+    sums,
+)
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
+from servekit.grpc.frames import (  # noqa: E402
     CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
     HEADERS,
-    INFER,
     PING,
     PREFACE,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    RawH2,
-    adder_request,
-    address,
     frame,
     grpc_message,
-    sums,
 )
-from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.native import NativeServer  # noqa: E402
 from servekit.zoo.tiny import build_simulated  # noqa: E402
 

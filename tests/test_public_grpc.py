@@ -23,18 +23,10 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
 from conftest import wait_until  # noqa: E402
 from h2raw import (  # noqa: E402
-    CONTINUATION,
-    DATA,
-    END_HEADERS,
-    HEADERS,
-    PING,
-    SETTINGS,
     RawH2,
     adder_request,
     address,
     attack_while_calling,
-    frame,
-    grpc_message,
     opened_stream,
     rapid_reset,
     sums,
@@ -42,6 +34,16 @@ from h2raw import (  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.bench.compare import ServerProcess  # noqa: E402
 from servekit.bench.cpu import descendants, tree_fds, tree_rss_bytes  # noqa: E402
+from servekit.grpc.frames import (  # noqa: E402
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    HEADERS,
+    PING,
+    SETTINGS,
+    frame,
+    grpc_message,
+)
 from servekit.zoo.tiny import build_simulated  # noqa: E402
 
 RUNTIMES = ["native", "pytriton", "triton"]

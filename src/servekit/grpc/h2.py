@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import urllib.parse
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -41,23 +40,58 @@ from google.protobuf.message import DecodeError
 
 from ..compression import ENCODINGS, inflate
 from ..errors import InvalidInput
+from .frames import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEADLINE_EXCEEDED,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    INDEXED,
+    INTERNAL,
+    INTERNAL_ERROR,
+    INVALID_ARGUMENT,
+    MAX_WINDOW,
+    NO_ERROR,
+    OK,
+    OK_TRAILERS,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RESOURCE_EXHAUSTED,
+    RESPONSE_HEADERS,
+    RST_STREAM,
+    S_INITIAL_WINDOW_SIZE,
+    S_MAX_CONCURRENT_STREAMS,
+    S_MAX_FRAME_SIZE,
+    S_MAX_HEADER_LIST_SIZE,
+    SETTINGS,
+    STREAM_CLOSED,
+    TIMEOUT_UNITS,
+    UNIMPLEMENTED,
+    UNKNOWN,
+    WINDOW_UPDATE,
+    frame,
+    frame_length,
+    next_frame,
+    status_block,
+)
 
 __all__ = ["GrpcH2Server", "Method", "unary_methods"]
 
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
-WINDOW_UPDATE, CONTINUATION = 8, 9
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
-ENHANCE_YOUR_CALM = 11
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
-S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE = 1, 3, 4
-S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 5, 6
-
-MAX_WINDOW = 2**31 - 1
 MAX_STREAMS = 100
 MAX_FRAME = 1 << 20
 """The largest frame this server takes (advertised); it sends at most the peer's."""
@@ -86,56 +120,6 @@ class _Budget:
         return self.tokens >= 0
 
 
-OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED = 0, 1, 2, 3, 4
-RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
-_INDEXED = bytes(range(0x81, 0xFF))
-"""First bytes of HPACK's one-byte indexed fields (index 1-126)."""
-_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
-
-
-def _int(value: int, bits: int, first: int = 0) -> bytes:
-    """HPACK's integer with a ``bits``-bit prefix (RFC 7541 5.1)."""
-    limit = (1 << bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 127) | 128)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header as a literal never added to the dynamic table: the encoder keeps no state."""
-    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
-
-
-_STATUS_200 = b"\x88"  # :status 200, static table entry 8
-_GRPC_CONTENT = _literal(b"content-type", b"application/grpc")
-_RESPONSE_HEADERS = _STATUS_200 + _GRPC_CONTENT
-_OK_TRAILERS = _literal(b"grpc-status", b"0")
-
-
-_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
-"""grpc-message keeps printable ASCII but '%' as it is; the rest is %XX of UTF-8."""
-
-
-def _status_block(code: int, message: str) -> bytes:
-    block = _literal(b"grpc-status", str(code).encode())
-    if message:
-        quoted = urllib.parse.quote(message[:4096], safe=_GRPC_MESSAGE_SAFE)
-        block += _literal(b"grpc-message", quoted.encode())
-    return block
-
-
 class BlockDecoder:
     """HPACK decoding for one connection. A block of indexed fields only reads the tables
     without changing them, so it means the same until a block that may change them: a
@@ -152,7 +136,7 @@ class BlockDecoder:
         if headers is not None:
             return headers
         headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
-        if block.translate(None, _INDEXED) or len(self.decoded) >= 64:
+        if block.translate(None, INDEXED) or len(self.decoded) >= 64:
             self.decoded.clear()
         else:
             self.decoded[block] = headers
@@ -301,8 +285,8 @@ class _Connection(asyncio.Protocol):
             )
         )
         self._write(
-            _frame(SETTINGS, 0, 0, settings)
-            + _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - 65535).to_bytes(4, "big"))
+            frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - 65535).to_bytes(4, "big"))
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -392,7 +376,7 @@ class _Connection(asyncio.Protocol):
         """Tell the peer the last stream this connection took, then close it (on an error)
         or let the calls in flight finish (``NO_ERROR``, on stop)."""
         payload = self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big")
-        self._write(_frame(GOAWAY, 0, 0, payload + reason.encode()[:256]))
+        self._write(frame(GOAWAY, 0, 0, payload + reason.encode()[:256]))
         self.going_away = True
         if code != NO_ERROR:
             self._hang_up()
@@ -433,17 +417,15 @@ class _Connection(asyncio.Protocol):
                 del buf[:pos]
                 return True
             handled += 1
-            length = int.from_bytes(buf[pos : pos + 3], "big")
+            length = frame_length(buf, pos) or 0
             if length > MAX_FRAME:
                 raise _ConnectionError(
                     FRAME_SIZE_ERROR, f"frame of {length} bytes; the limit is {MAX_FRAME}"
                 )
-            if end - pos < 9 + length:
+            whole = next_frame(buf, pos)
+            if whole is None:
                 break
-            kind, flags = buf[pos + 3], buf[pos + 4]
-            stream = int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
-            payload = bytes(buf[pos + 9 : pos + 9 + length])
-            pos += 9 + length
+            kind, flags, stream, payload, pos = whole
             self._frame(kind, flags, stream, payload)
         del buf[:pos]
         return False
@@ -470,7 +452,7 @@ class _Connection(asyncio.Protocol):
                 raise _ConnectionError(PROTOCOL_ERROR, "PING must be 8 bytes on stream 0")
             if not flags & ACK:
                 self._spend(self.control, "PING")
-                self._write(_frame(PING, ACK, 0, payload))
+                self._write(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             if sid == 0 or len(payload) != 4:
                 raise _ConnectionError(PROTOCOL_ERROR, "malformed RST_STREAM")
@@ -531,7 +513,7 @@ class _Connection(asyncio.Protocol):
         if stream is None:
             self.last_stream = sid
             if self.going_away or len(self.streams) >= MAX_STREAMS:
-                self._write(_frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+                self._write(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
                 return
             stream = self.streams[sid] = _Stream(self.peer_window)
             stream.headers = headers
@@ -552,7 +534,7 @@ class _Connection(asyncio.Protocol):
         self.recv_window -= len(payload)
         if self.recv_window < MAX_WINDOW // 2:
             self._write(
-                _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - self.recv_window).to_bytes(4, "big"))
+                frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - self.recv_window).to_bytes(4, "big"))
             )
             self.recv_window = MAX_WINDOW
         stream = self.streams.get(sid)
@@ -610,7 +592,7 @@ class _Connection(asyncio.Protocol):
                 if not 16384 <= value < 1 << 24:
                     raise _ConnectionError(PROTOCOL_ERROR, f"max frame size {value}")
                 self.peer_frame = value
-        self._write(_frame(SETTINGS, ACK, 0))
+        self._write(frame(SETTINGS, ACK, 0))
         self._flush()
 
     def _window_update(self, sid: int, payload: bytes) -> None:
@@ -632,7 +614,7 @@ class _Connection(asyncio.Protocol):
                 self.streams.pop(sid)
                 _cancel(stream)
                 code = PROTOCOL_ERROR if increment == 0 else FLOW_CONTROL_ERROR
-                self._write(_frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+                self._write(frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
                 return
         self._flush()
 
@@ -730,14 +712,14 @@ class _Connection(asyncio.Protocol):
             stream.timer.cancel()
             stream.timer = None
         if not body:
-            block = _RESPONSE_HEADERS + _status_block(code, message)
-            tail = _frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")) if reset else b""
-            self._write(_frame(HEADERS, END_HEADERS | END_STREAM, sid, block) + tail)
+            block = RESPONSE_HEADERS + status_block(code, message)
+            tail = frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")) if reset else b""
+            self._write(frame(HEADERS, END_HEADERS | END_STREAM, sid, block) + tail)
             self._close(sid)
             return
-        self._write(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS))
+        self._write(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
         stream.out = body
-        stream.trailers = _OK_TRAILERS if code == OK else _status_block(code, message)
+        stream.trailers = OK_TRAILERS if code == OK else status_block(code, message)
         self._send(sid, stream)
 
     def _send(self, sid: int, stream: _Stream) -> None:
@@ -749,13 +731,13 @@ class _Connection(asyncio.Protocol):
             n = min(len(out) - sent, self.peer_frame, self.send_window, stream.send_window)
             if n <= 0:
                 break
-            frames.append(_frame(DATA, 0, sid, out[sent : sent + n]))
+            frames.append(frame(DATA, 0, sid, out[sent : sent + n]))
             sent += n
             self.send_window -= n
             stream.send_window -= n
         stream.out = out[sent:]
         if not stream.out:
-            frames.append(_frame(HEADERS, END_HEADERS | END_STREAM, sid, stream.trailers))
+            frames.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, stream.trailers))
         self._write(b"".join(frames))
         if not stream.out:
             self._close(sid)
@@ -811,7 +793,7 @@ def _message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
 def _timeout(value: bytes | None) -> float | None:
     if value is None:
         return None
-    unit = _TIMEOUT_UNITS.get(value[-1:])
+    unit = TIMEOUT_UNITS.get(value[-1:])
     if unit is None or not value[:-1].isdigit() or len(value) > 9:
         raise _Abort(INVALID_ARGUMENT, f"grpc-timeout {value.decode(errors='replace')!r}")
     return int(value[:-1]) * unit

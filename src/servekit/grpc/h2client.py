@@ -20,14 +20,16 @@ from typing import Any, cast
 
 import hpack
 
-from .h2 import (
+from .frames import (
     ACK,
+    CANCEL,
     CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
     GOAWAY,
     HEADERS,
+    INTERNAL,
     MAX_WINDOW,
     PADDED,
     PING,
@@ -37,15 +39,16 @@ from .h2 import (
     S_INITIAL_WINDOW_SIZE,
     S_MAX_FRAME_SIZE,
     SETTINGS,
+    UNAVAILABLE,
     WINDOW_UPDATE,
-    BlockDecoder,
-    _frame,
-    _literal,
+    frame,
+    literal,
+    next_frame,
 )
+from .h2 import BlockDecoder
 
 __all__ = ["H2Call", "H2Client", "UNAVAILABLE"]
 
-UNAVAILABLE, INTERNAL, CANCEL = 14, 13, 8
 _ENABLE_PUSH = 2
 _RECEIVE_FRAME = 1 << 20
 """The largest frame this client takes (advertised)."""
@@ -95,8 +98,8 @@ class _Connection(asyncio.Protocol):
         )
         self.transport.write(
             PREFACE
-            + _frame(SETTINGS, 0, 0, settings)
-            + _frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - 65535).to_bytes(4, "big"))
+            + frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - 65535).to_bytes(4, "big"))
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -133,13 +136,13 @@ class _Connection(asyncio.Protocol):
         if self.next_stream >= _LAST_STREAM:  # stream ids spent: the next call reconnects
             self.client.connection = None
         call = self.calls[sid] = _Call(done, body, self.peer_window)
-        self._write(_frame(HEADERS, END_HEADERS, sid, block))
+        self._write(frame(HEADERS, END_HEADERS, sid, block))
         self._send(sid, call)
         return sid
 
     def cancel(self, sid: int) -> None:
         if self.calls.pop(sid, None) is not None:
-            self._write(_frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
+            self._write(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
 
     def _send(self, sid: int, call: _Call) -> None:
         """As much of the call's message as the windows allow, the last frame ending it."""
@@ -149,7 +152,7 @@ class _Connection(asyncio.Protocol):
             if n <= 0:
                 break
             last = sent + n == len(out)
-            self._write(_frame(DATA, END_STREAM if last else 0, sid, out[sent : sent + n]))
+            self._write(frame(DATA, END_STREAM if last else 0, sid, out[sent : sent + n]))
             sent += n
             self.send_window -= n
             call.send_window -= n
@@ -165,16 +168,10 @@ class _Connection(asyncio.Protocol):
     # frames in
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        buf, pos, end = self.buffer, 0, len(self.buffer)
+        buf, pos = self.buffer, 0
         try:
-            while end - pos >= 9:
-                length = int.from_bytes(buf[pos : pos + 3], "big")
-                if end - pos < 9 + length:
-                    break
-                kind, flags = buf[pos + 3], buf[pos + 4]
-                sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
-                payload = bytes(buf[pos + 9 : pos + 9 + length])
-                pos += 9 + length
+            while (whole := next_frame(buf, pos)) is not None:
+                kind, flags, sid, payload, pos = whole
                 self._frame(kind, flags, sid, payload)
         except (hpack.HPACKError, ValueError) as exc:
             self._end(f"the server's HTTP/2 is malformed ({exc})")
@@ -185,7 +182,7 @@ class _Connection(asyncio.Protocol):
         if kind == DATA:
             self.received += len(payload)
             if self.received >= 1 << 24:  # open the window again
-                self._write(_frame(WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big")))
+                self._write(frame(WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big")))
                 self.received = 0
             call = self.calls.get(sid)
             if call is not None:
@@ -212,7 +209,7 @@ class _Connection(asyncio.Protocol):
                 self.calls[sid].send_window += increment
             self._flush()
         elif kind == PING and not flags & ACK:
-            self._write(_frame(PING, ACK, 0, payload))
+            self._write(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             call = self.calls.pop(sid, None)
             if call is not None and not call.done.done():
@@ -252,7 +249,7 @@ class _Connection(asyncio.Protocol):
                 self.peer_window = value
             elif key == S_MAX_FRAME_SIZE:
                 self.peer_frame = value
-        self._write(_frame(SETTINGS, ACK, 0))
+        self._write(frame(SETTINGS, ACK, 0))
         self._flush()
 
     def _finish(self, sid: int, call: _Call) -> None:
@@ -304,7 +301,7 @@ class H2Client:
             fields += [
                 (k.encode(), v if isinstance(v, bytes) else str(v).encode()) for k, v in metadata
             ]
-            block = self._blocks[key] = b"".join(_literal(k, v) for k, v in fields)
+            block = self._blocks[key] = b"".join(literal(k, v) for k, v in fields)
         return block
 
     async def _connect(self) -> _Connection:
