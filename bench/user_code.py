@@ -151,24 +151,32 @@ def main() -> None:
     ap.add_argument("--mlserver", help="python of a virtualenv with mlserver (skipped without)")
     ap.add_argument("--litserve", help="python of a virtualenv with litserve (skipped without)")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--only", default="", help="Comma-separated rows of the first group.")
     ap.add_argument("--out", type=Path, default=Path("bench/results/user_code"))
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     cfg = MeasureConfig(window_s=args.window, warmup_s=1.0, max_windows=4, stability=0.15)
     rounds: dict[tuple[str, int], list[dict]] = {}
 
-    def servekit_row(stack, runtime: str, name: str, model: ModelConfig) -> tuple[str, str, int]:
+    def servekit_row(
+        stack, runtime: str, name: str, model: ModelConfig, front: bool = True
+    ) -> tuple[str, str, int]:
         config = ServeConfig(
-            (model,), ServerConfig(exit_timeout_s=2), runtime=runtime,
-            ray=RayOptions(model_cpus=0.5),
+            (model,), ServerConfig(exit_timeout_s=2, front=front), runtime=runtime,
+            ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
         ).on_loopback()  # fmt: skip
         print(f"starting {name}", flush=True)
         server = stack.enter_context(ServerProcess(config))
         server.wait_ready([model.name])
         return name, config.server.http_url, server.pid
 
-    groups = [["native", "onnx", "pytriton", "triton", "direct", "mlserver", "litserve"]]
-    if not args.no_ray:
+    groups = [
+        ["native", "onnx", "pytriton", "pytriton-own", "triton", "direct", "mlserver", "litserve"]
+    ]
+    only = {w.strip() for w in args.only.split(",") if w.strip()}
+    if only:
+        groups = [[w for w in g if w in only] for g in groups]
+    if not args.no_ray and not only:
         groups.append(["ray", "plain-ray"])  # Ray's background work would slow the others
     for group in groups:
         with contextlib.ExitStack() as stack:
@@ -176,6 +184,9 @@ def main() -> None:
             for which in group:
                 if which in ("native", "pytriton", "triton", "ray"):
                     rows.append(servekit_row(stack, which, f"servekit {which}", code_model()))
+                elif which == "pytriton-own":  # Triton's own HTTP port: the front's share
+                    name = "servekit pytriton --no-front (Triton's own port)"
+                    rows.append(servekit_row(stack, "pytriton", name, code_model(), front=False))
                 elif which == "onnx":
                     onnx_model = ModelConfig(
                         "add_sub", batching=BatchingPolicy(max_batch_size=MAX_BATCH)
