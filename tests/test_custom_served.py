@@ -226,6 +226,19 @@ class ChannelMeans(servekit.Model):
 '''
 
 
+def means_pipeline(folder: Path, name: str, crop: int) -> ModelConfig:
+    """Preprocess (image bytes to a ``crop`` x ``crop`` tensor), then ``ChannelMeans``."""
+    (folder / "means.py").write_text(MEANS)
+    return ModelConfig(
+        name=name,
+        steps=(
+            {"source": "servekit.stages:Preprocess", "args": {"resize": crop, "crop": crop}},
+            {"source": "means:ChannelMeans", "path": str(folder)},
+        ),
+        batching=BatchingPolicy(max_batch_size=8),
+    )
+
+
 def test_a_pipeline_of_a_built_in_stage_and_your_model_serves_as_one_model(serving, tmp_path):
     import io
 
@@ -233,15 +246,7 @@ def test_a_pipeline_of_a_built_in_stage_and_your_model_serves_as_one_model(servi
 
     from servekit.runtime.base import load_model_runner
 
-    (tmp_path / "means.py").write_text(MEANS)
-    model = ModelConfig(
-        name="means",
-        steps=(
-            {"source": "servekit.stages:Preprocess", "args": {"resize": 32, "crop": 32}},
-            {"source": "means:ChannelMeans", "path": str(tmp_path)},
-        ),
-        batching=BatchingPolicy(max_batch_size=8),
-    )
+    model = means_pipeline(tmp_path, "means", crop=32)
     rng = np.random.default_rng(0)
     images = []
     for _ in range(3):
@@ -269,14 +274,7 @@ def test_a_pipeline_of_a_built_in_stage_and_your_model_serves_as_one_model(servi
 def test_a_pipeline_whose_steps_do_not_fit_is_refused_naming_them(tmp_path):
     from servekit.runtime.base import load_model_runner
 
-    (tmp_path / "means.py").write_text(MEANS)
-    model = ModelConfig(
-        name="bad",
-        steps=(
-            {"source": "servekit.stages:Preprocess", "args": {"resize": 64, "crop": 64}},
-            {"source": "means:ChannelMeans", "path": str(tmp_path)},
-        ),
-    )
+    model = means_pipeline(tmp_path, "bad", crop=64)  # ChannelMeans takes 32x32
     with pytest.raises(ValueError, match=r"pipeline bad: step 1 \(UserRunner\) input 'input'"):
         load_model_runner(model)
 
