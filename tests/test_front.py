@@ -21,7 +21,7 @@ from conftest import served_models
 from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
 from servekit.client import AsyncClient, Client
 from servekit.config import ServerConfig
-from servekit.front.front import ForwardedModel
+from servekit.front.forwarded import ForwardedModel
 from servekit.pytriton import TritonServer
 from servekit.stages import synthetic_image
 

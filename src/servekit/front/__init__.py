@@ -3,7 +3,8 @@ triton``): servekit's KServe handler on the public HTTP port, checking every req
 passing it to tritonserver over a pooled HTTP connection (``http``), and servekit's gRPC
 server on the public gRPC port, passing calls on as their bytes (``relay``, ``grpc``)."""
 
-from .front import ForwardedModel, TritonModels
+from .forwarded import ForwardedModel
+from .models import TritonModels
 from .server import Front
 
 __all__ = ["ForwardedModel", "Front", "TritonModels"]

@@ -27,8 +27,9 @@ from ..grpc.h2 import Method, unary_methods
 from ..grpc.service import GRPC_TOKEN_KEY, GrpcService, decode_inputs, request_parameters
 from ..protocol.kserve import scheduling
 from ..recovery import tensors_key
-from .front import ForwardedModel, PyTritonModels, TritonModels
+from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status
+from .models import PyTritonModels, TritonModels
 
 __all__ = ["GrpcRelay"]
 

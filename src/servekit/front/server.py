@@ -15,7 +15,8 @@ from ..metrics import Family
 from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import ModelSpec
-from .front import ForwardedModel, PyTritonModels, TritonModels
+from .forwarded import ForwardedModel
+from .models import PyTritonModels, TritonModels
 from .relay import GrpcRelay
 
 __all__ = ["Front"]
