@@ -63,9 +63,10 @@ from ..protocol.surface import (
     statistics,
 )
 from ..spec import ModelSpec
+from .asgi import serve_asgi
 from .h1 import Answer, Handler, HttpRequest, Reply
 
-__all__ = ["KServeApp", "metrics_handler", "serve_http"]
+__all__ = ["KServeApp", "metrics_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -150,51 +151,8 @@ class KServeApp:
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
     ) -> None:
-        """The ASGI adapter over ``handle`` (uvicorn, Ray Serve's ingress)."""
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
-        }
-        body, oversize = await self._receive_body(headers, receive)
-        request = HttpRequest(
-            scope["method"], scope["path"], headers, body,
-            query=scope.get("query_string", b""), oversize=oversize, limit=self.max_body_bytes,
-        )  # fmt: skip
-        status, payload, out = await self.handle(request)
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.items()]
-        raw.append((b"content-length", b"%d" % len(payload)))
-        await send({"type": "http.response.start", "status": status, "headers": raw})
-        await send({"type": "http.response.body", "body": payload})
-
-    async def _receive_body(
-        self, headers: Mapping[str, str], receive: Callable[..., Any]
-    ) -> tuple[bytes, int]:
-        """The ASGI body and, past ``max_body_bytes``, its size (read and dropped, never kept)."""
-        declared = headers.get("content-length", "0")
-        size = int(declared) if declared.isdigit() else 0
-        if size > self.max_body_bytes:
-            return b"", size
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size <= self.max_body_bytes:
-                chunks.append(chunk)
-            elif chunks:
-                chunks.clear()
-            if not message.get("more_body"):
-                break
-        return (b"".join(chunks), 0) if size <= self.max_body_bytes else (b"", size)
+        """The ASGI adapter over ``handle`` (uvicorn, Ray Serve's ingress): ``asgi``."""
+        await serve_asgi(self.handle, self.max_body_bytes, scope, receive, send)
 
     @staticmethod
     def _json(status: int, data: Any) -> tuple[int, bytes, dict[str, str]]:
@@ -535,12 +493,3 @@ def metrics_handler(render: Callable[[], str]) -> Handler:
         return 404, b'{"error": "only GET /metrics is served here"}', _JSON
 
     return handle
-
-
-def serve_http(
-    app: KServeApp, host: str = "0.0.0.0", port: int = 8000, log_level: str = "warning"
-) -> None:
-    """Run the front with uvicorn until interrupted."""
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
