@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +26,9 @@ from ..spec import spec_from_config
 from .forwarded import ForwardedModel, TritonVersion, triton_fetch, triton_ready
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
+
+POLL_TTL_S = 2.0
+"""How long a model's config read from tritonserver stands in poll mode."""
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +113,11 @@ class PyTritonModels(StaticModels):
 
 class TritonModels(Mapping[str, ForwardedModel]):
     """The models a tritonserver has loaded now, for the front: each one's spec is read
-    from Triton's model config (private HTTP port) when first asked for and again after
-    ``ttl_s``, so models loaded, unloaded or re-configured later are seen. A model with a
-    ``Traffic`` is served as a ``RoutedModel`` over its Triton versions."""
+    from Triton's model config (private HTTP port) when first asked for, and read again
+    only when it can have changed: after a load or unload through the front (explicit
+    mode; with no model control, never), or after ``ttl_s`` in poll mode, where
+    tritonserver reloads on its own. A model with a ``Traffic`` is served as a
+    ``RoutedModel`` over its Triton versions."""
 
     def __init__(
         self,
@@ -120,12 +126,15 @@ class TritonModels(Mapping[str, ForwardedModel]):
         *,
         inference_token: str | None = None,
         control_headers: Mapping[str, str] | None = None,
-        ttl_s: float = 2.0,
+        ttl_s: float | None = None,
         traffic: Mapping[str, Traffic] | None = None,
         recovery: Recovery | None = None,
         control_mode: str = "explicit",
     ) -> None:
-        self.http_url, self.grpc_url, self.ttl_s = http_url, grpc_url, ttl_s
+        self.http_url, self.grpc_url = http_url, grpc_url
+        if ttl_s is None:  # only poll mode changes a model behind the front's back
+            ttl_s = POLL_TTL_S if control_mode == "poll" else math.inf
+        self.ttl_s = ttl_s
         self.recovery, self.control_mode = recovery, control_mode
         self._token, self._headers = inference_token, dict(control_headers or {})
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
@@ -169,6 +178,11 @@ class TritonModels(Mapping[str, ForwardedModel]):
         if cached is not None:  # looked up afresh next time (kept while it serves the same spec)
             self._cache[name] = (float("-inf"), cached[1])
         return answer
+
+    def stale(self) -> None:
+        """Read every model's config again when next asked (tritonserver restarted: what it
+        loaded through the API before is gone)."""
+        self._cache = {name: (-math.inf, model) for name, (_, model) in self._cache.items()}
 
     def control_refused(self) -> str | None:
         """Why tritonserver cannot load or unload a model now (None: it can)."""

@@ -362,6 +362,8 @@ class TritonProcess:
         try:
             self.start()
         finally:
+            if self._front is not None:  # what was loaded through the API is gone
+                self._front.registry.stale()
             if recovery is not None:
                 recovery.restarted()
 
