@@ -307,3 +307,19 @@ def test_the_docs_example_is_the_example_file_and_runs(monkeypatch):
     runner = UserRunner(space["add"])
     x = np.ones((2, 16), np.float32)
     assert runner.infer({"INPUT0": x, "INPUT1": x})["OUTPUT0"].tolist() == (2 * x).tolist()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"name": "m"}', r'no "source" \(module:attribute\)'),
+        ('{"source": "mine:Scaled", "args": [1]}', r'"args" must be an object, got list'),
+    ],
+)
+def test_the_triton_backend_names_what_is_wrong_in_a_code_json(tmp_path, text, message):
+    from servekit.triton.backend import CODE_FILE, build_runner
+
+    (tmp_path / CODE_FILE).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        build_runner({"kind": "code"}, tmp_path, 8)

@@ -129,10 +129,12 @@ def _pipeline(model: ModelConfig, cache_dir: str | None, storage: StorageConfig 
             batched = dataclasses.replace(step, batching=model.batching)
             runners.append(load_model_runner(batched, cache_dir, storage))
         return Pipeline(runners)
-    except ValueError as exc:
-        for runner in runners:
+    except BaseException as exc:
+        for runner in runners:  # the steps loaded so far: nothing half-built stays open
             runner.close()
-        raise ValueError(f"pipeline {model.name}: {exc}") from None
+        if isinstance(exc, ValueError):
+            raise ValueError(f"pipeline {model.name}: {exc}") from None
+        raise
 
 
 def _versioned(

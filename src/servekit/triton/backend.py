@@ -111,9 +111,13 @@ def _code_runner(file: Path) -> Runner:
         raise ValueError(
             f"{file}: {type(exc).__name__}: {exc} (run `servekit repo build`)"
         ) from None
-    return import_model(
-        code["source"], name=code.get("name", ""), path=code.get("path"), args=code.get("args")
-    )
+    source = code.get("source") if isinstance(code, dict) else None
+    if not isinstance(source, str):
+        raise ValueError(f'{file}: no "source" (module:attribute) (run `servekit repo build`)')
+    args = code.get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f'{file}: "args" must be an object, got {type(args).__name__}')
+    return import_model(source, name=code.get("name", ""), path=code.get("path"), args=args)
 
 
 def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
