@@ -159,17 +159,28 @@ def main() -> None:
         + f", max_batch_size {args.max_batch_size}; each row is the median "
         f"of {args.rounds} rounds (server CPU's range beside it).",
         "",
-        "| runtime | protocol | requests/s | p50 ms | p99 ms | errors | server CPU us/request | range | client CPU us/request |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *cost_table(rows, ("runtime", "runtime"), ("protocol", "protocol")),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['runtime']} | {r['protocol']} | {r['requests_per_s']:.0f} | {r['p50_ms']:.2f} | "
-            f"{r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_us']:.0f} | "
-            f"{r['server_cpu_min']:.0f}-{r['server_cpu_max']:.0f} | {r['client_cpu_us']:.0f} |"
-        )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def cost_table(rows: list[dict], *first: tuple[str, str]) -> list[str]:
+    """Markdown rows of ``median_row``s: the ``first`` columns (header, key), then
+    throughput, latency, errors and CPU per request with its range over the rounds."""
+    header = [h for h, _ in first] + [
+        "requests/s", "p50 ms", "p99 ms", "errors", "server CPU us/request", "range",
+        "client CPU us/request",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(first) + " ---: |" * 7]
+    for r in rows:
+        cells = [str(r[key]) for _, key in first] + [
+            f"{r['requests_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+            str(r["errors"]), f"{r['server_cpu_us']:.0f}",
+            f"{r['server_cpu_min']:.0f}-{r['server_cpu_max']:.0f}", f"{r['client_cpu_us']:.0f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def measure_group(group, model, path, setup, cfg, args, rounds) -> None:

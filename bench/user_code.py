@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from serving_cost import measure, median_row, plain_ray, row
+from serving_cost import cost_table, measure, median_row, plain_ray, row
 
 from servekit import BatchingPolicy, Client, ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.bench import MeasureConfig
@@ -236,15 +236,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         f"max batch {MAX_BATCH}; each row is the median of {args.rounds} rounds by server CPU "
         "(its range beside it).",
         "",
-        "| server | concurrency | requests/s | p50 ms | p99 ms | errors | server CPU us/request | range | client CPU us/request |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *cost_table(rows, ("server", "runtime"), ("concurrency", "concurrency")),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['runtime']} | {r['concurrency']} | {r['requests_per_s']:.0f} | "
-            f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_us']:.0f} | "
-            f"{r['server_cpu_min']:.0f}-{r['server_cpu_max']:.0f} | {r['client_cpu_us']:.0f} |"
-        )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
