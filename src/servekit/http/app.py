@@ -53,6 +53,7 @@ from ..protocol.models import (
     PassThroughRegistry,
     RepositoryControl,
     as_registry,
+    conforms,
 )
 from ..protocol.routed import RoutedModel, infer_answered
 from ..protocol.surface import (
@@ -177,7 +178,7 @@ class KServeApp:
         if method == "GET" and path == "/v2":
             return self._json(200, server_metadata())
         behind = self._behind
-        control = self.models if isinstance(self.models, RepositoryControl) else None
+        control = self.models if conforms(self.models, RepositoryControl) else None
         if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
             ready_only = self._index_request(request) if method == "POST" else False
             if control is not None and method == "POST":
@@ -451,7 +452,7 @@ class KServeApp:
         body = self._body(http)
         raw = http.headers.get(HEADER_LENGTH)
         whole = _whole_body(raw)
-        if isinstance(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
+        if conforms(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             body, length, timeout_us = self._pass_through(name, model, body, raw)
             return await model.forward(body, length, version, timeout_us)
         if isinstance(model, RoutedModel) and not whole and model.passes_through:
@@ -461,13 +462,14 @@ class KServeApp:
             answer, _ = await model.forward_routed(body, length, version, sticky)
             return answer
         if whole:  # the whole body is the one input
+            spec = model.spec
             try:
-                request = raw_binary_request(model.spec, body)
+                request = raw_binary_request(spec, body)
             except InvalidInput:
                 self.metrics.failed(name)
                 raise
-            if isinstance(model, PassThrough):
-                model.spec.validate_inputs(request.inputs)
+            if conforms(model, PassThrough):
+                spec.validate_inputs(request.inputs)
                 return await model.forward(body, 0, version)
         else:
             request = self._decode(name, body, raw)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -32,7 +32,21 @@ __all__ = [
     "VersionTarget",
     "StaticModels",
     "as_registry",
+    "conforms",
 ]
+
+_T = TypeVar("_T")
+_CONFORMS: dict[tuple[type, type], bool] = {}
+
+
+def conforms(obj: object, protocol: type[_T]) -> TypeGuard[_T]:
+    """``isinstance(obj, protocol)`` for a runtime-checkable protocol, remembered per type:
+    probing every member again costs microseconds on each request."""
+    key = (type(obj), protocol)
+    known = _CONFORMS.get(key)
+    if known is None:
+        known = _CONFORMS[key] = isinstance(obj, protocol)
+    return known
 
 
 @runtime_checkable
