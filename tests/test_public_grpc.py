@@ -6,7 +6,12 @@ gRPC port.
 For each HTTP/2 denial-of-service class, sent from raw sockets while a polite client
 calls on another connection: the attacker gets its GOAWAY, the polite calls are
 answered, no process of the server's is replaced (tritonserver is never reached), and
-the server's processes hold no more memory and no more descriptors than before."""
+the server's processes hold no more memory and no more descriptors than before.
+
+Triton's ``ModelStreamInfer`` too, on each: tritonclient's streams from eight clients at
+once (each answer carrying its request's id, a bad request answered with its error and
+the stream going on), ``stop_stream(cancel_requests=True)``, and the stream attacks: a
+flood of messages never answered fast enough, and streams opened and abandoned."""
 
 from __future__ import annotations
 
@@ -182,3 +187,134 @@ def test_slow_and_idle_connections_and_a_thousand_streams(live, server):
         while silent.recv(1 << 16):  # until the server hangs up
             pass
         assert time.perf_counter() - start < 5
+
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def _tensors(value: float, width: int = 16) -> list:
+    import tritonclient.grpc as grpcclient
+
+    tensors = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = grpcclient.InferInput(name, [1, width], "FP32")
+        tensor.set_data_from_numpy(np.full((1, width), value, np.float32))
+        tensors.append(tensor)
+    return tensors
+
+
+def test_tritonclient_streams_from_eight_clients_answer_every_request_by_id(live, server):
+    """Each client streams 25 requests, one of them malformed (INPUT0 of 3 values) and one
+    to a model that does not exist: every request is answered once, by id, the two with
+    errors naming what was wrong, and each stream goes on past them."""
+    import queue
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
+    failures: list = []
+
+    def client(k: int) -> None:
+        answers: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(address(server))
+        try:
+            c.start_stream(callback=lambda result, error: answers.put((result, error)))
+            for i in range(25):
+                rid = f"{k}-{i}"
+                if i == 7:
+                    tensors = _tensors(1.0)
+                    tensors[0] = grpcclient.InferInput("INPUT0", [1, 3], "FP32")
+                    tensors[0].set_data_from_numpy(np.ones((1, 3), np.float32))
+                    c.async_stream_infer("adder", tensors, request_id=rid)
+                elif i == 13:
+                    c.async_stream_infer("nope", _tensors(1.0), request_id=rid)
+                else:
+                    c.async_stream_infer("adder", _tensors(float(i)), request_id=rid)
+            got = {}
+            errors = []
+            for _ in range(25):
+                result, error = answers.get(timeout=60)
+                if error is not None:
+                    errors.append(str(error))
+                else:
+                    response = result.get_response()
+                    assert response.id not in got, f"{response.id} answered twice"
+                    got[response.id] = result.as_numpy("OUTPUT0")
+            assert sorted(got) == sorted(f"{k}-{i}" for i in range(25) if i not in (7, 13))
+            for rid, out in got.items():
+                i = int(rid.split("-")[1])
+                assert out.shape == (1, 16) and np.all(out == 2.0 * i), (rid, out)
+            assert len(errors) == 2, errors
+            bad = next(e for e in errors if "INPUT0" in e)
+            assert "16" in bad and "3" in bad, bad  # expected and got
+            assert any("nope" in e for e in errors), errors
+            c.stop_stream()
+        except BaseException as exc:  # reported from the main thread
+            failures.append((k, exc))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+
+
+def test_stop_stream_cancelling_its_requests_leaves_the_server_serving(live, server):
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(address(server))
+    try:
+        answered = []
+        c.start_stream(callback=lambda result, error: answered.append(error is None))
+        for i in range(50):
+            c.async_stream_infer("adder", _tensors(float(i)), request_id=str(i))
+        c.stop_stream(cancel_requests=True)
+        c.start_stream(callback=lambda result, error: answered.append(result))
+        c.async_stream_infer("adder", _tensors(4.0), request_id="after")
+        wait_until(lambda: answered and not isinstance(answered[-1], bool), "the next stream", 30)
+        assert answered[-1].as_numpy("OUTPUT0")[0, 0] == 8.0
+        c.stop_stream()
+    finally:
+        c.close()
+
+
+def _stream_messages(count: int) -> bytes:
+    message = grpc_message(adder_request(1.0).SerializeToString())
+    return b"".join(frame(DATA, 0, 1, message) for _ in range(count))
+
+
+def test_a_stream_flooded_and_never_read_is_paused_not_buffered(live, server):
+    """One stream, its responses never read (its window never opened past the default),
+    sent adder requests as fast as the socket takes them: the server stops reading it,
+    the polite client is answered meanwhile, and memory stays bounded (``live``)."""
+    with RawH2(server) as raw:
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        raw.sock.settimeout(3)
+        raw.call(1, b"", path=STREAM, end=False)
+        blob = _stream_messages(1000)  # about 200 KB
+        sent = 0
+        try:
+            for _ in range(1000):
+                raw.sock.sendall(blob)
+                sent += len(blob)
+        except (TimeoutError, OSError):
+            pass  # the server stopped reading us
+        assert sent < 1000 * len(blob), "the server read 200 MB of a stream it cannot answer"
+        start = time.perf_counter()
+        assert sums(live.ModelInfer(adder_request(3.0), timeout=30))[0] == 6.0
+        assert time.perf_counter() - start < 1.0
+
+
+def test_streams_opened_and_abandoned_are_closed_with_their_connection(live, server):
+    """A hundred streams, each sent one request and never read or ended, then the
+    connection dropped: what they held is let go (``live`` checks memory and descriptors)."""
+    for _ in range(3):
+        with RawH2(server) as raw:
+            message = grpc_message(adder_request(1.0).SerializeToString())
+            for sid in range(1, 201, 2):
+                raw.call(sid, message, path=STREAM, end=False)
+            assert sums(live.ModelInfer(adder_request(2.0), timeout=30))[0] == 4.0

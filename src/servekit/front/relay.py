@@ -8,14 +8,16 @@ on its restricted APIs (shared memory, repository, trace, logging). An infer is 
 once and checked as the HTTP front checks it (shape claims against the message's size,
 then the model's signature) before its bytes go on, and re-sent if its worker dies
 (``ForwardedModel.relay``). A routed model (a traffic split) takes servekit's full path
-(``GrpcService``), as do liveness and readiness, which are the front's. Streaming calls
-are not served (``ModelStreamInfer`` answers UNIMPLEMENTED).
+(``GrpcService``), as do liveness and readiness, which are the front's. A
+``ModelStreamInfer`` stream is answered request by request, each as the infer above
+(checked, relayed as its bytes, re-sent on a dead stub), its answer wrapped as a stream
+response without being decoded.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -23,8 +25,15 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
-from ..grpc.h2 import Method, unary_methods
-from ..grpc.service import GRPC_TOKEN_KEY, GrpcService, decode_inputs, request_parameters
+from ..grpc.calls import Method, each_answered, service_methods
+from ..grpc.service import (
+    GRPC_TOKEN_KEY,
+    STREAM_IN_FLIGHT,
+    GrpcService,
+    decode_inputs,
+    request_parameters,
+    stream_error,
+)
 from ..protocol.kserve import scheduling
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
@@ -80,12 +89,14 @@ class GrpcRelay:
 
     def methods(self) -> Mapping[bytes, Method | None]:
         descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-        table = dict(unary_methods(self.service, descriptor, service_pb2))
+        table = dict(service_methods(self.service, descriptor, service_pb2))
         for path, method in table.items():
             if method is None or method.name in ("ServerLive", "ServerReady"):
                 continue
             if method.name == "ModelInfer":
                 table[path] = Method(method.name, _Raw, self._infer)
+            elif method.name == "ModelStreamInfer":
+                table[path] = Method(method.name, _Raw, self._stream, streaming=True)
             elif method.name in _BY_MODEL:
                 handler = functools.partial(self._about_model, method.name, method.handler)
                 table[path] = Method(method.name, _Raw, handler)
@@ -184,3 +195,36 @@ class GrpcRelay:
         except ServekitError as exc:
             await self.service.fail(context, exc)
         return await self._answer(context, outcome)
+
+    async def _stream(
+        self, requests: AsyncIterator[_Raw], context: Any
+    ) -> AsyncGenerator[Any, None]:
+        """Each request of the stream as its own infer (``_infer``), answered as it completes."""
+        answers = each_answered(
+            requests, lambda request: self._infer(request, context), STREAM_IN_FLIGHT
+        )
+        async for request, outcome in answers:
+            if isinstance(outcome, Exception):
+                try:
+                    message = service_pb2.ModelInferRequest.FromString(request.data)
+                except DecodeError:
+                    message = service_pb2.ModelInferRequest()
+                yield stream_error(message, outcome)
+            elif isinstance(outcome, _Raw):
+                yield _Raw(_INFER_RESPONSE + _varint(len(outcome.data)) + outcome.data)
+            else:  # servekit answered it (a routed model)
+                yield service_pb2.ModelStreamInferResponse(infer_response=outcome)
+
+
+_INFER_RESPONSE = b"\x12"
+"""``ModelStreamInferResponse.infer_response``'s key: field 2, length-delimited."""
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf's base-128 varint of ``n``."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)

@@ -1,22 +1,27 @@
-"""servekit's own gRPC server: unary calls over HTTP/2 (h2c) on an asyncio Protocol.
+"""servekit's own gRPC server: unary and bidirectional-streaming calls over HTTP/2 (h2c)
+on an asyncio Protocol.
 
 grpc.aio spends about twice the native runtime's whole HTTP path on each call (its
 Cython core drives every call through the event loop); this server reads frames
 itself, decodes headers with ``hpack`` and hands each call's message to the same
 servicer methods ``grpc.aio`` would call, with a context that offers what they use
-(``abort``, ``invocation_metadata``, ``set_code``/``set_details``). A call is one task;
-the frames a connection writes in one turn of the loop (every answer of a batch) go
-out in one system call.
+(``abort``, ``invocation_metadata``, ``set_code``/``set_details``; ``grpc.calls``). A
+call is one task; the frames a connection writes in one turn of the loop (every answer
+of a batch) go out in one system call.
 
-What it serves: unary methods of a protobuf service (streaming ones answer
-UNIMPLEMENTED), identity, gzip or deflate messages, ``grpc-timeout`` (DEADLINE_EXCEEDED),
-RST_STREAM (the call is cancelled), flow control both ways, PING, GOAWAY on stop (calls
-in flight are answered first). Limits: ``max_message_bytes`` per request message
+What it serves: unary methods of a protobuf service, and bidirectional ones the servicer
+writes as async generators (a stream's requests reach it as they arrive, its responses
+go out as it yields them; other streaming methods answer UNIMPLEMENTED), identity, gzip
+or deflate messages, ``grpc-timeout`` (DEADLINE_EXCEEDED), RST_STREAM (the call is
+cancelled, a stream's generator closed), flow control both ways, PING, GOAWAY on stop
+(calls in flight are answered first). Limits: ``max_message_bytes`` per request message
 (RESOURCE_EXHAUSTED; the rest of the stream is dropped, never buffered), twice that for
-all the requests still arriving on one connection, 100 concurrent calls per connection
-(REFUSED_STREAM beyond), a 64 KiB header block. A connection that
-breaks HTTP/2 itself (bad preface, frame or header block) gets GOAWAY and is closed;
-every other connection and call goes on.
+all the requests still arriving or not yet taken on one connection (a unary request past
+it is refused; a stream's messages past it, or past ``STREAM_BACKLOG`` untaken on one
+stream, leave the socket unread until the calls take them), ``max_unsent_bytes`` of a stream's responses the peer has not read (its generator
+waits), 100 concurrent calls per connection (REFUSED_STREAM beyond), a 64 KiB header
+block. A connection that breaks HTTP/2 itself (bad preface, frame or header block) gets
+GOAWAY and is closed; every other connection and call goes on.
 
 Against a peer that means harm (the known HTTP/2 denial-of-service classes), as nghttp2
 and grpc-core do: a budget per connection of streams the peer resets (rapid reset,
@@ -32,14 +37,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, cast
 
 import hpack
 from google.protobuf.message import DecodeError
 
-from ..compression import ENCODINGS, inflate
-from ..errors import InvalidInput
+from .calls import Aborted, CallContext, Method, deadline, inflated, unary_message
 from .frames import (
     ACK,
     COMPRESSION_ERROR,
@@ -78,7 +82,6 @@ from .frames import (
     S_MAX_HEADER_LIST_SIZE,
     SETTINGS,
     STREAM_CLOSED,
-    TIMEOUT_UNITS,
     UNIMPLEMENTED,
     UNKNOWN,
     WINDOW_UPDATE,
@@ -88,7 +91,7 @@ from .frames import (
     status_block,
 )
 
-__all__ = ["GrpcH2Server", "Method", "unary_methods"]
+__all__ = ["GrpcH2Server"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ FRAMES_PER_TURN = 256
 RESETS = (1000, 100.0)
 """Streams a peer may reset: a burst, then so many a second (a client cancelling calls
 stays far below; a rapid-reset attack runs at tens of thousands)."""
+STREAM_BACKLOG = 1 << 20
+"""Bytes of whole messages a streaming call may leave untaken before its connection stops
+being read (one message of any size is always taken in)."""
 CONTROL = (1000, 100.0)
 """PING, SETTINGS and empty DATA frames a peer may send: a burst, then so many a second."""
 
@@ -143,76 +149,16 @@ class BlockDecoder:
         return headers
 
 
-class Method:
-    """One unary method: its request message class and the coroutine that answers it."""
-
-    __slots__ = ("handler", "name", "request_type")
-
-    def __init__(self, name: str, request_type: Any, handler: Any) -> None:
-        self.name, self.request_type, self.handler = name, request_type, handler
-
-
-def unary_methods(servicer: Any, service: Any, messages: Any) -> dict[bytes, Method | None]:
-    """``/package.Service/Method`` -> Method, from a protobuf ``ServiceDescriptor`` whose
-    message classes are in module ``messages``; streaming methods map to None."""
-    table: dict[bytes, Method | None] = {}
-    for m in service.methods:
-        path = f"/{service.full_name}/{m.name}".encode()
-        streaming = m.client_streaming or m.server_streaming
-        table[path] = (
-            None
-            if streaming
-            else Method(m.name, getattr(messages, m.input_type.name), getattr(servicer, m.name))
-        )
-    return table
-
-
-class _Abort(Exception):
-    def __init__(self, code: int, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Context:
-    """What a servicer method may ask of its call (grpc.aio's ``ServicerContext``, in part)."""
-
-    __slots__ = ("_code", "_details", "_headers")
-
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
-        self._headers = headers
-        self._code: int | None = None
-        self._details = ""
-
-    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
-        """The call's metadata: its headers but HTTP/2's own, values of -bin keys as bytes."""
-        return [
-            (k.decode("latin-1"), v if k.endswith(b"-bin") else v.decode("latin-1"))
-            for k, v in self._headers
-            if not k.startswith(b":")
-        ]
-
-    async def abort(self, code: Any, details: str = "") -> None:
-        raise _Abort(_code_number(code), details)
-
-    def set_code(self, code: Any) -> None:
-        self._code = _code_number(code)
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-
-def _code_number(code: Any) -> int:
-    """A grpc.StatusCode (whose value is ``(number, name)``) or a plain number."""
-    value = getattr(code, "value", code)
-    return int(value[0] if isinstance(value, tuple) else value)
-
-
 class _Stream:
     __slots__ = (
         "chunks",
+        "drained",
+        "ended",
         "headers",
+        "inbox",
         "out",
         "send_window",
+        "sent_headers",
         "size",
         "task",
         "timer",
@@ -223,12 +169,19 @@ class _Stream:
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.size = 0
+        """Request bytes held: arriving (unary), or not yet taken by the method (streaming)."""
         self.send_window = send_window
         self.out = b""
         """Message bytes (framed) waiting for flow-control window."""
         self.trailers = b""
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.inbox: asyncio.Queue[tuple[int, bytes] | None] | None = None
+        """A streaming call's whole request messages (compressed flag, bytes), None at the end."""
+        self.ended = False
+        self.sent_headers = False
+        self.drained: asyncio.Event | None = None
+        """Set once ``out`` is short again: a streaming call waits on it before its next message."""
 
 
 class _Connection(asyncio.Protocol):
@@ -260,7 +213,8 @@ class _Connection(asyncio.Protocol):
         self.control = _Budget(server.control[0], server.control[1], clock)
         self.paused: set[str] = set()
         """Why reading is paused: "writes" (the peer does not read), "turn" (its share of
-        the loop is spent for now)."""
+        the loop is spent for now), "inbox" (a stream's messages wait to be taken; frames
+        stay unhandled), "buffer" (more than a frame read and not yet handled)."""
         self.active = clock()
         self.timer: asyncio.TimerHandle | None = None
 
@@ -318,7 +272,13 @@ class _Connection(asyncio.Protocol):
             log.exception("gRPC connection failed")
             self.goaway(INTERNAL_ERROR, "internal error")
             return
-        if more and self.transport is not None and not self.hanging_up:
+        if self.transport is None or self.hanging_up:
+            return
+        if len(self.buffer) > MAX_FRAME + 9:  # frames held back: read no more until handled
+            self._pause("buffer")
+        else:
+            self._resume("buffer")
+        if more:
             self._pause("turn")
             self.server.loop.call_soon(self._turn)
 
@@ -413,6 +373,8 @@ class _Connection(asyncio.Protocol):
             pos = len(PREFACE)
         end = len(buf)
         while end - pos >= 9 and self.transport is not None:
+            if "inbox" in self.paused:  # taken up again once the streams take their messages
+                break
             if handled == FRAMES_PER_TURN:
                 del buf[:pos]
                 return True
@@ -489,7 +451,7 @@ class _Connection(asyncio.Protocol):
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
         if sid in self.streams:  # trailers of a request (gRPC clients send none): its end
-            if self.streams[sid].task is not None:
+            if self.streams[sid].task is not None and self.streams[sid].inbox is None:
                 raise _ConnectionError(STREAM_CLOSED, f"HEADERS after END_STREAM on stream {sid}")
             if not flags & END_STREAM:
                 raise _ConnectionError(PROTOCOL_ERROR, "HEADERS again without END_STREAM")
@@ -517,7 +479,15 @@ class _Connection(asyncio.Protocol):
                 return
             stream = self.streams[sid] = _Stream(self.peer_window)
             stream.headers = headers
-        if ends:
+            method = self.server.methods.get(dict(headers).get(b":path", b""))
+            if method is not None and method.streaming:
+                self._open(sid, stream, method)
+                if self.streams.get(sid) is not stream:
+                    return  # refused
+        if stream.inbox is not None:
+            if ends:
+                self._stream_data(sid, stream, b"", True)
+        elif ends:
             self._dispatch(sid, stream)
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
@@ -542,6 +512,9 @@ class _Connection(asyncio.Protocol):
             if sid > self.last_stream:
                 raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return  # a stream already answered or reset: its data is dropped
+        if stream.inbox is not None:
+            self._stream_data(sid, stream, self._strip_padding(flags, payload), flags & END_STREAM)
+            return
         if stream.task is not None:
             raise _ConnectionError(STREAM_CLOSED, f"DATA after END_STREAM on stream {sid}")
         data = self._strip_padding(flags, payload)
@@ -571,6 +544,7 @@ class _Connection(asyncio.Protocol):
         self.buffered -= stream.size
         stream.size = 0
         stream.chunks = []
+        self._taken(None, 0)
 
     def _settings(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:
@@ -642,13 +616,13 @@ class _Connection(asyncio.Protocol):
             self._answer(sid, stream, UNIMPLEMENTED, f"{name}: streaming calls are not served")
             return
         try:
-            message = _message(
+            message = unary_message(
                 data,
                 headers.get(b"grpc-encoding"),
                 self.server.max_message_bytes,
             )
-            timeout = _timeout(headers.get(b"grpc-timeout"))
-        except _Abort as exc:
+            timeout = deadline(headers.get(b"grpc-timeout"))
+        except Aborted as exc:
             self._answer(sid, stream, exc.code, exc.details)
             return
         task = self.server.loop.create_task(self._call(sid, stream, method, message))
@@ -658,14 +632,158 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             stream.timer = self.server.loop.call_later(timeout, self._expire, sid, stream)
 
+    # streaming calls
+    def _open(self, sid: int, stream: _Stream, method: Method) -> None:
+        """A streaming call starts with its headers; its messages follow as they come."""
+        headers = dict(stream.headers)
+        if headers.get(b":method") != b"POST":
+            self._answer(sid, stream, UNIMPLEMENTED, "gRPC calls are POST requests")
+            return
+        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._answer(sid, stream, UNKNOWN, "content-type must be application/grpc")
+            return
+        try:
+            timeout = deadline(headers.get(b"grpc-timeout"))
+        except Aborted as exc:
+            self._answer(sid, stream, exc.code, exc.details)
+            return
+        stream.inbox = asyncio.Queue()
+        task = self.server.loop.create_task(
+            self._stream_call(sid, stream, method, headers.get(b"grpc-encoding"))
+        )
+        stream.task = task
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+        if timeout is not None:
+            stream.timer = self.server.loop.call_later(timeout, self._expire, sid, stream)
+
+    def _stream_data(self, sid: int, stream: _Stream, data: bytes, end: int | bool) -> None:
+        """Whole messages to the call's inbox. Past twice the message limit held on this
+        connection, frames wait unread (and the socket with them) until the calls take
+        their messages: a client sending faster than its calls are answered is paused."""
+        assert stream.inbox is not None and stream.task is not None
+        if stream.ended:
+            raise _ConnectionError(STREAM_CLOSED, f"DATA after END_STREAM on stream {sid}")
+        limit = self.server.max_message_bytes
+        pending = stream.chunks[0] + data if stream.chunks else data
+        start = 0
+        while len(pending) - start >= 5:
+            length = int.from_bytes(pending[start + 1 : start + 5], "big")
+            if length > limit:
+                stream.task.cancel()
+                why = f"request message larger than the limit of {limit} bytes"
+                self._finish(sid, stream, RESOURCE_EXHAUSTED, why, reset=True)
+                return
+            if len(pending) - start < 5 + length:
+                break
+            stream.inbox.put_nowait((pending[start], pending[start + 5 : start + 5 + length]))
+            start += 5 + length
+        stream.chunks = [pending[start:]] if start < len(pending) else []
+        stream.size += len(data)
+        self.buffered += len(data)
+        if end:
+            stream.ended = True
+            if stream.chunks:
+                stream.task.cancel()
+                self._finish(sid, stream, INVALID_ARGUMENT, "the stream ended inside a message")
+                return
+            stream.inbox.put_nowait(None)
+        if self.buffered > 2 * limit or (
+            stream.inbox.qsize() > 1 and stream.size > STREAM_BACKLOG
+        ):
+            self._pause("inbox")
+
+    def _taken(self, stream: _Stream | None, size: int) -> None:
+        """A call took ``size`` bytes of its messages: frames held back may be read again."""
+        if stream is not None:
+            stream.size -= size
+            self.buffered -= size
+        if (
+            "inbox" in self.paused
+            and self.buffered <= self.server.max_message_bytes
+            and (stream is None or stream.size <= STREAM_BACKLOG)
+        ):
+            self._resume("inbox")
+            self.server.loop.call_soon(self._turn)
+
+    async def _requests(
+        self, stream: _Stream, method: Method, encoding: bytes | None
+    ) -> AsyncGenerator[Any, None]:
+        inbox = stream.inbox
+        assert inbox is not None
+        while (item := await inbox.get()) is not None:
+            compressed, payload = item
+            self._taken(stream, 5 + len(payload))
+            message = inflated(bool(compressed), payload, encoding, self.server.max_message_bytes)
+            try:
+                request = method.request_type.FromString(message)
+            except DecodeError:
+                kind = method.request_type.__name__
+                raise Aborted(
+                    INVALID_ARGUMENT, f"{method.name}: a message is not a {kind}"
+                ) from None
+            yield request
+
+    async def _stream_call(
+        self, sid: int, stream: _Stream, method: Method, encoding: bytes | None
+    ) -> None:
+        """Run the method over the stream's requests; each response goes out as it comes,
+        and the method waits while the peer leaves more than ``max_unsent_bytes`` unread.
+        Cancelled (reset, deadline, connection lost), the method's generator is closed."""
+        context = CallContext(stream.headers)
+        requests = self._requests(stream, method, encoding)
+        try:
+            async with contextlib.aclosing(method.handler(requests, context)) as responses:
+                async for response in responses:
+                    if self.streams.get(sid) is not stream:
+                        return
+                    body = response.SerializeToString()
+                    if not stream.sent_headers:
+                        self._write(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
+                        stream.sent_headers = True
+                    stream.out += b"\x00" + len(body).to_bytes(4, "big") + body
+                    self._send(sid, stream)
+                    if len(stream.out) > self.server.max_unsent_bytes:
+                        stream.drained = asyncio.Event()
+                        await stream.drained.wait()
+                        stream.drained = None
+        except Aborted as exc:
+            self._finish(sid, stream, exc.code, exc.details)
+            return
+        except asyncio.CancelledError:
+            return  # reset by the client or past its deadline: answered already, or nobody asks
+        except Exception as exc:
+            log.exception("unexpected error in gRPC call %s", method.name)
+            self._finish(sid, stream, INTERNAL, f"internal error: {type(exc).__name__}")
+            return
+        finally:
+            await requests.aclose()
+        self._finish(sid, stream, OK, "")
+
+    def _finish(
+        self, sid: int, stream: _Stream, code: int, message: str, *, reset: bool = False
+    ) -> None:
+        """End a call with its status: trailers after what it sent, or alone."""
+        if self.streams.get(sid) is not stream:
+            return
+        if not stream.sent_headers:
+            reset = reset or (stream.inbox is not None and not stream.ended)
+            self._answer(sid, stream, code, message, reset=reset)
+            return
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
+        stream.trailers = OK_TRAILERS if code == OK else status_block(code, message)
+        self._send(sid, stream)
+
     def _expire(self, sid: int, stream: _Stream) -> None:
         if self.streams.get(sid) is stream and stream.task is not None:
             stream.timer = None
             stream.task.cancel()
-            self._answer(sid, stream, DEADLINE_EXCEEDED, "deadline exceeded")
+            self._finish(sid, stream, DEADLINE_EXCEEDED, "deadline exceeded")
 
     async def _call(self, sid: int, stream: _Stream, method: Method, message: bytes) -> None:
-        context = _Context(stream.headers)
+        context = CallContext(stream.headers)
         try:
             request = method.request_type.FromString(message)
         except DecodeError:
@@ -678,12 +796,12 @@ class _Connection(asyncio.Protocol):
             return
         try:
             response = await method.handler(request, context)
-        except _Abort as exc:
+        except Aborted as exc:
             self._answer(sid, stream, exc.code, exc.details)
             return
         except NotImplementedError:
             self._answer(
-                sid, stream, context._code or UNIMPLEMENTED, context._details or method.name
+                sid, stream, context.status[0] or UNIMPLEMENTED, context.status[1] or method.name
             )
             return
         except asyncio.CancelledError:
@@ -736,11 +854,16 @@ class _Connection(asyncio.Protocol):
             self.send_window -= n
             stream.send_window -= n
         stream.out = out[sent:]
-        if not stream.out:
+        done = not stream.out and stream.trailers
+        if done:
             frames.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, stream.trailers))
+            if stream.inbox is not None and not stream.ended:  # the client may stop sending
+                frames.append(frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")))
         self._write(b"".join(frames))
-        if not stream.out:
+        if done:
             self._close(sid)
+        elif stream.drained is not None and len(stream.out) <= self.server.max_unsent_bytes:
+            stream.drained.set()
 
     def _flush(self) -> None:
         for sid, stream in list(self.streams.items()):
@@ -748,7 +871,9 @@ class _Connection(asyncio.Protocol):
                 self._send(sid, stream)
 
     def _close(self, sid: int) -> None:
-        self.streams.pop(sid, None)
+        stream = self.streams.pop(sid, None)
+        if stream is not None and stream.size:
+            self._release(stream)
         if self.going_away and not self.streams:
             self.close()
 
@@ -764,39 +889,6 @@ def _cancel(stream: _Stream) -> None:
         stream.timer.cancel()
     if stream.task is not None:
         stream.task.cancel()
-
-
-def _message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
-    """The one message of a unary request, decompressed if it says so."""
-    if len(data) < 5:
-        raise _Abort(INVALID_ARGUMENT, "the request carries no complete gRPC message")
-    length = int.from_bytes(data[1:5], "big")
-    if len(data) != 5 + length:
-        what = "more than one message" if len(data) > 5 + length else "a truncated message"
-        raise _Abort(INVALID_ARGUMENT, f"a unary request carries {what}")
-    if not data[0]:
-        return data[5:]
-    name = (encoding or b"").decode("latin-1")
-    if name not in ENCODINGS:
-        raise _Abort(
-            UNIMPLEMENTED, f"message compressed as {encoding!r}; this server takes gzip or deflate"
-        )
-    try:
-        message = inflate(data[5:], name, limit, "the request message")
-    except InvalidInput as exc:
-        raise _Abort(INVALID_ARGUMENT, str(exc)) from None
-    if len(message) > limit:
-        raise _Abort(RESOURCE_EXHAUSTED, f"request message larger than the limit of {limit} bytes")
-    return message
-
-
-def _timeout(value: bytes | None) -> float | None:
-    if value is None:
-        return None
-    unit = TIMEOUT_UNITS.get(value[-1:])
-    if unit is None or not value[:-1].isdigit() or len(value) > 9:
-        raise _Abort(INVALID_ARGUMENT, f"grpc-timeout {value.decode(errors='replace')!r}")
-    return int(value[:-1]) * unit
 
 
 class GrpcH2Server:

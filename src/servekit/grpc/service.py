@@ -7,7 +7,8 @@ Health, server and model metadata, model readiness, model configuration (Triton'
 as typed contents or raw bytes (tritonclient sends raw). Requests are checked the way the
 HTTP front checks them: shape claims against the request's size before anything is
 allocated, then the model's signature. Errors map once through ``errors.grpc_code``.
-With a model store (``servekit.store``) behind it, Triton's repository extension too:
+``ModelStreamInfer`` (tritonclient's ``start_stream``) answers each request of a stream
+as its own infer, concurrently, as each completes. With a model store (``servekit.store``) behind it, Triton's repository extension too:
 the index with each model's state, and loads and unloads behind the control token.
 Methods servekit does not serve here (shared memory, trace, logging, and repository
 control without a store) answer UNIMPLEMENTED.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
@@ -45,13 +46,22 @@ from ..protocol.kserve import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from ..protocol.models import ModelRegistry, RepositoryControl
+from ..protocol.models import ModelRegistry, RepositoryControl, conforms
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
-from .h2 import GrpcH2Server, Method, unary_methods
+from .calls import Aborted, Method, each_answered, service_methods
+from .h2 import GrpcH2Server
 
-__all__ = ["GrpcOnLoop", "GrpcService", "decode_inputs", "grpc_server", "request_parameters"]
+__all__ = [
+    "STREAM_IN_FLIGHT",
+    "GrpcOnLoop",
+    "GrpcService",
+    "decode_inputs",
+    "grpc_server",
+    "request_parameters",
+    "stream_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +69,9 @@ GRPC_TOKEN_KEY = GRPC_HEADER_PREFIX + INFERENCE_TOKEN_HEADER
 """Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
 GRPC_CONTROL_KEY = GRPC_HEADER_PREFIX + CONTROL_TOKEN_HEADER
 """Where a gRPC client puts the control token (repository load and unload)."""
+STREAM_IN_FLIGHT = 256
+"""Requests of one ``ModelStreamInfer`` stream answered at once; past it the stream's next
+requests wait unread (and, past the connection's budget, so does its socket)."""
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -147,7 +160,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
     def methods(self) -> Mapping[bytes, Method | None]:
         """The service's methods for ``GrpcH2Server``."""
         descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-        return unary_methods(self, descriptor, service_pb2)
+        return service_methods(self, descriptor, service_pb2)
 
     async def fail(self, context: Any, exc: BaseException) -> None:
         """End the call with ``exc``'s status (an unexpected error as INTERNAL, logged)."""
@@ -219,7 +232,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         index = service_pb2.RepositoryIndexResponse()
-        if isinstance(self.models, RepositoryControl):
+        if conforms(self.models, RepositoryControl):
             fields = ("name", "version", "state", "reason")
             for entry in self.models.index():
                 if not request.ready or entry["state"] == "READY":
@@ -264,7 +277,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
     async def _repository(self, context: Any, action: str) -> RepositoryControl:
         """The registry's repository control; UNIMPLEMENTED where models are fixed at start."""
-        if not isinstance(self.models, RepositoryControl):
+        if not conforms(self.models, RepositoryControl):
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"repository {action}: this server's models are fixed at start (no [store])",
@@ -330,11 +343,39 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             response.raw_output_contents.append(raw)
         return response
 
+    async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncGenerator[Any, None]:
+        """Triton's stream: each request is answered as it completes, with its id; one that
+        fails is answered with its ``error_message`` and the stream goes on."""
+        answers = each_answered(
+            requests, lambda request: self.ModelInfer(request, context), STREAM_IN_FLIGHT
+        )
+        async for request, outcome in answers:
+            if isinstance(outcome, Exception):
+                yield stream_error(request, outcome)
+            else:
+                yield service_pb2.ModelStreamInferResponse(infer_response=outcome)
+
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         return service_pb2.SystemSharedMemoryStatusResponse()  # the service takes no regions
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         return service_pb2.CudaSharedMemoryStatusResponse()
+
+
+def stream_error(request: Any, exc: Exception) -> Any:
+    """The stream response for a request that failed: its error (Triton's words for the
+    call's status), the request's id and model."""
+    if isinstance(exc, Aborted):
+        message = exc.details
+    else:
+        log.error("unexpected error in a stream's request", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=service_pb2.ModelInferResponse(
+            id=request.id, model_name=request.model_name, model_version=request.model_version
+        ),
+    )
 
 
 class Servicer(Protocol):

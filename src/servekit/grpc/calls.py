@@ -1,0 +1,206 @@
+"""One gRPC call as a servicer sees it, apart from HTTP/2: the method table, the context a
+method may use, and the length-prefixed messages of a request.
+
+A unary method is a coroutine ``(request, context) -> response``; a streaming one (only
+bidirectional streams are served) an async generator ``(requests, context)`` yielding
+responses, where ``requests`` is an async iterator of request messages, as in
+``grpc.aio``. Either ends a call with a status by ``await context.abort(code, details)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from ..compression import ENCODINGS, inflate
+from ..errors import InvalidInput
+from .frames import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, TIMEOUT_UNITS, UNIMPLEMENTED
+
+__all__ = [
+    "Aborted",
+    "CallContext",
+    "Method",
+    "code_number",
+    "deadline",
+    "each_answered",
+    "inflated",
+    "service_methods",
+    "unary_message",
+]
+
+
+class Method:
+    """One method: its request message class and what answers it (``streaming``: an async
+    generator over a stream of requests, else a coroutine over one)."""
+
+    __slots__ = ("handler", "name", "request_type", "streaming")
+
+    def __init__(self, name: str, request_type: Any, handler: Any, streaming: bool = False) -> None:
+        self.name, self.request_type, self.handler = name, request_type, handler
+        self.streaming = streaming
+
+
+def service_methods(servicer: Any, service: Any, messages: Any) -> dict[bytes, Method | None]:
+    """``/package.Service/Method`` -> Method, from a protobuf ``ServiceDescriptor`` whose
+    message classes are in module ``messages``. A bidirectional method is served where the
+    servicer implements it as an async generator; other streaming methods map to None."""
+    table: dict[bytes, Method | None] = {}
+    for m in service.methods:
+        path = f"/{service.full_name}/{m.name}".encode()
+        kind = getattr(messages, m.input_type.name)
+        handler = getattr(servicer, m.name)
+        if not (m.client_streaming or m.server_streaming):
+            table[path] = Method(m.name, kind, handler)
+        elif m.client_streaming and m.server_streaming and inspect.isasyncgenfunction(handler):
+            table[path] = Method(m.name, kind, handler, streaming=True)
+        else:
+            table[path] = None
+    return table
+
+
+class Aborted(Exception):
+    """A call ended with a status other than OK (``context.abort``)."""
+
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def code_number(code: Any) -> int:
+    """A grpc.StatusCode (whose value is ``(number, name)``) or a plain number."""
+    value = getattr(code, "value", code)
+    return int(value[0] if isinstance(value, tuple) else value)
+
+
+class CallContext:
+    """What a servicer method may ask of its call (grpc.aio's ``ServicerContext``, in part)."""
+
+    __slots__ = ("_code", "_details", "_headers")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._headers = headers
+        self._code: int | None = None
+        self._details = ""
+
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        """The call's metadata: its headers but HTTP/2's own, values of -bin keys as bytes."""
+        return [
+            (k.decode("latin-1"), v if k.endswith(b"-bin") else v.decode("latin-1"))
+            for k, v in self._headers
+            if not k.startswith(b":")
+        ]
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        raise Aborted(code_number(code), details)
+
+    def set_code(self, code: Any) -> None:
+        self._code = code_number(code)
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    @property
+    def status(self) -> tuple[int | None, str]:
+        """The code and details set on the context, if any."""
+        return self._code, self._details
+
+
+def inflated(compressed: bool, payload: bytes, encoding: bytes | None, limit: int) -> bytes:
+    """One message's bytes, decompressed if its flag says so (``Aborted`` if it cannot be,
+    or if it is larger than ``limit`` once inflated)."""
+    if not compressed:
+        return payload
+    name = (encoding or b"").decode("latin-1")
+    if name not in ENCODINGS:
+        raise Aborted(
+            UNIMPLEMENTED, f"message compressed as {encoding!r}; this server takes gzip or deflate"
+        )
+    try:
+        message = inflate(payload, name, limit, "the request message")
+    except InvalidInput as exc:
+        raise Aborted(INVALID_ARGUMENT, str(exc)) from None
+    if len(message) > limit:
+        raise Aborted(RESOURCE_EXHAUSTED, f"request message larger than the limit of {limit} bytes")
+    return message
+
+
+def unary_message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
+    """The one message of a unary request, decompressed if it says so."""
+    if len(data) < 5:
+        raise Aborted(INVALID_ARGUMENT, "the request carries no complete gRPC message")
+    length = int.from_bytes(data[1:5], "big")
+    if len(data) != 5 + length:
+        what = "more than one message" if len(data) > 5 + length else "a truncated message"
+        raise Aborted(INVALID_ARGUMENT, f"a unary request carries {what}")
+    return inflated(bool(data[0]), data[5:], encoding, limit)
+
+
+def deadline(value: bytes | None) -> float | None:
+    """``grpc-timeout`` in seconds (None without one)."""
+    if value is None:
+        return None
+    unit = TIMEOUT_UNITS.get(value[-1:])
+    if unit is None or not value[:-1].isdigit() or len(value) > 9:
+        raise Aborted(INVALID_ARGUMENT, f"grpc-timeout {value.decode(errors='replace')!r}")
+    return int(value[:-1]) * unit
+
+
+_READ = object()
+"""What the reader of ``each_answered`` leaves when the stream's requests end."""
+
+
+async def each_answered(
+    requests: AsyncIterator[Any],
+    answer: Callable[[Any], Awaitable[Any]],
+    limit: int,
+) -> AsyncGenerator[tuple[Any, Any], None]:
+    """``(request, response)`` for each request of a stream, each answered as its own call,
+    concurrently, yielded as each completes: at most ``limit`` requests are taken and not
+    yet yielded (past it the stream's requests wait unread). A call that aborts gives its ``Aborted``, and one that
+    fails otherwise its exception, in place of the response: one bad request never ends
+    the stream. Closed early, every call still running is cancelled."""
+    done: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+    slots = asyncio.Semaphore(limit)
+    calls: set[asyncio.Task[None]] = set()
+    started = 0
+
+    async def one(request: Any) -> None:
+        try:
+            outcome = await answer(request)
+        except Exception as exc:  # Aborted and the rest: the caller words it
+            outcome = exc
+        done.put_nowait((request, outcome))
+
+    async def read() -> None:
+        nonlocal started
+        try:
+            async for request in requests:
+                await slots.acquire()
+                started += 1
+                call = asyncio.create_task(one(request))
+                calls.add(call)
+                call.add_done_callback(calls.discard)
+        except Exception as exc:  # the stream itself is broken (a message that is none)
+            done.put_nowait((_READ, exc))
+        else:
+            done.put_nowait((_READ, None))
+
+    reader = asyncio.create_task(read())
+    read_all, answered = False, 0
+    try:
+        while not read_all or answered < started:
+            request, outcome = await done.get()
+            if request is _READ:
+                if outcome is not None:
+                    raise outcome
+                read_all = True
+                continue
+            answered += 1
+            yield request, outcome
+            slots.release()
+    finally:
+        reader.cancel()
+        for call in list(calls):
+            call.cancel()
