@@ -4,7 +4,18 @@ The public API is what ``__all__`` lists; everything else is an implementation d
 """
 
 from ._version import __version__ as __version__
-from .batching import Batcher, BatcherStats, BatchingPolicy, QueuePolicy, TimeoutAction
+from .batching import (
+    Batcher,
+    BatcherStats,
+    BatchingPolicy,
+    Controls,
+    QueuePolicy,
+    SequenceBatcher,
+    SequenceFlags,
+    SequencePolicy,
+    StateSpec,
+    TimeoutAction,
+)
 from .client import AsyncClient, Client
 from .config import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from .custom import Model, infer_function
@@ -35,6 +46,7 @@ __all__ = [
     "BatcherStats",
     "BatchingPolicy",
     "Client",
+    "Controls",
     "DType",
     "DeadlineExceeded",
     "FetchFailed",
@@ -57,10 +69,14 @@ __all__ = [
     "RayOptions",
     "Runner",
     "RunnerError",
+    "SequenceBatcher",
+    "SequenceFlags",
+    "SequencePolicy",
     "ServeConfig",
     "ServekitError",
     "ServerConfig",
     "ServerUnreachable",
+    "StateSpec",
     "StorageConfig",
     "TensorSpec",
     "TimeoutAction",

@@ -74,6 +74,11 @@ class Model:
     def close(self) -> None:
         """Release what ``setup`` took."""
 
+    def end_sequence(self, sequence_id: int | str, reason: str) -> None:
+        """A sequence ended (served with ``sequence_batching``): ``reason`` is "end" (its
+        END ran), "idle" (nothing for ``max_sequence_idle_us``) or "cancelled" (its client
+        left). Free what you keep for it; called after its last batch, on its instance."""
+
 
 def infer_function(
     *,
@@ -182,6 +187,10 @@ class UserRunner(BaseRunner):
             raise
         except Exception as exc:
             raise RunnerError(f"model {self.name}: {type(exc).__name__}: {exc}") from exc
+
+    def end_sequence(self, sequence_id: int | str, reason: str) -> None:
+        if isinstance(self.model, Model):
+            self.model.end_sequence(sequence_id, reason)
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
         """The model's own ``warmup`` where it has one, else one sample batch."""

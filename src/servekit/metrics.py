@@ -22,6 +22,7 @@ from typing import Any
 from . import storage
 from .autoscale import AutoscalePolicy, Counters, Demand
 from .batching import Batcher, BatchRecord
+from .batching.sequencer import SequenceBatcher
 from .rollout import Traffic
 from .window import SlidingWindow, percentiles
 
@@ -98,7 +99,7 @@ class _Window:
 
 @dataclass
 class _Watched:
-    batcher: Batcher
+    batcher: Batcher | SequenceBatcher
     labels: str
     summaries: dict[str, _Window]
     demand: Demand
@@ -137,7 +138,7 @@ class Metrics:
         self.autoscale: dict[str, AutoscalePolicy] = {}
         """Model name -> its ``[models.autoscale]`` (the defaults for a model not named)."""
 
-    def watch(self, batcher: Batcher, model: str, version: str = "1") -> None:
+    def watch(self, batcher: Batcher | SequenceBatcher, model: str, version: str = "1") -> None:
         """Export ``batcher``'s traffic as model ``model``, version ``version``."""
         key = (model, version)
         if key in self._models:

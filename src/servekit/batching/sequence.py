@@ -22,11 +22,12 @@ soon as its instance is free), a sequence with nothing waiting or running for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import InvalidInput
+from ..tables import check_keys
 
 __all__ = [
     "Controls",
@@ -91,6 +92,96 @@ class SequencePolicy:
             )
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if isinstance(self.controls, Mapping):
+            object.__setattr__(self, "controls", Controls(**self.controls))
+        object.__setattr__(
+            self,
+            "states",
+            tuple(StateSpec(**s) if isinstance(s, Mapping) else s for s in self.states),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[models.sequence_batching]`` table (``from_dict``'s inverse)."""
+        data: dict[str, Any] = {
+            "strategy": self.strategy,
+            "max_sequence_idle_us": self.max_sequence_idle_us,
+            "max_queue_delay_us": self.max_queue_delay_us,
+        }
+        if self.strategy == "oldest":
+            data["max_candidate_sequences"] = self.max_candidate_sequences
+        controls = {k: v for k, v in vars(self.controls).items() if v}
+        if controls:
+            data["controls"] = controls
+        if self.states:
+            data["state"] = [vars(s).copy() for s in self.states]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str) -> SequencePolicy:
+        """A policy from its table (``state``: a list of ``{input, output, initial}``
+        tables); unknown keys are named with their section."""
+        check_keys(
+            section,
+            data,
+            {"strategy", "max_sequence_idle_us", "max_candidate_sequences",
+             "max_queue_delay_us", "controls", "state"},
+        )  # fmt: skip
+        kwargs = {k: v for k, v in data.items() if k not in ("controls", "state")}
+        controls = data.get("controls", {})
+        if not isinstance(controls, Mapping):
+            raise ValueError(f"{section}.controls: expected a table, got {controls!r}")
+        check_keys(f"{section}.controls", controls, {"start", "end", "ready", "corrid"})
+        states = data.get("state", [])
+        if not isinstance(states, Sequence) or isinstance(states, str):
+            raise ValueError(f"[[{section}.state]]: expected a list of tables, got {states!r}")
+        for i, state in enumerate(states):
+            check_keys(f"{section}.state.{i}", state, {"input", "output", "initial"})
+        return cls(controls=Controls(**controls), states=tuple(states), **kwargs)
+
+    def to_triton(self, msg: Any, inputs: Mapping[str, Any]) -> None:
+        """Fill config.pbtxt's ``sequence_batching`` (a ``ModelSequenceBatching``); each
+        control's and state's dtype is the model's input's (``inputs``: name -> TensorSpec)."""
+        from tritonclient.grpc import model_config_pb2 as pb
+
+        msg.SetInParent()
+        msg.max_sequence_idle_microseconds = self.max_sequence_idle_us
+        if self.strategy == "direct":
+            msg.direct.SetInParent()
+            msg.direct.max_queue_delay_microseconds = self.max_queue_delay_us
+        else:
+            msg.oldest.max_candidate_sequences = self.max_candidate_sequences
+            msg.oldest.max_queue_delay_microseconds = self.max_queue_delay_us
+        kinds = pb.ModelSequenceBatching.Control
+        c = self.controls
+        for kind, name in (
+            (kinds.CONTROL_SEQUENCE_START, c.start),
+            (kinds.CONTROL_SEQUENCE_END, c.end),
+            (kinds.CONTROL_SEQUENCE_READY, c.ready),
+            (kinds.CONTROL_SEQUENCE_CORRID, c.corrid),
+        ):
+            if not name:
+                continue
+            datatype = inputs[name].dtype.datatype
+            control = msg.control_input.add(name=name).control.add(kind=kind)
+            if kind == kinds.CONTROL_SEQUENCE_CORRID:
+                control.data_type = pb.DataType.Value(inputs[name].dtype.triton)
+            elif datatype == "FP32":
+                control.fp32_false_true.extend([0.0, 1.0])
+            elif datatype == "BOOL":
+                control.bool_false_true.extend([False, True])
+            else:
+                control.int32_false_true.extend([0, 1])
+        for state in self.states:
+            tensor = inputs[state.input]
+            kept = msg.state.add(
+                input_name=state.input,
+                output_name=state.output,
+                data_type=pb.DataType.Value(tensor.dtype.triton),
+                dims=list(tensor.shape),
+            )
+            kept.initial_state.add(
+                data_type=kept.data_type, dims=list(tensor.shape), zero_data=True, name="zeros"
+            )
 
 
 @dataclass(frozen=True)

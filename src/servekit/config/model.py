@@ -11,6 +11,7 @@ from typing import Any
 
 from ..autoscale import AutoscalePolicy
 from ..batching.policy import BatchingPolicy
+from ..batching.sequence import SequencePolicy
 from ..custom import is_import_path
 from ..rollout.policy import CanaryPolicy, ModelVersion, TrafficPolicy
 from ..runners import ENGINES
@@ -69,6 +70,10 @@ class ModelConfig:
     """``[[models.steps]]``: a pipeline, served as this one model: each step (a zoo model,
     an ONNX file, your own code, a stage such as ``servekit.stages:Preprocess``) takes the
     request's tensors or an earlier step's outputs by name; ``source`` is unused."""
+    sequence_batching: SequencePolicy | None = None
+    """``[models.sequence_batching]``: Triton's sequence batcher in place of the dynamic
+    one (a stateful model: each sequence's requests in order on one instance, control
+    inputs, implicit state); ``batching.max_batch_size`` still bounds its batches."""
 
     def __post_init__(self) -> None:
         if isinstance(self.autoscale, Mapping):
@@ -95,6 +100,17 @@ class ModelConfig:
             object.__setattr__(self, "labels", os.fspath(self.labels))
         self._check_code()
         self._check_rollout()
+        if isinstance(self.sequence_batching, Mapping):
+            object.__setattr__(
+                self,
+                "sequence_batching",
+                SequencePolicy.from_dict(self.sequence_batching, "models.sequence_batching"),
+            )
+        if self.sequence_batching is not None and (self.versions or self.traffic or self.steps):
+            raise ValueError(
+                f"model {self.name!r}: sequence_batching with versions, a traffic split or "
+                "pipeline steps is not served (a sequence's state lives on one model)"
+            )
 
     @property
     def is_code(self) -> bool:
@@ -201,7 +217,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``[[models]]`` table (``from_dict``'s inverse); None values are left out."""
-        rollout = ("batching", "versions", "traffic", "canary", "autoscale", "steps")
+        rollout = (
+            "batching", "versions", "traffic", "canary", "autoscale", "steps", "sequence_batching"
+        )  # fmt: skip
         data = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -223,6 +241,8 @@ class ModelConfig:
             data["canary"] = self.canary.to_dict()
         if self.autoscale != AutoscalePolicy():
             data["autoscale"] = self.autoscale.to_dict()
+        if self.sequence_batching is not None:
+            data["sequence_batching"] = self.sequence_batching.to_dict()
         return data
 
     @classmethod
@@ -251,5 +271,9 @@ class ModelConfig:
         if "autoscale" in data:
             kwargs["autoscale"] = AutoscalePolicy.from_dict(
                 data["autoscale"], f"{section}.autoscale"
+            )
+        if "sequence_batching" in data:
+            kwargs["sequence_batching"] = SequencePolicy.from_dict(
+                data["sequence_batching"], f"{section}.sequence_batching"
             )
         return cls(**kwargs)

@@ -126,6 +126,13 @@ class ServeConfig:
             for m in self.models
             if m.version != 1
         ]
+        if runtime != "native":
+            problems += [
+                f"models.{m.name}: [models.sequence_batching] (sequences are served on the "
+                "native runtime so far)"
+                for m in self.models
+                if m.sequence_batching is not None
+            ]
         if runtime in ("pytriton", "triton") and not self.server.front:
             problems += [
                 f"server.{knob} = {getattr(self.server, knob)!r} (with server.front = false "

@@ -688,9 +688,7 @@ class _Connection(asyncio.Protocol):
                 self._finish(sid, stream, INVALID_ARGUMENT, "the stream ended inside a message")
                 return
             stream.inbox.put_nowait(None)
-        if self.buffered > 2 * limit or (
-            stream.inbox.qsize() > 1 and stream.size > STREAM_BACKLOG
-        ):
+        if self.buffered > 2 * limit or (stream.inbox.qsize() > 1 and stream.size > STREAM_BACKLOG):
             self._pause("inbox")
 
     def _taken(self, stream: _Stream | None, size: int) -> None:

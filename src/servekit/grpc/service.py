@@ -43,6 +43,7 @@ from ..protocol.kserve import (
     element_count,
     parse_json,
     scheduling,
+    sequence_flags,
     tensor_from_raw,
     tensor_to_raw,
 )
@@ -314,9 +315,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 self._on_failure(name)
                 raise
             metadata = dict(context.invocation_metadata() or ())
+            parameters = request_parameters(request)
             outputs, answered = await infer_answered(
-                model, inputs, **scheduling(request_parameters(request)),
-                version=request.model_version, sticky_of=metadata.get,
+                model, inputs, **scheduling(parameters), version=request.model_version,
+                sticky_of=metadata.get, sequence=sequence_flags(parameters), name=name,
             )  # fmt: skip
             wanted = [o.name for o in request.outputs] or list(outputs)
             unknown = [n for n in wanted if n not in outputs]

@@ -19,6 +19,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..batching import Batcher
+from ..batching.sequencer import SequenceBatcher
 from ..compression import ENCODINGS, inflate
 from ..config import MAX_BODY_BYTES
 from ..errors import (
@@ -45,6 +47,7 @@ from ..protocol.kserve import (
     parse_json,
     raw_binary_request,
     scheduling,
+    sequence_flags,
 )
 from ..protocol.models import (
     FrontModel,
@@ -130,6 +133,7 @@ class KServeApp:
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]] = {}
         for name, model in self.models.loaded().items():
+            batchers: dict[str, Batcher | SequenceBatcher]
             if isinstance(model, RoutedModel):
                 self.metrics.watch_traffic(model.traffic)
                 batchers = model.batchers()
@@ -475,8 +479,9 @@ class KServeApp:
             request = self._decode(name, body, raw)
         params = scheduling(request.parameters)
         outputs, answered = await infer_answered(
-            model, request.inputs, **params, version=version, sticky_of=http.headers.get
-        )
+            model, request.inputs, **params, version=version, sticky_of=http.headers.get,
+            sequence=sequence_flags(request.parameters), name=name,
+        )  # fmt: skip
         payload, out_headers = encode_response(name, outputs, request, answered)
         return 200, payload, out_headers
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from ..batching.sequence import SequenceFlags
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
 
@@ -36,6 +37,7 @@ __all__ = [
     "parse_json",
     "raw_binary_request",
     "scheduling",
+    "sequence_flags",
     "tensor_from_raw",
     "tensor_to_raw",
 ]
@@ -137,6 +139,30 @@ def scheduling(parameters: Mapping[str, Any]) -> dict[str, int]:
                 )
             out[arg] = value
     return out
+
+
+def sequence_flags(parameters: Mapping[str, Any]) -> SequenceFlags | None:
+    """Triton's sequence parameters ``sequence_id`` (an integer or a string),
+    ``sequence_start`` and ``sequence_end`` (booleans), checked; None when the request
+    names no sequence (HTTP and gRPC alike)."""
+    if not any(k in parameters for k in ("sequence_id", "sequence_start", "sequence_end")):
+        return None
+    sid = parameters.get("sequence_id", 0)
+    if (
+        isinstance(sid, bool)
+        or not isinstance(sid, int | str)
+        or (isinstance(sid, int) and sid < 0)
+    ):
+        raise InvalidInput(
+            f"parameter 'sequence_id': expected a non-negative integer or a string, got {sid!r}"
+        )
+    flags = []
+    for key in ("sequence_start", "sequence_end"):
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidInput(f"parameter {key!r}: expected a boolean, got {value!r}")
+        flags.append(value)
+    return SequenceFlags(sid, *flags)
 
 
 def check_datatype(name: str, datatype: object) -> str:

@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 import numpy as np
 
 from ..batching import Batcher
+from ..batching.sequence import SequenceFlags
+from ..batching.sequencer import SequenceBatcher
 from ..errors import ModelNotFound, ServekitError
 from ..runners.base import Runner
 from ..spec import ModelSpec
@@ -29,6 +31,7 @@ __all__ = [
     "PassThroughRegistry",
     "RepositoryControl",
     "RunnerModel",
+    "SequencedModel",
     "VersionTarget",
     "StaticModels",
     "as_registry",
@@ -62,8 +65,8 @@ class FrontModel(Protocol):
     them; empty where the server behind answers for its own (tritonserver)."""
 
     @property
-    def batcher(self) -> Batcher | None:
-        """The Batcher whose counters the front exports as Triton's metrics, if any."""
+    def batcher(self) -> Batcher | SequenceBatcher | None:
+        """The batcher whose counters the front exports as Triton's metrics, if any."""
         ...
 
     async def infer(
@@ -195,6 +198,33 @@ class BatchedModel:
         return await self.batcher.infer(inputs, priority=priority, timeout_us=timeout_us)
 
 
+class SequencedModel:
+    """A ``SequenceBatcher`` as a front model: requests name their sequence
+    (``infer_in_sequence``); a plain ``infer`` names none and is refused as Triton does."""
+
+    versioned = False
+    versions: tuple[str, ...] = ("1",)
+
+    def __init__(self, batcher: SequenceBatcher) -> None:
+        self.batcher = batcher
+        self.spec = batcher.spec
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        return await self.batcher.infer(inputs)
+
+    async def infer_in_sequence(
+        self, inputs: Mapping[str, np.ndarray], sequence: SequenceFlags | None
+    ) -> dict[str, np.ndarray]:
+        return await self.batcher.infer(inputs, sequence=sequence)
+
+
 class RunnerModel:
     """A plain Runner as a front model: each request runs alone on a worker thread."""
 
@@ -248,6 +278,8 @@ def as_front_model(model: Any) -> FrontModel:
     """A Batcher, a Runner or a ``FrontModel`` as a ``FrontModel``."""
     if isinstance(model, Batcher):
         return BatchedModel(model)
+    if isinstance(model, SequenceBatcher):
+        return SequencedModel(model)
     if isinstance(model, FrontModel):
         return model
     if isinstance(model, Runner):

@@ -18,11 +18,13 @@ from typing import Any, cast
 import numpy as np
 
 from ..batching import Batcher
+from ..batching.sequence import SequenceFlags
+from ..batching.sequencer import SequenceBatcher
 from ..config import ModelConfig, ServeConfig
 from ..errors import InvalidInput
 from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
-from .models import FrontModel, VersionTarget, as_front_model
+from .models import FrontModel, SequencedModel, VersionTarget, as_front_model
 
 __all__ = ["RoutedModel", "follow_file", "infer_answered", "route", "traffic_of"]
 
@@ -56,7 +58,7 @@ class RoutedModel:
         self.versions = tuple(str(v) for v in sorted(self.by_version))
         first = self.by_version[min(self.by_version)]
         self.spec: ModelSpec = first.spec
-        self.batcher: Batcher | None = first.batcher
+        self.batcher: Batcher | SequenceBatcher | None = first.batcher
         self.max_shadows = max_shadows
         self._shadows: set[asyncio.Task[None]] = set()
 
@@ -89,7 +91,7 @@ class RoutedModel:
             traffic.record(chosen, time.perf_counter() - start, status == 200)
         return (status, payload, headers), str(chosen)
 
-    def batchers(self) -> dict[str, Batcher]:
+    def batchers(self) -> dict[str, Batcher | SequenceBatcher]:
         """Each version's Batcher, by version (for metrics)."""
         return {str(v): m.batcher for v, m in self.by_version.items() if m.batcher is not None}
 
@@ -184,9 +186,20 @@ async def infer_answered(
     timeout_us: int | None = None,
     version: str = "",
     sticky_of: Callable[[str], str | None] = lambda _: None,
+    sequence: SequenceFlags | None = None,
+    name: str = "",
 ) -> tuple[dict[str, np.ndarray], str]:
     """Any front model's answer and the version that gave it (HTTP and gRPC both ask here);
-    ``sticky_of`` reads a request header (HTTP) or metadata key (gRPC) by name."""
+    ``sticky_of`` reads a request header (HTTP) or metadata key (gRPC) by name;
+    ``sequence``: the request's sequence, for a model with a sequence batcher (a sequence
+    id sent to any other is refused, naming the model)."""
+    if isinstance(model, SequencedModel):
+        return await model.infer_in_sequence(inputs, sequence), "1"
+    if sequence is not None:
+        raise InvalidInput(
+            f"model {name!r} has no sequence batcher: sequence_id {sequence.id!r} is for a "
+            "model served with sequence_batching"
+        )
     if isinstance(model, RoutedModel):
         header = model.traffic.sticky
         return await model.infer_routed(

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._version import __version__
+from ..batching.sequencer import SequenceBatcher
 from .models import FrontModel
 from .pbtxt import model_config as render
 
@@ -46,13 +47,17 @@ def server_metadata() -> dict[str, Any]:
 
 def model_config(name: str, model: FrontModel) -> Any:
     """Triton's ``ModelConfig`` message for ``model`` as served: its signature, and the
-    batching policy and instance count of its ``Batcher`` (none: no dynamic batching)."""
+    batching policy and instance count of its ``Batcher`` (none: no dynamic batching; a
+    ``SequenceBatcher``: Triton's ``sequence_batching`` with its controls and state)."""
     batcher = model.batcher
     policy = batcher.policy if batcher is not None else None
     instances = batcher.instance_count if batcher is not None else 1
     config = render(name, model.spec, policy, instance_count=instances)
-    if batcher is None:
+    if batcher is None or isinstance(batcher, SequenceBatcher):
         config.ClearField("dynamic_batching")
+    if isinstance(batcher, SequenceBatcher):
+        inputs = {t.name: t for t in batcher.model_spec.inputs}
+        batcher.sequence.to_triton(config.sequence_batching, inputs)
     return config
 
 

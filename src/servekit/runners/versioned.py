@@ -108,6 +108,12 @@ class VersionedRunner:
     def warmup(self) -> None:
         self._current.runner.warmup()
 
+    def end_sequence(self, sequence_id: int | str, reason: str) -> None:
+        """Tell the serving version's model a sequence ended, where it listens."""
+        tell = getattr(self._current.runner, "end_sequence", None)
+        if callable(tell):
+            tell(sequence_id, reason)
+
     def update(self, runner: Runner, version: int | None = None) -> int:
         """Serve ``runner`` from the next batch on; returns its version number.
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ..batching.policy import BatchingPolicy
+from ..batching.sequence import SequencePolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import UpdateRefused
 from ..runners.base import Runner
@@ -44,6 +45,8 @@ class ServedModel:
     instance_count: int = 1
     version: int = 1
     """Which of the model's versions this is (``ModelConfig.versions``); 1 without any."""
+    sequence: SequencePolicy | None = None
+    """Triton's sequence batcher in place of the dynamic one (``sequence_batching``)."""
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
@@ -162,7 +165,11 @@ def load_models(
     from ..pipeline import image_classifier, is_image_classifier
 
     runner = _versioned(model, model.name, cache_dir, storage)
-    served = [ServedModel(model.name, runner, model.batching, model.instances)]
+    served = [
+        ServedModel(
+            model.name, runner, model.batching, model.instances, sequence=model.sequence_batching
+        )
+    ]
     for number in model.version_numbers[1:]:
         versioned = _versioned(
             model.for_version(number), f"{model.name} v{number}", cache_dir, storage

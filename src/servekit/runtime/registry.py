@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..batching import Batcher
+from ..batching.sequencer import SequenceBatcher
 from ..config import ServeConfig, version_model_name
 from ..errors import ModelNotFound
 from ..protocol.routed import route, traffic_of
@@ -52,7 +53,7 @@ class ServedModels:
         ]
         self.traffic: dict[str, Traffic] = traffic_of(config.models) if config else {}
         """Each versioned model's split, shadow and canary, kept across restarts."""
-        self.batchers: dict[str, Batcher] = {}
+        self.batchers: dict[str, Batcher | SequenceBatcher] = {}
         """Served name -> its Batcher, while ``batch`` has them running."""
 
     def load(self) -> list[ServedModel]:
@@ -93,12 +94,18 @@ class ServedModels:
         return routes
 
     def batch(self) -> dict[str, Any]:
-        """Start a ``Batcher`` per version (its policy, its instances) and return what a
-        front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
+        """Start a ``Batcher`` per version (its policy, its instances; a ``SequenceBatcher``
+        for a model with ``sequence_batching``) and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
         self.close_batchers()
-        by_name: dict[str, dict[int, Batcher]] = {}
+        by_name: dict[str, dict[int, Batcher | SequenceBatcher]] = {}
         for m in self._models:
-            batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
+            batcher: Batcher | SequenceBatcher
+            if m.sequence is not None:
+                batcher = SequenceBatcher(
+                    m.runner, m.policy, m.sequence, instance_count=m.instance_count, name=m.name
+                )
+            else:
+                batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
             self.batchers[served_name(m)] = batcher
             by_name.setdefault(m.name, {})[m.version] = batcher
         return route(by_name, self.traffic)

@@ -19,7 +19,7 @@ from ..storage import StorageConfig, fetch, is_remote
 from ._onnx import param_count
 from .efficientnet import build_efficientnet_lite0
 from .resnet import RESNET50_PARAMS_WITH_BN, build_resnet50
-from .tiny import build_add_sub, build_sim_t4, build_tiny_cnn
+from .tiny import build_accumulate, build_add_sub, build_sim_t4, build_tiny_cnn
 
 __all__ = [
     "MODELS",
@@ -54,6 +54,12 @@ MODELS: dict[str, ZooModel] = {
         ),
         ZooModel("tiny_cnn", "conv+pool+dense, float32 [N,3,32,32] -> 10 logits", build_tiny_cnn),
         ZooModel("add_sub", "INPUT0+INPUT1, INPUT0-INPUT1 over float32 [N,16]", build_add_sub),
+        ZooModel(
+            "accumulate",
+            "OUTPUT = INPUT + STATE_IN (STATE_OUT the same) over float32 [N,4]: the running sum "
+            "of a sequence, with implicit state",
+            build_accumulate,
+        ),
         ZooModel(
             "sim_t4",
             "simulated T4 (ResNet-50 INT8, 8x slower): 8 ms + 1.6 ms/row, no CPU, [N,64,64,3]",

@@ -7,7 +7,14 @@ import onnx
 
 from ._onnx import FLOAT, GraphBuilder
 
-__all__ = ["SIM_T4", "build_add_sub", "build_sim_t4", "build_simulated", "build_tiny_cnn"]
+__all__ = [
+    "SIM_T4",
+    "build_accumulate",
+    "build_add_sub",
+    "build_sim_t4",
+    "build_simulated",
+    "build_tiny_cnn",
+]
 
 
 def build_tiny_cnn(seed: int = 0, num_classes: int = 10) -> onnx.ModelProto:
@@ -75,6 +82,22 @@ def build_add_sub(
         "add_sub",
         [("INPUT0", FLOAT, io), ("INPUT1", FLOAT, io)],
         [("OUTPUT0", FLOAT, io), ("OUTPUT1", FLOAT, io)],
+    )
+
+
+def build_accumulate(width: int = 4) -> onnx.ModelProto:
+    """A stateful model for the sequence batcher: ``OUTPUT = INPUT + STATE_IN``, and
+    ``STATE_OUT`` the same, which servekit feeds back as the next request's ``STATE_IN``
+    (implicit state): each sequence answers the running sum of its inputs."""
+    g = GraphBuilder()
+    total = g.node("Add", ["INPUT", "STATE_IN"], "total")
+    g.node("Identity", [total], "OUTPUT")
+    g.node("Identity", [total], "STATE_OUT")
+    io = ["batch", width]
+    return g.model(
+        "accumulate",
+        [("INPUT", FLOAT, io), ("STATE_IN", FLOAT, io)],
+        [("OUTPUT", FLOAT, io), ("STATE_OUT", FLOAT, io)],
     )
 
 

@@ -1,0 +1,191 @@
+"""Stateful sequences served (``[models.sequence_batching]``), with tritonclient over HTTP
+and over gRPC streams: eight clients interleave sixteen sequences (as many as the models'
+places: two instances of eight slots or candidates; past them, Triton's sequences wait
+for a place that only END or an idle release frees) on an ONNX accumulator whose
+state servekit carries (``accumulate``: each answer is its sequence's running sum), and
+on the example model that keeps its own state by CORRID (``examples/sequences``); the
+served signature hides the controls and the state, ``/config`` shows Triton's
+``sequence_batching``, and Triton's errors name the sequence. The other runtimes refuse
+the knob by name until they serve it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
+from servekit.batching.sequence import Controls, SequencePolicy, StateSpec
+
+pytest.importorskip("tritonclient", reason="needs the triton extra")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "sequences"
+STATE = (StateSpec("STATE_IN", "STATE_OUT"),)
+
+
+def models(strategy: str) -> tuple[ModelConfig, ...]:
+    return (
+        ModelConfig(
+            "accumulate", batching=BatchingPolicy(max_batch_size=8), instances=2,
+            sequence_batching=SequencePolicy(strategy, max_candidate_sequences=8, states=STATE),
+        ),
+        ModelConfig(
+            "running_mean:RunningMean", "running_mean", path=str(EXAMPLE), instances=2,
+            sequence_batching=SequencePolicy(
+                strategy, max_candidate_sequences=8,
+                controls=Controls(start="START", ready="READY", corrid="CORRID"),
+            ),
+        ),
+        ModelConfig("add_sub", batching=BatchingPolicy(max_batch_size=8)),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["direct", "oldest"])
+def served(request):
+    from servekit.serving import create_runtime
+
+    config = ServeConfig(
+        models(request.param), ServerConfig(exit_timeout_s=2), runtime="native"
+    ).on_loopback()
+    runtime = create_runtime(config)
+    runtime.start()
+    try:
+        yield config.server
+    finally:
+        runtime.stop()
+
+
+def _tensor(module, name: str, value: float, width: int):
+    tensor = module.InferInput(name, [1, width], "FP32")
+    tensor.set_data_from_numpy(np.full((1, width), value, np.float32))
+    return tensor
+
+
+def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_sums(served):
+    failures = []
+
+    def client(k: int) -> None:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        try:
+            ids = [1000 * k + j for j in range(1, 3)]  # two sequences per client
+            totals = dict.fromkeys(ids, 0.0)
+            for step in range(5):
+                for sid in ids:
+                    value = float(sid % 7 + step)
+                    totals[sid] += value
+                    result = c.infer(
+                        "accumulate", [_tensor(httpclient, "INPUT", value, 4)],
+                        sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4,
+                    )  # fmt: skip
+                    assert np.all(result.as_numpy("OUTPUT") == totals[sid]), (sid, step)
+        except BaseException as exc:
+            failures.append((k, repr(exc), str(exc)))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+
+
+def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served):
+    """Each of eight clients streams two interleaved sequences to each model, every request
+    sent before any answer is read: the answers, matched by id, are the running sums and
+    running means a sequential run gives."""
+    failures = []
+
+    def client(k: int) -> None:
+        answers: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        try:
+            c.start_stream(callback=lambda result, error: answers.put((result, error)))
+            expected = {}
+            for sid in (2 * k + 1, 2 * k + 2):
+                seen = []
+                for step in range(4):
+                    value = float(sid + step)
+                    seen.append(value)
+                    flags = dict(sequence_id=sid, sequence_start=step == 0, sequence_end=step == 3)
+                    rid = f"{sid}-{step}"
+                    c.async_stream_infer("accumulate", [_tensor(grpcclient, "INPUT", value, 4)],
+                                         request_id=f"a{rid}", **flags)  # fmt: skip
+                    c.async_stream_infer("running_mean", [_tensor(grpcclient, "VALUE", value, 1)],
+                                         request_id=f"m{rid}", **flags)  # fmt: skip
+                    expected[f"a{rid}"] = ("OUTPUT", sum(seen))
+                    expected[f"m{rid}"] = ("MEAN", sum(seen) / len(seen))
+            for _ in expected:
+                result, error = answers.get(timeout=60)
+                assert error is None, error
+                rid = result.get_response().id
+                output, want = expected[rid]
+                assert np.allclose(result.as_numpy(output), want), (rid, result.as_numpy(output))
+            c.stop_stream()
+        except BaseException as exc:
+            failures.append((k, repr(exc), str(exc)))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+
+
+def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(served):
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+    try:
+        meta = c.get_model_metadata("accumulate")
+        assert [t["name"] for t in meta["inputs"]] == ["INPUT"]
+        assert [t["name"] for t in meta["outputs"]] == ["OUTPUT"]
+        config = c.get_model_config("accumulate")
+        assert "dynamic_batching" not in config
+        state = config["sequence_batching"]["state"][0]
+        assert (state["input_name"], state["output_name"]) == ("STATE_IN", "STATE_OUT")
+        kinds = {  # protobuf's JSON leaves out an enum's first value (START)
+            ci["name"]: ci["control"][0].get("kind", "CONTROL_SEQUENCE_START")
+            for ci in c.get_model_config("running_mean")["sequence_batching"]["control_input"]
+        }
+        assert kinds == {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY",
+                         "CORRID": "CONTROL_SEQUENCE_CORRID"}  # fmt: skip
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served, module):
+    port = served.http_port if module is httpclient else served.grpc_port
+    c = module.InferenceServerClient(f"127.0.0.1:{port}")
+    x = _tensor(module, "INPUT", 1.0, 4)
+    try:
+        with pytest.raises(InferenceServerException, match="77.*START flag"):
+            c.infer("accumulate", [x], sequence_id=77)  # no START
+        with pytest.raises(InferenceServerException, match="must carry sequence_id"):
+            c.infer("accumulate", [x])
+        c.infer("accumulate", [x], sequence_id=78, sequence_start=True, sequence_end=True)
+        with pytest.raises(InferenceServerException, match="78.*START flag"):
+            c.infer("accumulate", [x], sequence_id=78)  # after its END
+        pair = [_tensor(module, "INPUT0", 1.0, 16), _tensor(module, "INPUT1", 1.0, 16)]
+        with pytest.raises(InferenceServerException, match="add_sub.*no sequence batcher"):
+            c.infer("add_sub", pair, sequence_id=5, sequence_start=True)
+        ok = c.infer("accumulate", [x], sequence_id=79, sequence_start=True, sequence_end=True)
+        assert np.all(ok.as_numpy("OUTPUT") == 1.0)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
+def test_other_runtimes_refuse_sequence_batching_by_name(runtime):
+    config = ServeConfig(models("direct")[:1], runtime=runtime)
+    with pytest.raises(ValueError, match=r"models\.accumulate: \[models\.sequence_batching\]"):
+        config.check()
