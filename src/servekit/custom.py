@@ -17,12 +17,12 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import RunnerError, ServekitError
+from .errors import InvalidInput, RunnerError, ServekitError
 from .runners.base import Arrays, BaseRunner, Runner
 from .spec import ModelSpec, TensorSpec
 
@@ -55,12 +55,20 @@ class Model:
 
     Raise ``servekit.InvalidInput`` for a request's fault (a 400 naming it); any other
     exception fails the batch's requests with a 500 naming the model and the exception.
+
+    A **decoupled** model (``decoupled = True``, Triton's decoupled transaction policy)
+    answers each request with any number of responses: its ``infer`` is a generator (or
+    an async generator) over one request's inputs, yielding a dict of outputs per
+    response; it is served over gRPC streams and Server-Sent Events, and stopped at its
+    next ``yield`` when its client leaves.
     """
 
     inputs: ClassVar[Sequence[TensorLike]] = ()
     outputs: ClassVar[Sequence[TensorLike]] = ()
     max_batch_size: ClassVar[int] = 0
     """0: no batch dimension (one request per call)."""
+    decoupled: ClassVar[bool] = False
+    """True: ``infer`` is a generator answering one request with any number of responses."""
 
     def setup(self, **args: Any) -> None:
         """Load what the model needs (``[models.args]`` as keyword arguments)."""
@@ -147,6 +155,15 @@ class UserRunner(BaseRunner):
             )
             fn: Callable[..., Any] = model.infer
             self._call = fn
+            streams = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+            if streams != bool(cls.decoupled):
+                raise ValueError(
+                    f"{self.name}: decoupled = True needs infer to be a generator (yield each "
+                    "response)"
+                    if cls.decoupled
+                    else f"{self.name}: infer is a generator: set decoupled = True to stream "
+                    "its responses"
+                )
         else:
             spec = getattr(model, "servekit_signature", None)
             if not isinstance(spec, ModelSpec):
@@ -158,6 +175,7 @@ class UserRunner(BaseRunner):
             fn = model
             self._call = fn if _takes_dict(fn, spec) else (lambda batch: fn(**batch))
         self._is_async = inspect.iscoroutinefunction(fn)
+        self.decoupled = isinstance(model, Model) and type(model).decoupled
         self._local = threading.local()
         self._loops: list[asyncio.AbstractEventLoop] = []
 
@@ -180,7 +198,51 @@ class UserRunner(BaseRunner):
             self._loops.append(loop)
         return loop
 
+    def responses(self, inputs: Mapping[str, np.ndarray]) -> Iterator[Arrays]:
+        """A decoupled model's responses to one request (validated by its caller), each
+        checked as it comes; blocking, for a worker thread. Closing the iterator closes
+        the model's generator at its next ``yield``."""
+        if not self.decoupled:
+            raise InvalidInput(f"model {self.name} is not decoupled: it answers once (infer)")
+        rows = len(next(iter(inputs.values()))) if self.spec.batched else 1
+        made = self._call(dict(inputs))
+        if inspect.isasyncgen(made):
+            made = self._drive(made)
+        try:
+            for outputs in made:
+                if not isinstance(outputs, Mapping):
+                    raise RunnerError(
+                        f"{self.name}: each response must be a dict of output arrays, got "
+                        f"{type(outputs).__name__}"
+                    )
+                self.spec.check_outputs(outputs, rows)
+                yield dict(outputs)
+        except ServekitError:
+            raise
+        except Exception as exc:
+            raise RunnerError(f"model {self.name}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            made.close()
+
+    def _drive(self, agen: Any) -> Iterator[Any]:
+        """An async generator stepped on this worker thread's own loop."""
+        loop = self._loop()
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(agen.aclose())
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        if self.decoupled:
+            raise InvalidInput(
+                f"model {self.name} is decoupled (it answers a request with any number of "
+                "responses): call it over a gRPC stream or over HTTP with "
+                "'Accept: text/event-stream'"
+            )
         try:
             return self._run(inputs)
         except ServekitError:
@@ -196,6 +258,9 @@ class UserRunner(BaseRunner):
         """The model's own ``warmup`` where it has one, else one sample batch."""
         if isinstance(self.model, Model) and type(self.model).warmup is not Model.warmup:
             self.model.warmup()
+        elif self.decoupled:
+            for _ in self.responses(self.spec.sample_inputs(1)):
+                pass
         else:
             super().warmup(batch_sizes)
 

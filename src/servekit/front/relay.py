@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
-from ..grpc.calls import Method, each_answered, service_methods
+from ..grpc.calls import Method, each_answered, once, service_methods
 from ..grpc.service import (
     GRPC_TOKEN_KEY,
     STREAM_IN_FLIGHT,
@@ -201,7 +201,7 @@ class GrpcRelay:
     ) -> AsyncGenerator[Any, None]:
         """Each request of the stream as its own infer (``_infer``), answered as it completes."""
         answers = each_answered(
-            requests, lambda request: self._infer(request, context), STREAM_IN_FLIGHT
+            requests, lambda request: once(self._infer(request, context)), STREAM_IN_FLIGHT
         )
         async for request, outcome in answers:
             if isinstance(outcome, Exception):

@@ -25,6 +25,7 @@ __all__ = [
     "code_number",
     "deadline",
     "each_answered",
+    "once",
     "inflated",
     "service_methods",
     "unary_message",
@@ -149,18 +150,22 @@ def deadline(value: bytes | None) -> float | None:
 
 _READ = object()
 """What the reader of ``each_answered`` leaves when the stream's requests end."""
+_ENDED = object()
+"""What a call of ``each_answered`` leaves after its last response."""
 
 
 async def each_answered(
     requests: AsyncIterator[Any],
-    answer: Callable[[Any], Awaitable[Any]],
+    answer: Callable[[Any], AsyncIterator[Any]],
     limit: int,
 ) -> AsyncGenerator[tuple[Any, Any], None]:
-    """``(request, response)`` for each request of a stream, each answered as its own call,
-    concurrently, yielded as each completes: at most ``limit`` requests are taken and not
-    yet yielded (past it the stream's requests wait unread). A call that aborts gives its ``Aborted``, and one that
-    fails otherwise its exception, in place of the response: one bad request never ends
-    the stream. Closed early, every call still running is cancelled."""
+    """``(request, response)`` for each response to each request of a stream: every
+    request answered as its own call (``answer(request)``: its responses, one for a
+    unary model, any number for a decoupled one), concurrently, each response yielded as
+    it comes. At most ``limit`` requests are taken and not yet answered in full (past it
+    the stream's requests wait unread). A call that aborts gives its ``Aborted``, and one
+    that fails otherwise its exception, as its last response: one bad request never
+    ends the stream. Closed early, every call still running is cancelled."""
     done: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
     slots = asyncio.Semaphore(limit)
     calls: set[asyncio.Task[None]] = set()
@@ -168,10 +173,11 @@ async def each_answered(
 
     async def one(request: Any) -> None:
         try:
-            outcome = await answer(request)
+            async for response in answer(request):
+                done.put_nowait((request, response))
         except Exception as exc:  # Aborted and the rest: the caller words it
-            outcome = exc
-        done.put_nowait((request, outcome))
+            done.put_nowait((request, exc))
+        done.put_nowait((request, _ENDED))
 
     async def read() -> None:
         nonlocal started
@@ -196,11 +202,20 @@ async def each_answered(
                 if outcome is not None:
                     raise outcome
                 read_all = True
-                continue
-            answered += 1
-            yield request, outcome
-            slots.release()
+            elif outcome is _ENDED:
+                answered += 1
+                slots.release()
+            else:
+                yield request, outcome
     finally:
         reader.cancel()
         for call in list(calls):
             call.cancel()
+        # Let them end here: the stream's requests are closed after this, and closing an
+        # async generator a task still awaits in is an error.
+        await asyncio.wait([reader, *calls])
+
+
+async def once(answer: Awaitable[Any]) -> AsyncIterator[Any]:
+    """A unary call's one response, as ``each_answered`` takes responses."""
+    yield await answer

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
@@ -47,7 +47,7 @@ from ..protocol.kserve import (
     tensor_from_raw,
     tensor_to_raw,
 )
-from ..protocol.models import ModelRegistry, RepositoryControl, conforms
+from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, conforms
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
@@ -336,20 +336,13 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     outputs[o.name] = classify(outputs[o.name], int(k), o.name)
         except Exception as exc:
             await self.fail(context, exc)
-        response = service_pb2.ModelInferResponse(
-            model_name=name, model_version=answered, id=request.id
-        )
-        for out in wanted:
-            datatype, raw = tensor_to_raw(outputs[out])
-            response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
-            response.raw_output_contents.append(raw)
-        return response
+        return infer_response(request, outputs, wanted, answered)
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncGenerator[Any, None]:
         """Triton's stream: each request is answered as it completes, with its id; one that
         fails is answered with its ``error_message`` and the stream goes on."""
         answers = each_answered(
-            requests, lambda request: self.ModelInfer(request, context), STREAM_IN_FLIGHT
+            requests, lambda request: self._answers(request, context), STREAM_IN_FLIGHT
         )
         async for request, outcome in answers:
             if isinstance(outcome, Exception):
@@ -357,11 +350,58 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             else:
                 yield service_pb2.ModelStreamInferResponse(infer_response=outcome)
 
+    async def _answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """One stream request's responses: a decoupled model's, as it makes them (each
+        flagged ``triton_final_response`` false, then an empty final one where the request
+        sets ``triton_enable_empty_final_response``), any other model's one answer."""
+        try:
+            model = await self.models.lookup(request.model_name)
+        except ServekitError:
+            model = None  # ModelInfer names what is wrong
+        if not isinstance(model, DecoupledModel):
+            yield await self.ModelInfer(request, context)
+            return
+        final_empty = False
+        try:
+            self.authenticate(context)
+            parameters = request_parameters(request)
+            final_empty = parameters.get("triton_enable_empty_final_response") is True
+            inputs = decode_inputs(request)
+            wanted = [o.name for o in request.outputs]
+            async for outputs in model.responses(inputs):
+                response = infer_response(request, outputs, wanted or list(outputs), "1")
+                response.parameters["triton_final_response"].bool_param = False
+                yield response
+        except Exception as exc:
+            await self.fail(context, exc)
+        if final_empty:
+            response = infer_response(request, {}, [], "1")
+            response.parameters["triton_final_response"].bool_param = True
+            yield response
+
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         return service_pb2.SystemSharedMemoryStatusResponse()  # the service takes no regions
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         return service_pb2.CudaSharedMemoryStatusResponse()
+
+
+def infer_response(
+    request: Any, outputs: Mapping[str, np.ndarray], wanted: list[str], version: str
+) -> Any:
+    """The ``ModelInferResponse`` carrying ``wanted`` of ``outputs`` as raw bytes."""
+    response = service_pb2.ModelInferResponse(
+        model_name=request.model_name, model_version=version, id=request.id
+    )
+    for out in wanted:
+        if out not in outputs:
+            raise InvalidInput(
+                f"requested output {out!r}: {request.model_name} has {sorted(outputs)}"
+            )
+        datatype, raw = tensor_to_raw(outputs[out])
+        response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
+        response.raw_output_contents.append(raw)
+    return response
 
 
 def stream_error(request: Any, exc: Exception) -> Any:

@@ -11,13 +11,16 @@ bad requests are 400 naming the tensor, unknown models 404, a full queue 503 wit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import re
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
+
+import orjson
 
 from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
@@ -50,6 +53,7 @@ from ..protocol.kserve import (
     sequence_flags,
 )
 from ..protocol.models import (
+    DecoupledModel,
     FrontModel,
     ModelRegistry,
     PassThrough,
@@ -456,6 +460,8 @@ class KServeApp:
         body = self._body(http)
         raw = http.headers.get(HEADER_LENGTH)
         whole = _whole_body(raw)
+        if isinstance(model, DecoupledModel):
+            return self._events(name, model, self._decode(name, body, raw), http)
         if conforms(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             body, length, timeout_us = self._pass_through(name, model, body, raw)
             return await model.forward(body, length, version, timeout_us)
@@ -484,6 +490,33 @@ class KServeApp:
         )  # fmt: skip
         payload, out_headers = encode_response(name, outputs, request, answered)
         return 200, payload, out_headers
+
+    def _events(
+        self, name: str, model: DecoupledModel, request: DecodedRequest, http: HttpRequest
+    ) -> Answer:
+        """A decoupled model's responses as Server-Sent Events, one KServe JSON response
+        per event as the model makes it, then ``event: end``; an error after the first
+        event is sent as ``event: error`` with its message. Without ``Accept:
+        text/event-stream`` the request is refused, as Triton refuses a unary call."""
+        if "text/event-stream" not in http.headers.get("accept", ""):
+            raise InvalidInput(
+                f"model {name!r} is decoupled (it answers a request with any number of "
+                "responses): ask for 'Accept: text/event-stream', or call it over a gRPC stream"
+            )
+        model.spec.validate_inputs(request.inputs)
+        request = dataclasses.replace(request, binary_outputs=frozenset())
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for outputs in model.responses(request.inputs):
+                    payload, _ = encode_response(name, outputs, request)
+                    yield b"data: " + payload + b"\n\n"
+            except ServekitError as exc:
+                yield b"event: error\ndata: " + orjson.dumps({"error": str(exc)}) + b"\n\n"
+                return
+            yield b"event: end\ndata: {}\n\n"
+
+        return 200, events(), {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
 
 def _whole_body(raw: str | None) -> bool:

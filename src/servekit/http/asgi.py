@@ -4,6 +4,7 @@ an app under uvicorn. servekit's own HTTP/1.1 server (``h1``) calls ``handle`` d
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +45,16 @@ async def serve_asgi(
     )  # fmt: skip
     status, payload, out = await handle(request)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.items()]
-    raw.append((b"content-length", b"%d" % len(payload)))
+    if isinstance(payload, bytes):
+        raw.append((b"content-length", b"%d" % len(payload)))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": payload})
+        return
     await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
+    async with contextlib.aclosing(payload):  # type: ignore[type-var]
+        async for chunk in payload:  # a streamed answer (Server-Sent Events)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _receive_body(

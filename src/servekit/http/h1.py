@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import httptools
 
@@ -73,7 +73,7 @@ class HttpRequest:
         return self._body
 
 
-Answer = tuple[int, bytes, Mapping[str, str]]
+Answer = tuple[int, bytes | AsyncIterator[bytes], Mapping[str, str]]
 """Status, body and headers (the server adds content-length)."""
 Handler = Callable[[HttpRequest], Awaitable[Answer]]
 """Answers one request; an exception is that request's 500 (a ``ServekitError``: its status)."""
@@ -118,6 +118,10 @@ class _Connection(asyncio.Protocol):
         self.discarding = False
         self.last = self.loop.time()
         """When the connection last went idle (the server's sweep closes it after keep_alive_s)."""
+        self.streaming: asyncio.Task[None] | None = None
+        """The task writing a streamed answer (Server-Sent Events), cancelled if the peer leaves."""
+        self.writable: asyncio.Event | None = None
+        """Clear while the peer leaves our writes unread (a streamed answer waits on it)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -147,6 +151,19 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.transport = None
         self.pending.clear()
+        if self.streaming is not None:
+            self.streaming.cancel()
+        if self.writable is not None:
+            self.writable.set()
+
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = asyncio.Event()
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None:
+            self.writable.set()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -281,6 +298,10 @@ class _Connection(asyncio.Protocol):
         if not self.keep:
             head += b"connection: close\r\n"
         transport.write(head + b"\r\n" + body)
+        self._next(transport, close)
+
+    def _next(self, transport: asyncio.Transport, close: bool = True) -> None:
+        """An answer is written: close, or take the next request in line."""
         if not self.keep:
             self.busy = True  # nothing more is answered on this connection
             if close:
@@ -312,7 +333,49 @@ class _Connection(asyncio.Protocol):
             log.exception("unexpected error on %s %s", request.method, path)
             self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
             return
-        self._reply(status, body, out)
+        if isinstance(body, bytes):
+            self._reply(status, body, out)
+        else:
+            await self._stream(status, body, out)
+
+    async def _stream(
+        self, status: int, chunks: AsyncIterator[bytes], headers: Mapping[str, str]
+    ) -> None:
+        """A streamed answer (Server-Sent Events): each chunk written as it comes, chunked,
+        waiting while the peer does not read; a peer that leaves cancels it, which closes
+        ``chunks`` (and the model behind it) at once."""
+        transport = self.transport
+        self.busy = False
+        if transport is None or transport.is_closing():
+            await chunks.aclose()  # type: ignore[attr-defined]
+            return
+        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+        for key, value in headers.items():
+            head += b"%s: %s\r\n" % (key.encode("latin-1"), value.encode("latin-1"))
+        head += b"transfer-encoding: chunked\r\n"
+        if not self.keep:
+            head += b"connection: close\r\n"
+        self.streaming = asyncio.current_task()
+        transport.write(head + b"\r\n")
+        try:
+            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                async for chunk in chunks:
+                    if self.transport is None:
+                        return
+                    transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    if self.writable is not None:
+                        await self.writable.wait()
+            transport.write(b"0\r\n\r\n")
+        except asyncio.CancelledError:
+            return  # the peer left
+        except Exception:  # the status is sent: all that is left is to end the connection
+            log.exception("a streamed answer failed")
+            self.keep = False
+            transport.close()
+            return
+        finally:
+            self.streaming = None
+        self._next(transport)
 
 
 class H1Server:

@@ -11,20 +11,22 @@ Batchers, a mapping of them) into these once, at construction.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import numpy as np
 
 from ..batching import Batcher
+from ..batching.execute import as_error
 from ..batching.sequence import SequenceFlags
 from ..batching.sequencer import SequenceBatcher
-from ..errors import ModelNotFound, ServekitError
+from ..errors import InvalidInput, ModelNotFound, ServekitError
 from ..runners.base import Runner
 from ..spec import ModelSpec
 
 __all__ = [
     "BatchedModel",
+    "DecoupledModel",
     "FrontModel",
     "ModelRegistry",
     "PassThrough",
@@ -223,6 +225,88 @@ class SequencedModel:
         self, inputs: Mapping[str, np.ndarray], sequence: SequenceFlags | None
     ) -> dict[str, np.ndarray]:
         return await self.batcher.infer(inputs, sequence=sequence)
+
+
+class DecoupledModel:
+    """A decoupled model (Triton's decoupled transaction policy): ``responses`` gives any
+    number of answers to one request, as the model makes them, each generator running on
+    one of ``instances`` worker threads. A client that leaves stops the model at its next
+    ``yield``; at most ``BUFFERED`` responses wait for a client that reads slowly. A plain
+    ``infer`` is refused, as Triton refuses a unary call to such a model."""
+
+    versioned = False
+    versions: tuple[str, ...] = ("1",)
+    batcher: Batcher | None = None
+    BUFFERED = 16
+
+    def __init__(self, runner: Runner, instances: int = 1, name: str = "model") -> None:
+        import concurrent.futures
+
+        self.runner, self.name, self.spec = runner, name, runner.spec
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            instances, thread_name_prefix=f"servekit-{name}"
+        )
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        version: str = "",
+    ) -> dict[str, np.ndarray]:
+        raise InvalidInput(
+            f"model {self.name!r} is decoupled (it answers a request with any number of "
+            "responses): call it over a gRPC stream (ModelStreamInfer) or over HTTP with "
+            "'Accept: text/event-stream'"
+        )
+
+    async def responses(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The model's responses to ``inputs`` as it yields them."""
+        import threading
+
+        self.spec.validate_inputs(inputs)
+        loop = asyncio.get_running_loop()
+        handed: asyncio.Queue[Any] = asyncio.Queue()
+        room = threading.Semaphore(self.BUFFERED)
+        stop = threading.Event()
+
+        def work() -> None:
+            made = self.runner.responses(inputs)  # type: ignore[attr-defined]
+            try:
+                for outputs in made:
+                    while not room.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    loop.call_soon_threadsafe(handed.put_nowait, outputs)
+            except Exception as exc:
+                loop.call_soon_threadsafe(handed.put_nowait, as_error(exc, self.name))
+            finally:
+                made.close()
+                loop.call_soon_threadsafe(handed.put_nowait, _DONE)
+
+        running = loop.run_in_executor(self._pool, work)
+        try:
+            while (item := await handed.get()) is not _DONE:
+                room.release()
+                if isinstance(item, ServekitError):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            room.release()
+            del running
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_DONE = object()
+"""The end of a decoupled model's responses."""
 
 
 class RunnerModel:

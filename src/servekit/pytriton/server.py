@@ -15,7 +15,7 @@ from typing import Any
 from ..config import ServeConfig, ServerConfig
 from ..endpoints import free_port
 from ..runners.base import Runner
-from ..runtime.base import ServedModel
+from ..runtime.base import ServedModel, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, served_name
 from ..triton.env import apply_triton_environment, gpu_present
@@ -85,6 +85,8 @@ class TritonServer:
         # Loaded here, so a signal can interrupt it (``Supervisor``). Triton's model for
         # each: PyTriton binds one version per Triton model.
         bound = {m: served_name(m) for m in self.models.load()}
+        for m in bound:
+            refuse_decoupled(m.runner, m.name, "pytriton")
         c = self.server
         security = TritonSecurityConfig(
             access_token=c.control_token, restricted_endpoints=list(CONTROL_ENDPOINTS)

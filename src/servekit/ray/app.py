@@ -203,9 +203,10 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     @serve.deployment
     class Model(_Batched):
         def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
-            from ..runtime.base import load_model_runner
+            from ..runtime.base import load_model_runner, refuse_decoupled
 
             runner = load_model_runner(model, cache_dir, config.storage)
+            refuse_decoupled(runner, model.name, "ray")
             runner.warmup()
             super().__init__(runner, model.batching, model.name)
 

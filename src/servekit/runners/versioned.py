@@ -12,7 +12,7 @@ warm up raises and leaves the serving version untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +107,21 @@ class VersionedRunner:
 
     def warmup(self) -> None:
         self._current.runner.warmup()
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the serving version answers a request with any number of responses."""
+        return bool(getattr(self._current.runner, "decoupled", False))
+
+    def responses(self, inputs: Mapping[str, np.ndarray]) -> Iterator[Arrays]:
+        """A decoupled model's responses, from the version serving when the request began."""
+        with self._lock:
+            v = self._current
+            v.in_flight += 1
+        try:
+            yield from v.runner.responses(inputs)  # type: ignore[attr-defined]
+        finally:
+            self._release(v)
 
     def end_sequence(self, sequence_id: int | str, reason: str) -> None:
         """Tell the serving version's model a sequence ended, where it listens."""

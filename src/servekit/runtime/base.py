@@ -80,6 +80,16 @@ class Runtime(Protocol):
         ...
 
 
+def refuse_decoupled(runner: Runner, name: str, runtime: str) -> None:
+    """``ValueError`` naming ``runtime`` and the model where ``runner`` is decoupled: its
+    streams are served on the native runtime so far."""
+    if getattr(runner, "decoupled", False):
+        raise ValueError(
+            f"the {runtime} runtime cannot serve model {name!r}: it is decoupled (answers a "
+            "request with any number of responses), served on the native runtime so far"
+        )
+
+
 def load_model_runner(
     model: ModelConfig,
     cache_dir: str | None = None,

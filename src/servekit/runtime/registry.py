@@ -17,6 +17,7 @@ from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
 from ..config import ServeConfig, version_model_name
 from ..errors import ModelNotFound
+from ..protocol.models import DecoupledModel
 from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
 from ..runners.versioned import VersionedRunner
@@ -55,6 +56,7 @@ class ServedModels:
         """Each versioned model's split, shadow and canary, kept across restarts."""
         self.batchers: dict[str, Batcher | SequenceBatcher] = {}
         """Served name -> its Batcher, while ``batch`` has them running."""
+        self._decoupled: list[DecoupledModel] = []
 
     def load(self) -> list[ServedModel]:
         """Load every configured model (the first time only) and warm it up."""
@@ -95,11 +97,17 @@ class ServedModels:
 
     def batch(self) -> dict[str, Any]:
         """Start a ``Batcher`` per version (its policy, its instances; a ``SequenceBatcher``
-        for a model with ``sequence_batching``) and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
+        for a model with ``sequence_batching``, a ``DecoupledModel`` for a decoupled one)
+        and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
         self.close_batchers()
-        by_name: dict[str, dict[int, Batcher | SequenceBatcher]] = {}
+        by_name: dict[str, dict[int, Any]] = {}
         for m in self._models:
             batcher: Batcher | SequenceBatcher
+            if getattr(m.runner, "decoupled", False):
+                decoupled = DecoupledModel(m.runner, m.instance_count, m.name)
+                self._decoupled.append(decoupled)
+                by_name.setdefault(m.name, {})[m.version] = decoupled
+                continue
             if m.sequence is not None:
                 batcher = SequenceBatcher(
                     m.runner, m.policy, m.sequence, instance_count=m.instance_count, name=m.name
@@ -114,6 +122,9 @@ class ServedModels:
         for batcher in self.batchers.values():
             batcher.close()
         self.batchers = {}
+        for model in self._decoupled:
+            model.close()
+        self._decoupled = []
 
     def reload(self) -> list[str]:
         """Read each configured model's file again and swap it in (``reload_models``)."""

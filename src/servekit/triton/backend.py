@@ -117,7 +117,11 @@ def _code_runner(file: Path) -> Runner:
     args = code.get("args") or {}
     if not isinstance(args, dict):
         raise ValueError(f'{file}: "args" must be an object, got {type(args).__name__}')
-    return import_model(source, name=code.get("name", ""), path=code.get("path"), args=args)
+    from ..runtime.base import refuse_decoupled
+
+    runner = import_model(source, name=code.get("name", ""), path=code.get("path"), args=args)
+    refuse_decoupled(runner, code.get("name") or source, "triton")
+    return runner
 
 
 def _int(parameters: Mapping[str, str], key: str, default: int) -> int:

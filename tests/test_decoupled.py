@@ -1,0 +1,180 @@
+"""A decoupled model (``examples/streaming``: one text in, each of its words out, one
+response each) served on native: over a gRPC stream its responses come in order, flagged
+``triton_final_response`` false, then an empty final one where the client asks
+(``enable_empty_final_response``); over HTTP they come as Server-Sent Events; a unary
+call is refused as Triton refuses it; a model that fails midway sends what it made, then
+its error; and a client that leaves stops the model at its next step (measured: the
+words it makes after)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from servekit import ModelConfig, ServeConfig, ServerConfig
+
+pytest.importorskip("tritonclient", reason="needs the triton extra")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "streaming"
+
+
+@pytest.fixture(scope="module")
+def served():
+    from servekit.serving import create_runtime
+
+    config = ServeConfig(
+        (
+            ModelConfig("words:Words", "words", path=str(EXAMPLE)),
+            ModelConfig("words:Words", "slow", path=str(EXAMPLE), args={"delay_s": 0.05}),
+        ),
+        ServerConfig(exit_timeout_s=2),
+        runtime="native",
+    ).on_loopback()
+    runtime = create_runtime(config)
+    runtime.start()
+    try:
+        yield config.server, runtime
+    finally:
+        runtime.stop()
+
+
+def made(runtime, name: str) -> int:
+    """Words the model ``name`` has made so far."""
+    return runtime.models.runner(name).runner.model.made
+
+
+def text(module, words: str):
+    tensor = module.InferInput("TEXT", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[words.encode()]], dtype=object))
+    return tensor
+
+
+def stream(server, model: str, words: str, **kw) -> list:
+    """Every (result, error) the stream brings for one request, until its final flag."""
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        c.async_stream_infer(model, [text(grpcclient, words)], request_id="r1",
+                             enable_empty_final_response=True, **kw)  # fmt: skip
+        out = []
+        while True:
+            result, error = got.get(timeout=30)
+            out.append((result, error))
+            if error is not None:
+                return out
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def test_a_grpc_stream_brings_each_response_in_order_then_the_final_flag(served):
+    server, _ = served
+    out = stream(server, "words", "one two three four")
+    assert all(error is None for _, error in out)
+    *words, final = [r for r, _ in out]
+    assert [w.as_numpy("WORD")[0, 0] for w in words] == [b"one", b"two", b"three", b"four"]
+    assert [int(w.as_numpy("INDEX")[0, 0]) for w in words] == [0, 1, 2, 3]
+    assert all(w.get_response().id == "r1" for w in words)
+    assert not any(w.get_response().parameters["triton_final_response"].bool_param for w in words)
+    assert final.get_response().parameters["triton_final_response"].bool_param
+    assert not final.get_response().outputs  # the empty final response
+
+
+def test_a_model_failing_midway_sends_what_it_made_then_its_error(served):
+    server, _ = served
+    out = stream(server, "words", "one two fail three")
+    assert [r.as_numpy("WORD")[0, 0] for r, e in out if e is None] == [b"one", b"two"]
+    error = out[-1][1]
+    assert error is not None and "ValueError" in str(error) and "word 2" in str(error)
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_a_unary_call_to_a_decoupled_model_is_refused_naming_it(served, module):
+    server, _ = served
+    port = server.http_port if module is httpclient else server.grpc_port
+    c = module.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(InferenceServerException, match="'words' is decoupled"):
+            c.infer("words", [text(module, "one two")])
+    finally:
+        c.close()
+
+
+def events(server, model: str, words: str, *, keep: int | None = None) -> list[tuple[str, dict]]:
+    """Server-Sent Events for one request: (event, data) each; ``keep``: hang up after so
+    many."""
+    body = json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
+                                   "data": [words]}]})  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    conn.request("POST", f"/v2/models/{model}/infer", body,
+                 {"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    assert response.getheader("content-type") == "text/event-stream"
+    out: list[tuple[str, dict]] = []
+    kind, data = "message", ""
+    while keep is None or len(out) < keep:
+        line = response.readline().decode()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data:
+            out.append((kind, json.loads(data)))
+            kind, data = "message", ""
+    conn.close()
+    return out
+
+
+def test_http_streams_the_responses_as_server_sent_events(served):
+    server, _ = served
+    out = events(server, "words", "alpha beta gamma")
+    assert [k for k, _ in out] == ["message"] * 3 + ["end"]
+    words = [d["outputs"][0]["data"][0] for _, d in out[:3]]
+    assert words == ["alpha", "beta", "gamma"]
+    failed = events(server, "words", "alpha fail")
+    assert [k for k, _ in failed] == ["message", "error"]
+    assert "ValueError" in failed[1][1]["error"]
+
+
+def test_a_client_that_leaves_stops_the_model_at_its_next_step(served):
+    """A 200-word request on the slow model (50 ms a word): the client takes three words
+    and leaves, over gRPC (stop_stream cancelling) and over HTTP (hangs up). The model
+    makes at most one word more."""
+    server, runtime = served
+    long = " ".join(f"w{i}" for i in range(200))
+
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    before = made(runtime, "slow")
+    c.async_stream_infer("slow", [text(grpcclient, long)], request_id="long")
+    for _ in range(3):
+        assert got.get(timeout=30)[1] is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    wait_until(lambda: made(runtime, "slow") - before <= 5, "the model was stopped", 5)
+    at_stop = made(runtime, "slow")
+    time.sleep(0.5)  # ten words' time
+    assert made(runtime, "slow") - at_stop <= 1, "the model went on for a client that left"
+
+    before = made(runtime, "slow")
+    assert len(events(server, "slow", long, keep=3)) == 3
+    time.sleep(0.5)
+    assert made(runtime, "slow") - before <= 3 + 2, "the model went on after the hang-up"
