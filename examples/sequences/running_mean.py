@@ -29,7 +29,7 @@ class RunningMean(servekit.Model):
     def infer(self, batch):
         means = np.zeros((len(batch["VALUE"]), 1), np.float32)
         rows = zip(batch["VALUE"][:, 0], batch["START"][:, 0], batch["READY"][:, 0],
-                   batch["CORRID"][:, 0])  # fmt: skip
+                   batch["CORRID"][:, 0], strict=True)  # fmt: skip
         for i, (value, start, ready, corrid) in enumerate(rows):
             if not ready:
                 continue  # a slot held for a sequence with nothing to run this time
