@@ -189,3 +189,32 @@ def test_other_runtimes_refuse_sequence_batching_by_name(runtime):
     config = ServeConfig(models("direct")[:1], runtime=runtime)
     with pytest.raises(ValueError, match=r"models\.accumulate: \[models\.sequence_batching\]"):
         config.check()
+
+
+@pytest.mark.parametrize(
+    "protocol, streaming", [("http", False), ("grpc", False), ("grpc", True)],
+    ids=["http", "grpc", "grpc-stream"],
+)  # fmt: skip
+def test_the_load_generator_runs_sequences_unary_and_streamed(served, protocol, streaming):
+    """``servekit bench --sequence-length 4 [--streaming]``'s targets: eight workers, each
+    running sequences of four (a request without its START would be refused, so any
+    slip in the flags shows as errors)."""
+    import asyncio
+
+    from servekit.bench import MeasureConfig, closed_loop, open_target
+
+    url = served.http_url if protocol == "http" else served.grpc_url
+
+    async def run():
+        target = open_target(
+            url, "accumulate", {"INPUT": np.ones((1, 4), np.float32)},
+            streaming=streaming, sequence_length=4,
+        )  # fmt: skip
+        try:
+            return await closed_loop(target, 8, MeasureConfig(0.5, 0.2, 3))
+        finally:
+            await target.close()
+
+    point = asyncio.run(run())
+    assert point.stats.errors == 0, point.error_messages
+    assert point.stats.requests >= 40

@@ -355,11 +355,19 @@ class AsyncClient(_Base):
         priority: int = 0,
         timeout_us: int | None = None,
         version: str = "",
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s)."""
-        scheduling: dict[str, int] = {"priority": priority} if priority else {}
+        """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s);
+        ``sequence_*``: the request's place in a sequence (a sequence-batched model)."""
+        scheduling: dict[str, Any] = {"priority": priority} if priority else {}
         if timeout_us is not None:
             scheduling["timeout"] = timeout_us
+        if sequence_id:
+            scheduling.update(
+                sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end
+            )
         try:
             result = await self._client.infer(
                 model, prepared, model_version=version, headers=self._infer_headers, **scheduling

@@ -15,7 +15,15 @@ import numpy as np
 
 from ..errors import ServekitError, ServerUnreachable
 
-__all__ = ["BatcherTarget", "RemoteTarget", "RunnerTarget", "Target", "open_target"]
+__all__ = [
+    "BatcherTarget",
+    "RemoteTarget",
+    "RunnerTarget",
+    "Sequences",
+    "StreamTarget",
+    "Target",
+    "open_target",
+]
 
 
 class Target(Protocol):
@@ -24,6 +32,30 @@ class Target(Protocol):
     async def send(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Sequences:
+    """Each load-generator worker's sequences of ``length`` requests (perf_analyzer's
+    ``--sequence-length``): the flags of its next request, a new unique id after each END."""
+
+    def __init__(self, length: int) -> None:
+        import itertools
+        import random
+
+        self.length = length
+        self._ids = itertools.count(random.randrange(1, 1 << 40))
+        self._at: dict[object, tuple[int, int]] = {}  # worker -> (sequence id, next step)
+
+    def next(self) -> dict[str, Any]:
+        """``sequence_id``, ``sequence_start``, ``sequence_end`` for the calling task's next
+        request (empty without sequences)."""
+        if not self.length:
+            return {}
+        worker = asyncio.current_task()
+        sid, step = self._at.get(worker) or (next(self._ids), 0)
+        end = step == self.length - 1
+        self._at[worker] = (next(self._ids), 0) if end else (sid, step + 1)
+        return {"sequence_id": sid, "sequence_start": step == 0, "sequence_end": end}
 
 
 class RemoteTarget:
@@ -48,10 +80,12 @@ class RemoteTarget:
         shared_memory: bool = False,
         access_token: str | None = None,
         binary: bool = True,
+        sequence_length: int = 0,
     ) -> None:
         from ..client import AsyncClient, Client
 
         self.name = f"{url} {model}{' (shm)' if shared_memory else ''}"
+        self._sequences = Sequences(sequence_length)
         self.url, self.model, self.inputs = url, model, dict(inputs)
         self._client = AsyncClient(url)
         self._registrar = None
@@ -82,8 +116,9 @@ class RemoteTarget:
             raise ServerUnreachable(f"{exc} (is the server up at {self.url}?)") from None
 
     async def send(self) -> None:
+        flags = self._sequences.next()
         if self._body is None:
-            await self._client.infer_prepared(self.model, self._prepared)
+            await self._client.infer_prepared(self.model, self._prepared, **flags)
             return
         import aiohttp
 
@@ -91,10 +126,19 @@ class RemoteTarget:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        whole, headers = self._body, self._headers
+        if flags:  # the sequence's parameters are in the request's JSON: made per request
+            import tritonclient.http as th
+
+            whole, json_size = th.InferenceServerClient.generate_request_body(
+                self._prepared, **flags
+            )
+            if json_size is not None:
+                headers = {**headers, "Inference-Header-Content-Length": str(json_size)}
         try:
             # aiohttp streams a body over 1 MB from a file object (and warns on raw bytes).
-            body = self._body if len(self._body) <= 1 << 20 else io.BytesIO(self._body)
-            async with self._session.post(self._endpoint, data=body, headers=self._headers) as r:
+            body = whole if len(whole) <= 1 << 20 else io.BytesIO(whole)
+            async with self._session.post(self._endpoint, data=body, headers=headers) as r:
                 payload = await r.read()
                 if r.status != 200:
                     raise from_http_status(r.status, payload[:500].decode("utf-8", "replace"))
@@ -107,6 +151,81 @@ class RemoteTarget:
         await self._client.close()
         if self._registrar is not None:
             self._registrar.close()
+
+
+class StreamTarget:
+    """Each worker's requests over one gRPC stream of its own (``ModelStreamInfer``), as
+    perf_analyzer's ``--streaming``: the closed loop keeps one request in flight per
+    stream, so each answer (or error) is that worker's."""
+
+    remote = True
+
+    def __init__(
+        self, url: str, model: str, inputs: Mapping[str, np.ndarray], sequence_length: int = 0
+    ) -> None:
+        import tritonclient.grpc as tg
+        import tritonclient.grpc.aio as aio
+
+        from ..protocol.kserve import tensor_to_raw
+
+        if not url.startswith("grpc://"):
+            raise ServekitError(f"streaming needs a grpc:// url, got {url!r}")
+        self.name, self.url, self.model = f"{url} {model} (stream)", url, model
+        self._client = aio.InferenceServerClient(url.removeprefix("grpc://"))
+        self._inputs = []
+        for name, array in inputs.items():
+            datatype, _ = tensor_to_raw(array)
+            tensor = tg.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            self._inputs.append(tensor)
+        self._sequences = Sequences(sequence_length)
+        self._streams: dict[object, tuple[asyncio.Queue[Any], list[asyncio.Future[None]]]] = {}
+        self._readers: list[asyncio.Task[None]] = []
+
+    async def check(self) -> None:
+        await self.send()
+
+    def _open(self, worker: object) -> tuple[asyncio.Queue[Any], list[asyncio.Future[None]]]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        waiting: list[asyncio.Future[None]] = []
+
+        async def requests() -> Any:
+            while (request := await queue.get()) is not None:
+                yield request
+
+        async def read() -> None:
+            try:
+                async for _, error in self._client.stream_infer(requests()):
+                    future = waiting.pop(0)
+                    if error is not None:
+                        future.set_exception(ServekitError(str(error)))
+                    else:
+                        future.set_result(None)
+            except Exception as exc:
+                for future in waiting:
+                    if not future.done():
+                        future.set_exception(ServerUnreachable(f"{self.url}: {exc}"))
+
+        self._readers.append(asyncio.create_task(read()))
+        self._streams[worker] = (queue, waiting)
+        return queue, waiting
+
+    async def send(self) -> None:
+        worker = asyncio.current_task()
+        queue, waiting = self._streams.get(worker) or self._open(worker)
+        future = asyncio.get_running_loop().create_future()
+        waiting.append(future)
+        request = {"model_name": self.model, "inputs": self._inputs, **self._sequences.next()}
+        queue.put_nowait(request)
+        await future
+
+    async def close(self) -> None:
+        for queue, _ in self._streams.values():
+            queue.put_nowait(None)
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        await self._client.close()
 
 
 class BatcherTarget:
@@ -156,11 +275,20 @@ def open_target(
     shared_memory: bool = False,
     access_token: str | None = None,
     binary: bool = True,
-) -> RemoteTarget:
+    streaming: bool = False,
+    sequence_length: int = 0,
+) -> RemoteTarget | StreamTarget:
     """A remote target for ``http://host:port`` or ``grpc://host:port``; ``binary=False``
-    sends JSON (HTTP only), as wrk or curl would."""
+    sends JSON (HTTP only), as wrk or curl would; ``streaming``: each worker's requests over
+    a gRPC stream of its own; ``sequence_length``: each worker runs sequences of so many
+    requests (unique ids, START on the first, END on the last)."""
     if not url.startswith(("http://", "grpc://")):
         raise ServekitError(f"target url must start with http:// or grpc://, got {url!r}")
+    if streaming:
+        if shared_memory:
+            raise ServekitError("--streaming sends its tensors in the stream: no shared memory")
+        return StreamTarget(url, model, inputs, sequence_length)
     return RemoteTarget(
-        url, model, inputs, shared_memory=shared_memory, access_token=access_token, binary=binary
-    )
+        url, model, inputs, shared_memory=shared_memory, access_token=access_token,
+        binary=binary, sequence_length=sequence_length,
+    )  # fmt: skip

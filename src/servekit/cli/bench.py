@@ -45,6 +45,13 @@ def bench(
         int | None,
         typer.Option(help="Measure this server process tree's CPU per request (same host)."),
     ] = None,
+    streaming: Annotated[
+        bool, typer.Option(help="gRPC: each client's requests over one stream of its own.")
+    ] = False,
+    sequence_length: Annotated[
+        int,
+        typer.Option(min=0, help="Each client runs sequences of N requests (START ... END)."),
+    ] = 0,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
@@ -58,6 +65,8 @@ def bench(
 
     if (concurrency is None) == (request_rate is None):
         raise typer.BadParameter("give exactly one of --concurrency or --request-rate")
+    if (streaming or sequence_length) and request_rate is not None:
+        raise typer.BadParameter("--streaming and --sequence-length run a closed loop")
     mode, spec = ("concurrency", concurrency) if concurrency else ("rate", request_rate)
     try:
         levels = parse_levels(spec)  # type: ignore[arg-type]
@@ -92,6 +101,8 @@ def bench(
             shared_memory=shared_memory,
             access_token=access_token,
             binary=not as_json,
+            streaming=streaming,
+            sequence_length=sequence_length,
         )
         try:
             return await sweep(target, levels, mode, cfg, on_point=progress)
