@@ -218,3 +218,62 @@ def test_the_load_generator_runs_sequences_unary_and_streamed(served, protocol, 
     point = asyncio.run(run())
     assert point.stats.errors == 0, point.error_messages
     assert point.stats.requests >= 40
+
+
+@pytest.fixture(scope="module", params=["direct", "oldest"])
+def tritons_own(request, tmp_path_factory):
+    """tritonserver's own sequence batcher on the same model, as Triton's users write it
+    (a Python-backend accumulator keyed by CORRID: ``bench/peers/triton_accumulate.py``)."""
+    pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "peers"))
+    from triton_accumulate import serve
+
+    folder = tmp_path_factory.mktemp(f"triton-{request.param}")
+    with serve(folder, request.param, max_batch=8, instances=2) as triton:
+        yield triton.options.server
+
+
+def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
+    """Client ``k``'s two interleaved sequences of five, streamed, every request sent before
+    any answer is read: OUTPUT by request id."""
+    answers: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for step in range(5):
+            for sid in (100 + 2 * k, 101 + 2 * k):
+                c.async_stream_infer(
+                    "accumulate", [_tensor(grpcclient, "INPUT", float(sid * step % 13), 4)],
+                    request_id=f"{sid}-{step}", sequence_id=sid,
+                    sequence_start=step == 0, sequence_end=step == 4,
+                )  # fmt: skip
+        out = {}
+        for _ in range(10):
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            out[result.get_response().id] = result.as_numpy("OUTPUT")
+        c.stop_stream()
+        return out
+    finally:
+        c.close()
+
+
+def test_tritonservers_own_sequence_batcher_gives_the_same_answers(served, tritons_own):
+    """The same interleaved sequences from eight clients at once, streamed to servekit
+    (native) and to tritonserver's own sequence batcher: identical outputs, request by
+    request, and both the running sums."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        ours = pool.map(_stream_sequences, [served.grpc_port] * 8, range(8))
+        theirs = pool.map(_stream_sequences, [tritons_own.grpc_port] * 8, range(8))
+        ours, theirs = list(ours), list(theirs)
+    for k, (mine, triton) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine.keys() == triton.keys()
+        for rid in mine:
+            assert np.array_equal(mine[rid], triton[rid]), (k, rid, mine[rid], triton[rid])
+            sid, step = map(int, rid.split("-"))
+            want = sum(float(sid * s % 13) for s in range(step + 1))
+            assert np.all(mine[rid] == want), (rid, mine[rid], want)
