@@ -20,27 +20,13 @@ hpack = pytest.importorskip("hpack")
 from conftest import wait_until  # noqa: E402
 from h2raw import RawH2  # noqa: E402
 from servekit.endpoints import free_port  # noqa: E402
-from servekit.grpc.calls import Method  # noqa: E402
+from servekit.grpc.calls import Method, Raw  # noqa: E402
 from servekit.grpc.frames import DATA, grpc_message  # noqa: E402
 from servekit.grpc.h2 import GrpcH2Server  # noqa: E402
 from servekit.store import rss_bytes  # noqa: E402
 
 LIMIT = 1 << 20
 ECHO, HOLD, FIREHOSE, PING = "/t.S/Echo", "/t.S/Hold", "/t.S/Firehose", "/t.S/Ping"
-
-
-class Raw:
-    """A message as its bytes."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    @classmethod
-    def FromString(cls, data: bytes) -> Raw:  # noqa: N802
-        return cls(data)
-
-    def SerializeToString(self) -> bytes:  # noqa: N802
-        return self.data
 
 
 class Methods:

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
-from ..grpc.calls import Method, each_answered, once, service_methods
+from ..grpc.calls import Method, Raw, each_answered, once, service_methods
 from ..grpc.service import (
     GRPC_TOKEN_KEY,
     STREAM_IN_FLIGHT,
@@ -33,6 +33,7 @@ from ..grpc.service import (
     decode_inputs,
     request_parameters,
     stream_error,
+    stream_response,
 )
 from ..protocol.kserve import scheduling
 from ..recovery import tensors_key
@@ -51,22 +52,6 @@ _BY_MODEL = {
 }
 """Calls about one model (``name``): servekit answers them for a routed or unknown model."""
 _CONTROL = ("RepositoryModelLoad", "RepositoryModelUnload")
-
-
-class _Raw:
-    """A message as its bytes: what a relayed method takes and answers (``h2.Method``)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    @classmethod
-    def FromString(cls, data: bytes) -> _Raw:  # noqa: N802 (protobuf's name)
-        return cls(data)
-
-    def SerializeToString(self) -> bytes:  # noqa: N802
-        return self.data
 
 
 class GrpcRelay:
@@ -94,19 +79,19 @@ class GrpcRelay:
             if method is None or method.name in ("ServerLive", "ServerReady"):
                 continue
             if method.name == "ModelInfer":
-                table[path] = Method(method.name, _Raw, self._infer)
+                table[path] = Method(method.name, Raw, self._infer)
             elif method.name == "ModelStreamInfer":
-                table[path] = Method(method.name, _Raw, self._stream, streaming=True)
+                table[path] = Method(method.name, Raw, self._stream, streaming=True)
             elif method.name in _BY_MODEL:
                 handler = functools.partial(self._about_model, method.name, method.handler)
-                table[path] = Method(method.name, _Raw, handler)
+                table[path] = Method(method.name, Raw, handler)
             elif method.name.startswith("Repository") and isinstance(self.registry, PyTritonModels):
                 continue  # PyTriton's models are fixed at start: servekit says so
             elif method.name in _CONTROL and isinstance(self.registry, TritonModels):
                 handler = functools.partial(self._control, method.name)
-                table[path] = Method(method.name, _Raw, handler)
+                table[path] = Method(method.name, Raw, handler)
             else:
-                table[path] = Method(method.name, _Raw, functools.partial(self._pass, method.name))
+                table[path] = Method(method.name, Raw, functools.partial(self._pass, method.name))
         return table
 
     async def aclose(self) -> None:
@@ -121,17 +106,17 @@ class GrpcRelay:
         )
 
     @staticmethod
-    async def _answer(context: Any, outcome: bytes | Status) -> _Raw:
+    async def _answer(context: Any, outcome: bytes | Status) -> Raw:
         if isinstance(outcome, Status):
             await context.abort(outcome.code, outcome.details)
-        return _Raw(outcome)  # type: ignore[arg-type]
+        return Raw(outcome)  # type: ignore[arg-type]
 
-    async def _pass(self, method: str, request: _Raw, context: Any) -> _Raw:
+    async def _pass(self, method: str, request: Raw, context: Any) -> Raw:
         """tritonserver's answer, as it is."""
         outcome = await self.upstream.call(method, request.data, self._metadata(context))
         return await self._answer(context, outcome)
 
-    async def _control(self, method: str, request: _Raw, context: Any) -> _Raw:
+    async def _control(self, method: str, request: Raw, context: Any) -> Raw:
         """A load or unload passed on, or refused as the client's (FAILED_PRECONDITION, not
         tritonserver's UNAVAILABLE, which asks for a retry) where it cannot work."""
         assert isinstance(self.registry, TritonModels)
@@ -152,7 +137,7 @@ class GrpcRelay:
         return model if isinstance(model, ForwardedModel) else None
 
     @staticmethod
-    async def _parse(kind: Any, request: _Raw, context: Any) -> Any:
+    async def _parse(kind: Any, request: Raw, context: Any) -> Any:
         """The message, or INVALID_ARGUMENT naming what it should have been."""
         try:
             return kind.FromString(request.data)
@@ -163,7 +148,7 @@ class GrpcRelay:
         self,
         method: str,
         own: Callable[[Any, Any], Awaitable[Any]],
-        request: _Raw,
+        request: Raw,
         context: Any,
     ) -> Any:
         message = await self._parse(_BY_MODEL[method], request, context)
@@ -171,7 +156,7 @@ class GrpcRelay:
             return await own(message, context)
         return await self._pass(method, request, context)
 
-    async def _infer(self, request: _Raw, context: Any) -> Any:
+    async def _infer(self, request: Raw, context: Any) -> Any:
         message = await self._parse(service_pb2.ModelInferRequest, request, context)
         name = message.model_name
         model = await self._model(name)
@@ -197,7 +182,7 @@ class GrpcRelay:
         return await self._answer(context, outcome)
 
     async def _stream(
-        self, requests: AsyncIterator[_Raw], context: Any
+        self, requests: AsyncIterator[Raw], context: Any
     ) -> AsyncGenerator[Any, None]:
         """Each request of the stream as its own infer (``_infer``), answered as it completes."""
         answers = each_answered(
@@ -210,21 +195,7 @@ class GrpcRelay:
                 except DecodeError:
                     message = service_pb2.ModelInferRequest()
                 yield stream_error(message, outcome)
-            elif isinstance(outcome, _Raw):
-                yield _Raw(_INFER_RESPONSE + _varint(len(outcome.data)) + outcome.data)
+            elif isinstance(outcome, Raw):
+                yield stream_response(outcome.data)
             else:  # servekit answered it (a routed model)
-                yield service_pb2.ModelStreamInferResponse(infer_response=outcome)
-
-
-_INFER_RESPONSE = b"\x12"
-"""``ModelStreamInferResponse.infer_response``'s key: field 2, length-delimited."""
-
-
-def _varint(n: int) -> bytes:
-    """Protobuf's base-128 varint of ``n``."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+                yield stream_response(outcome.SerializeToString())

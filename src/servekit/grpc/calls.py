@@ -22,6 +22,7 @@ __all__ = [
     "Aborted",
     "CallContext",
     "Method",
+    "Raw",
     "code_number",
     "deadline",
     "each_answered",
@@ -29,6 +30,7 @@ __all__ = [
     "inflated",
     "service_methods",
     "unary_message",
+    "varint",
 ]
 
 
@@ -59,6 +61,33 @@ def service_methods(servicer: Any, service: Any, messages: Any) -> dict[bytes, M
         else:
             table[path] = None
     return table
+
+
+class Raw:
+    """A message as its bytes: what a relayed method takes and answers, and a response
+    already serialized (the server sends it as it is)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def FromString(cls, data: bytes) -> Raw:  # noqa: N802 (protobuf's name)
+        return cls(data)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802
+        return self.data
+
+
+def varint(n: int) -> bytes:
+    """Protobuf's base-128 varint of ``n``."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 class Aborted(Exception):

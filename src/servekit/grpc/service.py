@@ -51,7 +51,7 @@ from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, 
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
-from .calls import Aborted, Method, each_answered, service_methods
+from .calls import Aborted, Method, Raw, each_answered, service_methods, varint
 from .h2 import GrpcH2Server
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "grpc_server",
     "request_parameters",
     "stream_error",
+    "stream_response",
 ]
 
 log = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             if isinstance(outcome, Exception):
                 yield stream_error(request, outcome)
             else:
-                yield service_pb2.ModelStreamInferResponse(infer_response=outcome)
+                yield stream_response(outcome.SerializeToString())
 
     async def _answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
         """One stream request's responses: a decoupled model's, as it makes them (each
@@ -402,6 +403,12 @@ def infer_response(
         response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
         response.raw_output_contents.append(raw)
     return response
+
+
+def stream_response(infer_response: bytes) -> Raw:
+    """A ``ModelStreamInferResponse`` carrying ``infer_response`` (a serialized
+    ``ModelInferResponse``), made from its bytes: field 2, length-delimited."""
+    return Raw(b"\x12" + varint(len(infer_response)) + infer_response)
 
 
 def stream_error(request: Any, exc: Exception) -> Any:
