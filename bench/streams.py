@@ -5,7 +5,9 @@
    servekit native, and tritonserver's own gRPC port (the triton runtime with
    ``front = false``: tritonserver serves the stream, the servekit backend the model).
 2. Sequences per second at 1 to 64 concurrent sequences of ``--length`` requests each
-   (``--sequence-length``, streamed), for the ``direct`` and ``oldest`` strategies:
+   (``--sequence-length``, unary gRPC calls: PyTriton's tritonserver dies (SIGSEGV in its
+   Python backend) under 64 concurrent streams, see part 1), for the ``direct`` and
+   ``oldest`` strategies:
    servekit native's sequence batcher on the ONNX ``accumulate`` with implicit state,
    against tritonserver's own sequence batcher on a Python-backend accumulator keyed by
    CORRID (``peers/triton_accumulate.py``). Both hold 64 places (2 instances x 32).
@@ -37,6 +39,7 @@ from servekit.bench.compare import ServerProcess
 from servekit.bench.loadgen import closed_loop
 from servekit.bench.report import machine as report_machine
 from servekit.bench.targets import open_target
+from servekit.errors import ServekitError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from triton_accumulate import serve as triton_accumulate  # noqa: E402
@@ -47,6 +50,9 @@ PLACES = (2, 32)  # instances, slots or candidates each
 
 
 def measure(url, model, payload, cfg, level, *, streaming=False, length=0):
+    """One closed-loop point; a server that died mid-way (tritonserver under load) gives
+    an empty one with the reason, and the run goes on."""
+
     async def run():
         target = open_target(url, model, payload, streaming=streaming, sequence_length=length)
         try:
@@ -54,7 +60,11 @@ def measure(url, model, payload, cfg, level, *, streaming=False, length=0):
         finally:
             await target.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except ServekitError as exc:
+        print(f"failed: {exc}", flush=True)
+        return None
 
 
 def main() -> None:
@@ -96,6 +106,8 @@ def main() -> None:
                                 dataclasses.replace(cfg, server_pid=pid), level,
                                 streaming=streaming,
                             )  # fmt: skip
+                            if point is None:
+                                continue
                             result = row(name, how, point) | {"concurrency": level}
                             rounds.setdefault((name, how, level), []).append(result)
                             print(f"round {r + 1}: {json.dumps(result)}", flush=True)
@@ -140,8 +152,10 @@ def main() -> None:
                             point = measure(
                                 url, "accumulate", ONES,
                                 dataclasses.replace(cfg, server_pid=pid), level,
-                                streaming=True, length=args.length,
+                                length=args.length,
                             )  # fmt: skip
+                            if point is None:
+                                continue
                             result = row(name, strategy, point) | {
                                 "concurrency": level,
                                 "sequences_per_s": point.stats.throughput / args.length,
@@ -169,7 +183,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         )  # fmt: skip
         lines.append("")
     if results["sequences"]:
-        lines += [f"accumulate, sequences of {args.length} streamed, closed loop:", ""]
+        lines += [f"accumulate, sequences of {args.length} over unary gRPC, closed loop:", ""]
         for r in results["sequences"]:
             r["sequences/s"] = f"{r['sequences_per_s']:.0f}"
         lines += cost_table(

@@ -5,8 +5,10 @@ for a place that only END or an idle release frees) on an ONNX accumulator whose
 state servekit carries (``accumulate``: each answer is its sequence's running sum), and
 on the example model that keeps its own state by CORRID (``examples/sequences``); the
 served signature hides the controls and the state, ``/config`` shows Triton's
-``sequence_batching``, and Triton's errors name the sequence. The other runtimes refuse
-the knob by name until they serve it."""
+``sequence_batching``, and Triton's errors name the sequence. On native servekit's
+sequence batcher schedules; on the triton runtime tritonserver's does, with the servekit
+backend keeping the implicit state and the controls. The pytriton and ray runtimes
+refuse the knob by name until they serve it."""
 
 from __future__ import annotations
 
@@ -46,12 +48,21 @@ def models(strategy: str) -> tuple[ModelConfig, ...]:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["direct", "oldest"])
+@pytest.fixture(
+    scope="module",
+    params=[("native", "direct"), ("native", "oldest"), ("triton", "direct"), ("triton", "oldest")],
+    ids=["native-direct", "native-oldest", "triton-direct", "triton-oldest"],
+)
 def served(request):
+    """The models on servekit's sequence batcher (native), and on tritonserver's with the
+    servekit backend keeping the implicit state (triton)."""
     from servekit.serving import create_runtime
 
+    runtime_name, strategy = request.param
+    if runtime_name == "triton":
+        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
     config = ServeConfig(
-        models(request.param), ServerConfig(exit_timeout_s=2), runtime="native"
+        models(strategy), ServerConfig(exit_timeout_s=2), runtime=runtime_name
     ).on_loopback()
     runtime = create_runtime(config)
     runtime.start()
@@ -59,6 +70,12 @@ def served(request):
         yield config.server
     finally:
         runtime.stop()
+
+
+@pytest.fixture
+def runtime(request) -> str:
+    """The runtime ``served`` runs in this test."""
+    return request.node.callspec.params["served"][0]
 
 
 def _tensor(module, name: str, value: float, width: int):
@@ -124,7 +141,7 @@ def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served
                     expected[f"m{rid}"] = ("MEAN", sum(seen) / len(seen))
             for _ in expected:
                 result, error = answers.get(timeout=60)
-                assert error is None, error
+                assert error is None, str(error)
                 rid = result.get_response().id
                 output, want = expected[rid]
                 assert np.allclose(result.as_numpy(output), want), (rid, result.as_numpy(output))
@@ -142,7 +159,7 @@ def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served
     assert not failures, failures
 
 
-def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(served):
+def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(served, runtime):
     c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
     try:
         meta = c.get_model_metadata("accumulate")
@@ -150,6 +167,11 @@ def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(se
         assert [t["name"] for t in meta["outputs"]] == ["OUTPUT"]
         config = c.get_model_config("accumulate")
         assert "dynamic_batching" not in config
+        if runtime == "triton":  # tritonserver's own config: the backend keeps the state
+            names = {ci["name"] for ci in config["sequence_batching"]["control_input"]}
+            assert {"SERVEKIT_SEQUENCE_START", "SERVEKIT_SEQUENCE_READY"} <= names
+            assert not config["sequence_batching"].get("state")
+            return
         state = config["sequence_batching"]["state"][0]
         assert (state["input_name"], state["output_name"]) == ("STATE_IN", "STATE_OUT")
         kinds = {  # protobuf's JSON leaves out an enum's first value (START)
@@ -170,7 +192,9 @@ def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served
     try:
         with pytest.raises(InferenceServerException, match="77.*START flag"):
             c.infer("accumulate", [x], sequence_id=77)  # no START
-        with pytest.raises(InferenceServerException, match="must carry sequence_id"):
+        with pytest.raises(
+            InferenceServerException, match="must carry sequence_id|non-empty correlation ID"
+        ):  # servekit's words, tritonserver's
             c.infer("accumulate", [x])
         c.infer("accumulate", [x], sequence_id=78, sequence_start=True, sequence_end=True)
         with pytest.raises(InferenceServerException, match="78.*START flag"):
@@ -184,9 +208,9 @@ def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served
         c.close()
 
 
-@pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
-def test_other_runtimes_refuse_sequence_batching_by_name(runtime):
-    config = ServeConfig(models("direct")[:1], runtime=runtime)
+@pytest.mark.parametrize("other", ["pytriton", "ray"])
+def test_other_runtimes_refuse_sequence_batching_by_name(other):
+    config = ServeConfig(models("direct")[:1], runtime=other)
     with pytest.raises(ValueError, match=r"models\.accumulate: \[models\.sequence_batching\]"):
         config.check()
 
@@ -252,7 +276,7 @@ def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
         out = {}
         for _ in range(10):
             result, error = answers.get(timeout=60)
-            assert error is None, error
+            assert error is None, str(error)
             out[result.get_response().id] = result.as_numpy("OUTPUT")
         c.stop_stream()
         return out

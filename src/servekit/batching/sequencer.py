@@ -30,7 +30,7 @@ from .policy import BatchingPolicy
 from .sequence import Ended, SequenceBatch, SequenceFlags, SequencePolicy, SequenceSchedule
 from .stats import BatcherStats, BatchRecord
 
-__all__ = ["SequenceBatcher", "served_spec"]
+__all__ = ["Row", "SequenceBatcher", "SequenceState", "served_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,89 @@ def _filled(tensor: TensorSpec, rows: int, value: Any = 0) -> np.ndarray:
     return np.full(shape, value, dtype=tensor.dtype.numpy)
 
 
+Row = tuple[SequenceFlags, Mapping[str, np.ndarray]] | None
+"""One row of a sequence batch: a request's flags and inputs, or None (a held slot with
+nothing to run: READY 0)."""
+
+
+class SequenceState:
+    """What every sequence batch needs beside the requests' own inputs, for a model of
+    ``spec`` under ``sequence``: Triton's control values and each sequence's implicit
+    state, kept from one request to the next. ``SequenceBatcher`` uses it, and so does the
+    servekit Triton backend under tritonserver's own sequence batcher."""
+
+    def __init__(self, spec: ModelSpec, sequence: SequencePolicy, name: str = "model") -> None:
+        self.spec, self.sequence = spec, sequence
+        self.served = served_spec(spec, sequence, name)
+        self._inputs = {t.name: t for t in spec.inputs}
+        self._kept: dict[Any, Arrays] = {}
+
+    def inputs(self, rows: list[Row]) -> Arrays:
+        """The batch's tensors: each row's inputs (zeros for an empty one), the controls,
+        and each sequence's state (zeros at START)."""
+        n = len(rows)
+        out: Arrays = {}
+        for tensor in self.served.inputs:
+            parts = [row[1][tensor.name] if row is not None else _filled(tensor, 1) for row in rows]
+            out[tensor.name] = parts[0] if n == 1 else np.concatenate(parts)
+        controls = self.sequence.controls
+        for name, value in (
+            (controls.start, lambda f: int(f.start)),
+            (controls.end, lambda f: int(f.end)),
+            (controls.ready, lambda f: 1),
+            (controls.corrid, lambda f: f.id),
+        ):
+            if name is None:
+                continue
+            tensor = self._inputs[name]
+            column = _filled(tensor, n)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    v = value(row[0])
+                    column[i] = str(v).encode() if tensor.dtype.datatype == "BYTES" else v
+            out[name] = column
+        for state in self.sequence.states:
+            tensor = self._inputs[state.input]
+            column = _filled(tensor, n)
+            for i, row in enumerate(rows):
+                if row is None or row[0].start:
+                    continue
+                kept = self._kept.get(row[0].id)
+                if kept is not None:
+                    column[i] = kept[state.input][0]
+            out[state.input] = column
+        return out
+
+    def outputs(
+        self,
+        rows: list[Row],
+        outputs: Mapping[str, np.ndarray],
+        keep: Callable[[SequenceFlags], bool] = lambda _: True,
+    ) -> list[Arrays | None]:
+        """Each row's served outputs (None for an empty row), keeping each sequence's state
+        outputs for its next request (dropped at its END; not kept where ``keep`` says no:
+        a sequence released while its request ran)."""
+        answers: list[Arrays | None] = []
+        for i, row in enumerate(rows):
+            if row is None:
+                answers.append(None)
+                continue
+            flags = row[0]
+            if self.sequence.states and keep(flags):
+                if flags.end:
+                    self._kept.pop(flags.id, None)
+                else:
+                    self._kept[flags.id] = {
+                        s.input: outputs[s.output][i : i + 1].copy() for s in self.sequence.states
+                    }
+            answers.append({t.name: outputs[t.name][i : i + 1] for t in self.served.outputs})
+        return answers
+
+    def drop(self, sequence_id: Any) -> None:
+        """Forget a sequence's state (it ended)."""
+        self._kept.pop(sequence_id, None)
+
+
 class SequenceBatcher:
     """Triton's sequence batcher for a Runner (or a batch function with ``spec``):
     ``await infer(inputs, sequence=SequenceFlags(id, start, end))``.
@@ -118,7 +201,8 @@ class SequenceBatcher:
         if not spec.batched:
             raise ValueError(f"{name}: sequence batching needs max_batch_size > 0 in the model")
         self.model_spec = spec
-        self.spec = served_spec(spec, sequence, name)
+        self._state = SequenceState(spec, sequence, name)
+        self.spec = self._state.served
         max_batch = policy.effective_max_batch_size(spec.max_batch_size)
         self.policy = replace(policy, max_batch_size=max_batch)
         self.sequence, self.name, self.instance_count = sequence, name, instance_count
@@ -139,7 +223,6 @@ class SequenceBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._waiting: dict[object, tuple[Arrays, asyncio.Future[Arrays], float]] = {}
-        self._states: dict[Any, Arrays] = {}
         self._closed = False
 
     @property
@@ -237,7 +320,7 @@ class SequenceBatcher:
         now = self._clock()
         queue_us = tuple((now - self._waiting[k][2]) * 1e6 for k in batch.keys)
         try:
-            inputs = self._assemble(batch)
+            inputs = self._state.inputs(self._rows(batch))
         except Exception as exc:  # a bug in assembling: fail this batch, not the loop
             self._complete(batch, queue_us, as_error(exc, self.name), 0.0)
             return
@@ -267,45 +350,10 @@ class SequenceBatcher:
             outcome = as_error(exc, self.name)
         self._complete(batch, queue_us, outcome, (time.perf_counter() - start) * 1e6)
 
-    def _assemble(self, batch: SequenceBatch) -> Arrays:
-        """The batch's tensors: each row's inputs (zeros in a slot with no request), the
-        controls, and each sequence's state."""
-        rows = batch.rows
-        n = len(rows)
-        out: Arrays = {}
-        for tensor in self.spec.inputs:
-            parts = [
-                self._waiting[row[0]][0][tensor.name] if row is not None else _filled(tensor, 1)
-                for row in rows
-            ]
-            out[tensor.name] = parts[0] if n == 1 else np.concatenate(parts)
-        controls = self.sequence.controls
-        for name, value in (
-            (controls.start, lambda f: int(f.start)),
-            (controls.end, lambda f: int(f.end)),
-            (controls.ready, lambda f: 1),
-            (controls.corrid, lambda f: f.id),
-        ):
-            if name is None:
-                continue
-            tensor = self._inputs[name]
-            column = _filled(tensor, n)
-            for i, row in enumerate(rows):
-                if row is not None:
-                    v = value(row[1])
-                    column[i] = str(v).encode() if tensor.dtype.datatype == "BYTES" else v
-            out[name] = column
-        for state in self.sequence.states:
-            tensor = self._inputs[state.input]
-            column = _filled(tensor, n)
-            for i, row in enumerate(rows):
-                if row is None or row[1].start:
-                    continue
-                kept = self._states.get(row[1].id)
-                if kept is not None:
-                    column[i] = kept[state.input][0]
-            out[state.input] = column
-        return out
+    def _rows(self, batch: SequenceBatch) -> list[Row]:
+        return [
+            (row[1], self._waiting[row[0]][0]) if row is not None else None for row in batch.rows
+        ]
 
     def _complete(
         self,
@@ -315,24 +363,26 @@ class SequenceBatcher:
         compute_us: float,
     ) -> None:
         ok = not isinstance(outcome, ServekitError)
+        answers: list[Arrays | None] = []
+        if not isinstance(outcome, ServekitError):
+            rows: list[Row] = [(row[1], {}) if row is not None else None for row in batch.rows]
+            answers = self._state.outputs(  # a sequence released while it ran keeps no state
+                rows, outcome, keep=lambda flags: flags.id in self._schedule.sequences
+            )
         for i, row in enumerate(batch.rows):
             if row is None:
                 continue
-            key, flags = row
-            waiting = self._waiting.pop(key, None)
+            waiting = self._waiting.pop(row[0], None)
             if waiting is None or waiting[1].done():
                 continue  # its caller left
             if isinstance(outcome, ServekitError):
                 self.stats.request_failure += 1
                 waiting[1].set_exception(outcome)
                 continue
-            live = self._schedule.sequences.get(flags.id)
-            if self.sequence.states and live is not None:
-                self._states[flags.id] = {
-                    s.input: outcome[s.output][i : i + 1].copy() for s in self.sequence.states
-                }
+            answer = answers[i]
+            assert answer is not None  # a row with a request
             self.stats.request_success += 1
-            waiting[1].set_result({t.name: outcome[t.name][i : i + 1] for t in self.spec.outputs})
+            waiting[1].set_result(answer)
         real = len(batch.keys)
         self.stats.execution_count += 1
         self.stats.inference_count += real
@@ -368,7 +418,7 @@ class SequenceBatcher:
                             "of it was abandoned by its client); start it again"
                         )
                     )
-            self._states.pop(e.id, None)
+            self._state.drop(e.id)
             if self._end is not None:
                 pool = self._pools[e.instance if e.instance is not None else 0]
                 pool.submit(self._tell, e.id, e.reason)

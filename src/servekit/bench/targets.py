@@ -194,6 +194,7 @@ class StreamTarget:
                 yield request
 
         async def read() -> None:
+            ended = "the server ended the stream"
             try:
                 async for _, error in self._client.stream_infer(requests()):
                     future = waiting.pop(0)
@@ -202,9 +203,14 @@ class StreamTarget:
                     else:
                         future.set_result(None)
             except Exception as exc:
-                for future in waiting:
-                    if not future.done():
-                        future.set_exception(ServerUnreachable(f"{self.url}: {exc}"))
+                ended = f"{type(exc).__name__}: {exc}"
+            # The stream is gone (a server that died ends it): what waits fails, and the
+            # worker's next request opens a new one.
+            if self._streams.get(worker, (None,))[0] is queue:
+                del self._streams[worker]
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(ServerUnreachable(f"{self.url}: {ended}"))
 
         self._readers.append(asyncio.create_task(read()))
         self._streams[worker] = (queue, waiting)
@@ -221,7 +227,9 @@ class StreamTarget:
 
     async def close(self) -> None:
         for queue, _ in self._streams.values():
-            queue.put_nowait(None)
+            queue.put_nowait(None)  # each stream's requests end: the server ends it
+        if self._readers:
+            await asyncio.wait(self._readers, timeout=5)
         for reader in self._readers:
             reader.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)

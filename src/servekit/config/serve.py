@@ -126,10 +126,10 @@ class ServeConfig:
             for m in self.models
             if m.version != 1
         ]
-        if runtime != "native":
+        if runtime in ("pytriton", "ray"):
             problems += [
                 f"models.{m.name}: [models.sequence_batching] (sequences are served on the "
-                "native runtime so far)"
+                "native and triton runtimes so far)"
                 for m in self.models
                 if m.sequence_batching is not None
             ]

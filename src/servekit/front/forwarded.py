@@ -72,8 +72,11 @@ class ForwardedModel:
         *,
         http_url: str | None = None,
         recovery: Recovery | None = None,
+        sequenced: bool = False,
     ) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
+        self.sequenced = sequenced
+        """tritonserver runs it with its sequence batcher: a request may name a sequence."""
         self.http_url, self.recovery = http_url, recovery
         self._client: GrpcForwarder | None = None
         self._http: HttpForwarder | None = None

@@ -195,17 +195,19 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
     def _fetch(self, name: str) -> ForwardedModel:
         quoted = urllib.parse.quote(name, safe="")
-        spec = spec_from_config(self._get(f"/v2/models/{quoted}/config"))
+        config = self._get(f"/v2/models/{quoted}/config")
+        spec = spec_from_config(config)
+        sequenced = bool(config.get("sequence_batching"))
         now = time.monotonic()
         cached = self._cache.get(name)
-        if cached is not None and cached[1].spec == spec:
+        if cached is not None and cached[1].spec == spec and cached[1].sequenced == sequenced:
             model = cached[1]
         else:
             if cached is not None:  # requests may still use it: closed with the registry
                 self._retired.append(cached[1])
             model = ForwardedModel(
                 name, spec, self.grpc_url, self._token,
-                http_url=self.http_url, recovery=self.recovery,
+                http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
             )  # fmt: skip
         self._cache[name] = (now, model)
         return model

@@ -30,12 +30,13 @@ from ..grpc.service import (
     GRPC_TOKEN_KEY,
     STREAM_IN_FLIGHT,
     GrpcService,
+    SequenceOrder,
     decode_inputs,
     request_parameters,
     stream_error,
     stream_response,
 )
-from ..protocol.kserve import scheduling
+from ..protocol.kserve import scheduling, sequence_flags, unsequenced
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status
@@ -156,8 +157,9 @@ class GrpcRelay:
             return await own(message, context)
         return await self._pass(method, request, context)
 
-    async def _infer(self, request: Raw, context: Any) -> Any:
-        message = await self._parse(service_pb2.ModelInferRequest, request, context)
+    async def _infer(self, request: Raw, context: Any, message: Any = None) -> Any:
+        if message is None:
+            message = await self._parse(service_pb2.ModelInferRequest, request, context)
         name = message.model_name
         model = await self._model(name)
         if model is None:  # routed (or unknown: servekit names what the registry has)
@@ -167,7 +169,11 @@ class GrpcRelay:
             try:
                 inputs = decode_inputs(message, len(request.data))
                 model.spec.validate_inputs(inputs)
-                timeout_us = scheduling(request_parameters(message)).get("timeout_us")
+                parameters = request_parameters(message)
+                timeout_us = scheduling(parameters).get("timeout_us")
+                sequence = sequence_flags(parameters)
+                if sequence is not None and not model.sequenced:
+                    raise unsequenced(name, sequence)
             except InvalidInput:
                 self._on_failure(name)
                 raise
@@ -184,10 +190,18 @@ class GrpcRelay:
     async def _stream(
         self, requests: AsyncIterator[Raw], context: Any
     ) -> AsyncGenerator[Any, None]:
-        """Each request of the stream as its own infer (``_infer``), answered as it completes."""
-        answers = each_answered(
-            requests, lambda request: once(self._infer(request, context)), STREAM_IN_FLIGHT
-        )
+        """Each request of the stream as its own infer (``_infer``), answered as it completes
+        (a sequence's in the order sent)."""
+        order = SequenceOrder()
+
+        def answer(request: Raw) -> AsyncIterator[Any]:
+            try:
+                message = service_pb2.ModelInferRequest.FromString(request.data)
+            except DecodeError:
+                return once(self._infer(request, context))  # named there
+            return order.answers(message, lambda: once(self._infer(request, context, message)))
+
+        answers = each_answered(requests, answer, STREAM_IN_FLIGHT)
         async for request, outcome in answers:
             if isinstance(outcome, Exception):
                 try:

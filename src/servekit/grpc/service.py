@@ -16,6 +16,7 @@ control without a store) answer UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -56,6 +57,7 @@ from .h2 import GrpcH2Server
 
 __all__ = [
     "STREAM_IN_FLIGHT",
+    "SequenceOrder",
     "GrpcOnLoop",
     "GrpcService",
     "decode_inputs",
@@ -342,8 +344,11 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncGenerator[Any, None]:
         """Triton's stream: each request is answered as it completes, with its id; one that
         fails is answered with its ``error_message`` and the stream goes on."""
+        order = SequenceOrder()
         answers = each_answered(
-            requests, lambda request: self._answers(request, context), STREAM_IN_FLIGHT
+            requests,
+            lambda request: order.answers(request, lambda: self._answers(request, context)),
+            STREAM_IN_FLIGHT,
         )
         async for request, outcome in answers:
             if isinstance(outcome, Exception):
@@ -403,6 +408,46 @@ def infer_response(
         response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
         response.raw_output_contents.append(raw)
     return response
+
+
+class SequenceOrder:
+    """One stream's requests of one sequence answered one after the other, in the order
+    sent, as Triton's stream keeps them: each request of a stream is its own concurrent
+    call otherwise, and calls passed on to tritonserver may reach it in any order."""
+
+    def __init__(self) -> None:
+        self._last: dict[Any, asyncio.Future[None]] = {}
+
+    async def answers(
+        self, request: Any, make: Callable[[], AsyncIterator[Any]]
+    ) -> AsyncIterator[Any]:
+        """``make()``'s responses, after those of the same sequence sent before it; its
+        place is taken when the first response is asked for (in the order the stream's
+        calls start: before anything is awaited)."""
+        sid = request_sequence(request)
+        if not sid:
+            async for response in make():
+                yield response
+            return
+        before = self._last.get(sid)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._last[sid] = mine
+        try:
+            if before is not None:
+                await asyncio.wait([before])
+            async for response in make():
+                yield response
+        finally:
+            mine.set_result(None)
+            if self._last.get(sid) is mine:
+                del self._last[sid]
+
+
+def request_sequence(request: Any) -> Any:
+    """A ``ModelInferRequest``'s ``sequence_id`` parameter (0 without one)."""
+    if "sequence_id" not in request.parameters:
+        return 0
+    return _parameter(request.parameters["sequence_id"])
 
 
 def stream_response(infer_response: bytes) -> Raw:

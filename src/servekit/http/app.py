@@ -51,6 +51,7 @@ from ..protocol.kserve import (
     raw_binary_request,
     scheduling,
     sequence_flags,
+    unsequenced,
 )
 from ..protocol.models import (
     DecoupledModel,
@@ -422,6 +423,9 @@ class KServeApp:
         request = self._decode(name, body, raw)
         try:
             timeout_us = scheduling(request.parameters).get("timeout_us")
+            sequence = sequence_flags(request.parameters)
+            if sequence is not None and not getattr(model, "sequenced", False):
+                raise unsequenced(name, sequence)
             spec.validate_inputs(request.inputs)
         except InvalidInput:
             self.metrics.failed(name)  # refused here: tritonserver never sees it

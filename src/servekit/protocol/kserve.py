@@ -40,6 +40,7 @@ __all__ = [
     "sequence_flags",
     "tensor_from_raw",
     "tensor_to_raw",
+    "unsequenced",
 ]
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -163,6 +164,14 @@ def sequence_flags(parameters: Mapping[str, Any]) -> SequenceFlags | None:
             raise InvalidInput(f"parameter {key!r}: expected a boolean, got {value!r}")
         flags.append(value)
     return SequenceFlags(sid, *flags)
+
+
+def unsequenced(name: str, flags: SequenceFlags) -> InvalidInput:
+    """The error for a ``sequence_id`` sent to a model with no sequence batcher."""
+    return InvalidInput(
+        f"model {name!r} has no sequence batcher: sequence_id {flags.id!r} is for a model "
+        "served with sequence_batching"
+    )
 
 
 def check_datatype(name: str, datatype: object) -> str:

@@ -24,6 +24,7 @@ from ..config import ModelConfig, ServeConfig
 from ..errors import InvalidInput
 from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
+from .kserve import unsequenced
 from .models import FrontModel, SequencedModel, VersionTarget, as_front_model
 
 __all__ = ["RoutedModel", "follow_file", "infer_answered", "route", "traffic_of"]
@@ -196,10 +197,7 @@ async def infer_answered(
     if isinstance(model, SequencedModel):
         return await model.infer_in_sequence(inputs, sequence), "1"
     if sequence is not None:
-        raise InvalidInput(
-            f"model {name!r} has no sequence batcher: sequence_id {sequence.id!r} is for a "
-            "model served with sequence_batching"
-        )
+        raise unsequenced(name, sequence)
     if isinstance(model, RoutedModel):
         header = model.traffic.sticky
         return await model.infer_routed(

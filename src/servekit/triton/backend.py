@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from ..batching.execute import run_requests
+from ..batching.execute import as_error, run_requests
+from ..batching.sequence import SequenceFlags, SequencePolicy
+from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
-from ..runners.base import Runner
+from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, spec_from_config
 from .stub_metrics import FailureCounter
 
@@ -36,6 +38,9 @@ __all__ = ["TritonPythonModel", "build_runner", "check_config"]
 
 KINDS = ("runner", "preprocess", "postprocess", "code")
 CODE_FILE = "code.json"
+SEQUENCE_FLAGS = ("SERVEKIT_SEQUENCE_START", "SERVEKIT_SEQUENCE_END", "SERVEKIT_SEQUENCE_READY")
+"""Control inputs tritonserver's sequence batcher gives the backend for its own use (each
+request's START, END and READY), where the model declares no control of that kind."""
 """A ``code`` model's version folder: its import path, ``path`` and ``args`` (JSON)."""
 
 
@@ -189,9 +194,20 @@ class TritonPythonModel:
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         declared = spec_from_config(config)
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        self.sequence: SequenceState | None = None
         try:
             runner = build_runner(parameters, version_dir, declared.max_batch_size)
-            check_config(self.name, runner.spec, declared)
+            served = runner.spec
+            if parameters.get("sequence"):
+                policy = SequencePolicy.from_dict(json.loads(parameters["sequence"]), "sequence")
+                self.sequence = SequenceState(runner.spec, policy, self.name)
+                served = self.sequence.served
+                c = policy.controls
+                self.flags = tuple(
+                    mine or ours
+                    for mine, ours in zip((c.start, c.end, c.ready), SEQUENCE_FLAGS, strict=True)
+                )
+            check_config(self.name, served, declared)
             self.runner = runner
             self.spec = declared
             runner.warmup()
@@ -206,6 +222,8 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        if self.sequence is not None:
+            return self._sequence(requests)
         pb = self._pb
         inputs = [
             {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests
@@ -221,6 +239,47 @@ class TritonPythonModel:
             else:
                 tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]
                 responses.append(pb.InferenceResponse(output_tensors=tensors))
+        return responses
+
+    def _sequence(self, requests: list[Any]) -> list[Any]:
+        """A batch tritonserver's sequence batcher formed (one request per sequence, a
+        null one READY 0 in a held slot): servekit's control values and implicit state
+        (``SequenceState``), one run, each request's served outputs."""
+        pb, state = self._pb, self.sequence
+        assert state is not None
+        rows: list[Row] = []
+        for r in requests:
+            start, end, ready = (
+                bool(pb.get_input_tensor_by_name(r, n).as_numpy().reshape(-1)[0])
+                for n in self.flags
+            )
+            if not ready:
+                rows.append(None)
+                continue
+            flags = SequenceFlags(r.correlation_id(), start, end)
+            rows.append(
+                (flags, {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs})
+            )
+        try:
+            outputs = batch_function(self.runner)(state.inputs(rows))
+            self.runner.spec.check_outputs(outputs, len(rows))
+            answers = state.outputs(rows, outputs)
+        except Exception as exc:
+            error = as_error(exc, self.name)
+            self.failures.count(triton_code(error))
+            code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
+            return [
+                pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {error}", code))
+                for _ in requests
+            ]
+        responses = []
+        for answer in answers:
+            if answer is None:  # a held slot with nothing to run: Triton drops its response
+                answer = {
+                    t.name: np.zeros((1, *t.shape), t.dtype.numpy) for t in state.served.outputs
+                }
+            tensors = [pb.Tensor(n, np.ascontiguousarray(answer[n])) for n in self.outputs]
+            responses.append(pb.InferenceResponse(output_tensors=tensors))
         return responses
 
     def finalize(self) -> None:

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..batching.policy import BatchingPolicy
+from ..batching.sequence import SequencePolicy
+from ..batching.sequencer import served_spec
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
 from ..spec import ModelSpec
-from .backend import CODE_FILE
+from .backend import CODE_FILE, SEQUENCE_FLAGS
 
 if TYPE_CHECKING:
     from ..runtime.base import ModelProbe
@@ -206,21 +208,58 @@ def _model_folder(
         for n in model.version_numbers
         if model.is_code
     }
+    parameters = runner_parameters(model)
+    spec = probe.spec
+    if model.sequence_batching is not None:
+        parameters["sequence"] = json.dumps(model.sequence_batching.to_dict())
+        spec = served_spec(probe.spec, model.sequence_batching, model.name)
+    config = model_config(
+        model.name,
+        spec,
+        model.batching,
+        instance_count=model.instances,
+        parameters=parameters,
+        versions="specific:" + ",".join(map(str, model.version_numbers)) if own else None,
+    )
+    if model.sequence_batching is not None:
+        _sequence_batching(config, model.sequence_batching, probe.spec)
     return probe, RepositoryModel(
         model.name,
-        model_config(
-            model.name,
-            probe.spec,
-            model.batching,
-            instance_count=model.instances,
-            parameters=runner_parameters(model),
-            versions="specific:" + ",".join(map(str, model.version_numbers)) if own else None,
-        ),
+        config,
         weights=None if model.is_code else probe.path,
         versions=model.version_numbers if own else versions,
         version_weights={} if model.is_code else own,
         version_files=code,
     )
+
+
+def _sequence_batching(config: Any, policy: SequencePolicy, spec: ModelSpec) -> None:
+    """Triton's ``sequence_batching`` in place of ``dynamic_batching``: tritonserver
+    schedules, with the model's own control inputs and the backend's (each request's
+    START, END and READY: ``SEQUENCE_FLAGS``, where the model declares none of that kind);
+    the servekit backend keeps the implicit
+    state (Triton's Python backend has none), so no ``state`` is declared."""
+    inputs = {t.name: t for t in spec.inputs}
+    config.ClearField("dynamic_batching")
+    own = dataclasses.replace(policy, states=())
+    own.to_triton(config.sequence_batching, inputs)
+    kinds = _pb_controls()
+    c = policy.controls
+    for mine, name, kind in (
+        (c.start, SEQUENCE_FLAGS[0], kinds.CONTROL_SEQUENCE_START),
+        (c.end, SEQUENCE_FLAGS[1], kinds.CONTROL_SEQUENCE_END),
+        (c.ready, SEQUENCE_FLAGS[2], kinds.CONTROL_SEQUENCE_READY),
+    ):
+        if mine:  # Triton takes one control of a kind: the model's serves the backend too
+            continue
+        control = config.sequence_batching.control_input.add(name=name).control.add(kind=kind)
+        control.int32_false_true.extend([0, 1])
+
+
+def _pb_controls() -> Any:
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    return pb.ModelSequenceBatching.Control
 
 
 def _pipeline_models(model: ModelConfig, config: ServeConfig) -> list[RepositoryModel]:
