@@ -45,7 +45,7 @@ from .frames import (
     literal,
     next_frame,
 )
-from .h2 import BlockDecoder
+from .h2frames import BlockDecoder
 
 __all__ = ["H2Call", "H2Client", "UNAVAILABLE"]
 

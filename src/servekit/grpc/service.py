@@ -16,7 +16,6 @@ control without a store) answer UNIMPLEMENTED.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -52,19 +51,17 @@ from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, 
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype
-from .calls import Aborted, Method, Raw, each_answered, service_methods, varint
+from .calls import Method, each_answered, service_methods
 from .h2 import GrpcH2Server
+from .streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
 
 __all__ = [
-    "STREAM_IN_FLIGHT",
-    "SequenceOrder",
     "GrpcOnLoop",
     "GrpcService",
     "decode_inputs",
     "grpc_server",
+    "infer_response",
     "request_parameters",
-    "stream_error",
-    "stream_response",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,9 +70,6 @@ GRPC_TOKEN_KEY = GRPC_HEADER_PREFIX + INFERENCE_TOKEN_HEADER
 """Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
 GRPC_CONTROL_KEY = GRPC_HEADER_PREFIX + CONTROL_TOKEN_HEADER
 """Where a gRPC client puts the control token (repository load and unload)."""
-STREAM_IN_FLIGHT = 256
-"""Requests of one ``ModelStreamInfer`` stream answered at once; past it the stream's next
-requests wait unread (and, past the connection's budget, so does its socket)."""
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -408,68 +402,6 @@ def infer_response(
         response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
         response.raw_output_contents.append(raw)
     return response
-
-
-class SequenceOrder:
-    """One stream's requests of one sequence answered one after the other, in the order
-    sent, as Triton's stream keeps them: each request of a stream is its own concurrent
-    call otherwise, and calls passed on to tritonserver may reach it in any order."""
-
-    def __init__(self) -> None:
-        self._last: dict[Any, asyncio.Future[None]] = {}
-
-    async def answers(
-        self, request: Any, make: Callable[[], AsyncIterator[Any]]
-    ) -> AsyncIterator[Any]:
-        """``make()``'s responses, after those of the same sequence sent before it; its
-        place is taken when the first response is asked for (in the order the stream's
-        calls start: before anything is awaited)."""
-        sid = request_sequence(request)
-        if not sid:
-            async for response in make():
-                yield response
-            return
-        before = self._last.get(sid)
-        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._last[sid] = mine
-        try:
-            if before is not None:
-                await asyncio.wait([before])
-            async for response in make():
-                yield response
-        finally:
-            mine.set_result(None)
-            if self._last.get(sid) is mine:
-                del self._last[sid]
-
-
-def request_sequence(request: Any) -> Any:
-    """A ``ModelInferRequest``'s ``sequence_id`` parameter (0 without one)."""
-    if "sequence_id" not in request.parameters:
-        return 0
-    return _parameter(request.parameters["sequence_id"])
-
-
-def stream_response(infer_response: bytes) -> Raw:
-    """A ``ModelStreamInferResponse`` carrying ``infer_response`` (a serialized
-    ``ModelInferResponse``), made from its bytes: field 2, length-delimited."""
-    return Raw(b"\x12" + varint(len(infer_response)) + infer_response)
-
-
-def stream_error(request: Any, exc: Exception) -> Any:
-    """The stream response for a request that failed: its error (Triton's words for the
-    call's status), the request's id and model."""
-    if isinstance(exc, Aborted):
-        message = exc.details
-    else:
-        log.error("unexpected error in a stream's request", exc_info=exc)
-        message = f"internal error: {type(exc).__name__}: {exc}"
-    return service_pb2.ModelStreamInferResponse(
-        error_message=message,
-        infer_response=service_pb2.ModelInferResponse(
-            id=request.id, model_name=request.model_name, model_version=request.model_version
-        ),
-    )
 
 
 class Servicer(Protocol):
