@@ -42,6 +42,27 @@ def wait_until(
         pause = min(pause * 2, 0.2)
 
 
+def each_client(work: Callable[[int], None], clients: int = 8, timeout_s: float = 120) -> None:
+    """Run ``work(k)`` for ``clients`` clients at once, each on a thread of its own (a
+    tritonclient per thread: they are not thread-safe); fail naming every client whose
+    work raised."""
+    failures: list[tuple[int, str]] = []
+
+    def run(k: int) -> None:
+        try:
+            work(k)
+        except BaseException as exc:  # reported from the calling thread
+            failures.append((k, f"{type(exc).__name__}: {exc}"))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a client did not finish"
+    assert not failures, failures
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -26,7 +26,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
-from conftest import wait_until  # noqa: E402
+from conftest import each_client, wait_until  # noqa: E402
 from h2raw import (  # noqa: E402
     RawH2,
     adder_request,
@@ -208,11 +208,8 @@ def test_tritonclient_streams_from_eight_clients_answer_every_request_by_id(live
     to a model that does not exist: every request is answered once, by id, the two with
     errors naming what was wrong, and each stream goes on past them."""
     import queue
-    import threading
 
     import tritonclient.grpc as grpcclient
-
-    failures: list = []
 
     def client(k: int) -> None:
         answers: queue.Queue = queue.Queue()
@@ -249,17 +246,10 @@ def test_tritonclient_streams_from_eight_clients_answer_every_request_by_id(live
             assert "16" in bad and "3" in bad, bad  # expected and got
             assert any("nope" in e for e in errors), errors
             c.stop_stream()
-        except BaseException as exc:  # reported from the main thread
-            failures.append((k, exc))
         finally:
             c.close()
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not failures, failures
+    each_client(client)
 
 
 def test_stop_stream_cancelling_its_requests_leaves_the_server_serving(live, server):

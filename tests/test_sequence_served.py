@@ -13,12 +13,12 @@ refuse the knob by name until they serve it."""
 from __future__ import annotations
 
 import queue
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import each_client
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
 from servekit.batching.sequence import Controls, SequencePolicy, StateSpec
 
@@ -85,8 +85,6 @@ def _tensor(module, name: str, value: float, width: int):
 
 
 def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_sums(served):
-    failures = []
-
     def client(k: int) -> None:
         c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
         try:
@@ -101,24 +99,16 @@ def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_s
                         sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4,
                     )  # fmt: skip
                     assert np.all(result.as_numpy("OUTPUT") == totals[sid]), (sid, step)
-        except BaseException as exc:
-            failures.append((k, repr(exc), str(exc)))
         finally:
             c.close()
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not failures, failures
+    each_client(client)
 
 
 def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served):
     """Each of eight clients streams two interleaved sequences to each model, every request
     sent before any answer is read: the answers, matched by id, are the running sums and
     running means a sequential run gives."""
-    failures = []
 
     def client(k: int) -> None:
         answers: queue.Queue = queue.Queue()
@@ -146,17 +136,10 @@ def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served
                 output, want = expected[rid]
                 assert np.allclose(result.as_numpy(output), want), (rid, result.as_numpy(output))
             c.stop_stream()
-        except BaseException as exc:
-            failures.append((k, repr(exc), str(exc)))
         finally:
             c.close()
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not failures, failures
+    each_client(client)
 
 
 def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(served, runtime):

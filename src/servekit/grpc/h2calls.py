@@ -139,11 +139,7 @@ class Calls:
         data = b"".join(stream.chunks)
         self._release(stream)
         headers = dict(stream.headers)
-        if headers.get(b":method") != b"POST":
-            self._answer(sid, stream, UNIMPLEMENTED, "gRPC calls are POST requests")
-            return
-        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._answer(sid, stream, UNKNOWN, "content-type must be application/grpc")
+        if self._refused(sid, stream, headers):
             return
         path = headers.get(b":path", b"")
         if path not in self.server.methods:
@@ -166,7 +162,21 @@ class Calls:
         except Aborted as exc:
             self._answer(sid, stream, exc.code, exc.details)
             return
-        task = self.server.loop.create_task(self._call(sid, stream, method, message))
+        self._run(sid, stream, self._call(sid, stream, method, message), timeout)
+
+    def _refused(self, sid: int, stream: Stream, headers: dict[bytes, bytes]) -> bool:
+        """Whether the call is not a gRPC call at all (answered so)."""
+        if headers.get(b":method") != b"POST":
+            self._answer(sid, stream, UNIMPLEMENTED, "gRPC calls are POST requests")
+            return True
+        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._answer(sid, stream, UNKNOWN, "content-type must be application/grpc")
+            return True
+        return False
+
+    def _run(self, sid: int, stream: Stream, call: Any, timeout: float | None) -> None:
+        """Run a call's coroutine as the stream's task, expiring at its deadline."""
+        task = self.server.loop.create_task(call)
         stream.task = task
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
@@ -176,11 +186,7 @@ class Calls:
     def _open(self, sid: int, stream: Stream, method: Method) -> None:
         """A streaming call starts with its headers; its messages follow as they come."""
         headers = dict(stream.headers)
-        if headers.get(b":method") != b"POST":
-            self._answer(sid, stream, UNIMPLEMENTED, "gRPC calls are POST requests")
-            return
-        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._answer(sid, stream, UNKNOWN, "content-type must be application/grpc")
+        if self._refused(sid, stream, headers):
             return
         try:
             timeout = deadline(headers.get(b"grpc-timeout"))
@@ -188,14 +194,8 @@ class Calls:
             self._answer(sid, stream, exc.code, exc.details)
             return
         stream.inbox = asyncio.Queue()
-        task = self.server.loop.create_task(
-            self._stream_call(sid, stream, method, headers.get(b"grpc-encoding"))
-        )
-        stream.task = task
-        self.server.tasks.add(task)
-        task.add_done_callback(self.server.tasks.discard)
-        if timeout is not None:
-            stream.timer = self.server.loop.call_later(timeout, self._expire, sid, stream)
+        call = self._stream_call(sid, stream, method, headers.get(b"grpc-encoding"))
+        self._run(sid, stream, call, timeout)
 
     def _stream_data(self, sid: int, stream: Stream, data: bytes, end: int | bool) -> None:
         """Whole messages to the call's inbox. Past twice the message limit held on this
