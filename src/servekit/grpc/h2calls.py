@@ -295,7 +295,10 @@ class Calls:
             self._finish(sid, stream, INTERNAL, f"internal error: {type(exc).__name__}")
             return
         finally:
-            await requests.aclose()
+            # A method that handed its requests to a task of its own and left it running
+            # holds the generator: it is closed with that task, then.
+            with contextlib.suppress(RuntimeError):
+                await requests.aclose()
         self._finish(sid, stream, OK, "")
 
     def _finish(
