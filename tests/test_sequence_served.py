@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import each_client
+from conftest import each_client, sample, scrape
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
 from servekit.batching.sequence import Controls, SequencePolicy, StateSpec
 
@@ -84,7 +84,9 @@ def _tensor(module, name: str, value: float, width: int):
     return tensor
 
 
-def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_sums(served):
+def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_sums(
+    served, runtime
+):
     def client(k: int) -> None:
         c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
         try:
@@ -103,6 +105,13 @@ def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_s
             c.close()
 
     each_client(client)
+    # Idle again once they stop: nothing left queued for the model.
+    metrics = served.metrics_url if runtime == "triton" else f"{served.http_url}/metrics"
+    samples = scrape(metrics)
+    labels = {"model": "accumulate", "version": "1"}
+    key = ("nv_inference_pending_request_count", frozenset(labels.items()))
+    assert key in samples, "no pending gauge"
+    assert sample(samples, key[0], **labels) == 0
 
 
 def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served):
