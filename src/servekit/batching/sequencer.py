@@ -329,7 +329,15 @@ class SequenceBatcher:
             task.add_done_callback(lambda _: None)
             return
         done = self._loop.run_in_executor(self._pools[batch.instance], self._run, inputs)
-        done.add_done_callback(lambda f: self._complete(batch, queue_us, *f.result()))
+        done.add_done_callback(lambda f: self._ran(batch, queue_us, f))
+
+    def _ran(self, batch: SequenceBatch, queue_us: tuple[float, ...], done: Any) -> None:
+        """A batch's thread is done; one that never ran (the batcher closing) fails its
+        callers instead of leaving them waiting."""
+        if done.cancelled() or done.exception() is not None:
+            self._complete(batch, queue_us, ModelNotReady(f"{self.name}: batch not run"), 0.0)
+            return
+        self._complete(batch, queue_us, *done.result())
 
     def _run(self, inputs: Arrays) -> tuple[Arrays | ServekitError, float]:
         start = time.perf_counter()
