@@ -39,7 +39,7 @@ def test_an_overloaded_model_s_retry_hint_reaches_the_client_as_whole_seconds(hi
 
     from servekit import FunctionRunner, ModelSpec, TensorSpec
     from servekit.http import KServeApp
-    from servekit.http.h1 import HttpRequest
+    from servekit.http.messages import HttpRequest
 
     def full(inputs):
         raise errors.Overloaded("the queue is full", retry_after_s=hint_s)

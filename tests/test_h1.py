@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from conftest import wait_until
 from servekit.endpoints import free_port
-from servekit.http.h1 import Answer, H1Server, HttpRequest
+from servekit.http.h1 import H1Server
+from servekit.http.messages import Answer, HttpRequest
 
 LIMIT = 1000
 

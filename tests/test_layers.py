@@ -123,3 +123,26 @@ def test_core_packages_import_no_runtime(name):
     paths = sorted(root.rglob("*.py")) if root.is_dir() else [PACKAGE / f"{name}.py"]
     reached = {package_of(t) for p in paths for _, t in imports(p)}
     assert not reached & runtimes
+
+
+MAX_LINES = 500
+
+
+def long_files(root: Path) -> list[str]:
+    """Modules over ``MAX_LINES`` lines under ``root``: one a reader cannot hold in one
+    sitting; split it by job."""
+    return [
+        f"{p.relative_to(root)}: {n} lines"
+        for p in sorted(root.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def test_no_module_is_over_500_lines():
+    assert long_files(PACKAGE) == []
+
+
+def test_the_length_check_sees_a_long_module(tmp_path):
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert long_files(tmp_path) == [f"long.py: {MAX_LINES + 1} lines"]

@@ -28,7 +28,7 @@ from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
 from ..grpc.calls import Method, Raw, each_answered, once, service_methods
 from ..grpc.service import GRPC_TOKEN_KEY, GrpcService, decode_inputs, request_parameters
 from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
-from ..protocol.kserve import scheduling, sequence_flags, unsequenced
+from ..protocol.parameters import scheduling, sequence_flags, unsequenced
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status

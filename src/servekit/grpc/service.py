@@ -42,12 +42,11 @@ from ..protocol.kserve import (
     classify,
     element_count,
     parse_json,
-    scheduling,
-    sequence_flags,
     tensor_from_raw,
     tensor_to_raw,
 )
 from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, conforms
+from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..spec import as_dtype

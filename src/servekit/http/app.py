@@ -11,16 +11,13 @@ bad requests are 400 naming the tensor, unknown models 404, a full queue 503 wit
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import orjson
 
 from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
@@ -45,13 +42,9 @@ from ..protocol.kserve import (
     DecodedRequest,
     decode_request,
     encode_response,
-    explicit_binary,
     metadata,
     parse_json,
     raw_binary_request,
-    scheduling,
-    sequence_flags,
-    unsequenced,
 )
 from ..protocol.models import (
     DecoupledModel,
@@ -63,6 +56,7 @@ from ..protocol.models import (
     as_registry,
     conforms,
 )
+from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import RoutedModel, infer_answered
 from ..protocol.surface import (
     NOT_SERVED,
@@ -73,29 +67,22 @@ from ..protocol.surface import (
 )
 from ..spec import ModelSpec
 from .asgi import serve_asgi
-from .h1 import Answer, Handler, HttpRequest, Reply
+from .events import event_stream
+from .forward import MODEL, Forwarding, whole_body
+from .messages import Answer, Handler, HttpRequest
 
 __all__ = ["KServeApp", "metrics_handler"]
 
 log = logging.getLogger(__name__)
 
-_MODEL = re.compile(
-    r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-    r"(?P<rest>/ready|/infer|/config|/stats|/traffic)?$"
-)
 _NOT_SERVED = re.compile(
     r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
 )
 _REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
-_HEADER_LENGTH = HEADER_LENGTH.encode()
-_TOKEN = INFERENCE_TOKEN_HEADER.encode()
 _JSON = {"content-type": "application/json"}
-_CHECKED_MAX = 256
-"""Binary requests' headers that passed the check, remembered per app (``_pass_through``)."""
-_CHECKED_HEADER_BYTES = 4096
 
 
-class KServeApp:
+class KServeApp(Forwarding):
     """ASGI app: ``/v2/health/{live,ready}``, ``/v2``,
     ``/v2/models/{name}[/versions/{v}][/ready|/infer|/config|/stats]``, ``/v2/models/stats``,
     ``/v2/repository/index`` and the shared-memory status (``servekit.protocol.surface``);
@@ -217,7 +204,7 @@ class KServeApp:
             return await behind.control(path, self._body(request), headers)
         if _NOT_SERVED.match(path):
             return self._json(403, {"error": f"{method} {request.path} {NOT_SERVED}"})
-        m = _MODEL.match(path)
+        m = MODEL.match(path)
         if m is None:
             return self._json(404, {"error": f"no route {method} {request.path}"})
         model = await self.models.lookup(m["name"])
@@ -345,50 +332,6 @@ class KServeApp:
         if self._token is not None and not hmac.compare_digest(given, self._token):
             raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
 
-    def forward_now(
-        self,
-        method: str,
-        path: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        reply: Reply,
-    ) -> bool:
-        """The fast path (``h1.FastPath``): an unversioned infer of a model known to pass
-        through is checked exactly as on the full path, then its bytes go on from
-        callbacks. Anything else (versions, encodings, raw binary, a model not looked
-        up yet) returns False and takes the full path."""
-        behind = self._behind
-        if behind is None or method != "POST" or not path.endswith("/infer"):
-            return False
-        m = _MODEL.match(path)
-        if m is None or m["version"] is not None or m["rest"] != "/infer":
-            return False
-        model = behind.peek(m["name"])
-        if model is None:
-            return False
-        raw, token = None, b""
-        for key, value in headers:
-            if key == _HEADER_LENGTH:
-                raw = value.decode("latin-1")
-            elif key == _TOKEN:
-                token = value
-            elif key == b"content-encoding" and value.lower() not in (b"", b"identity"):
-                return False
-        if _whole_body(raw):
-            return False
-        try:
-            self._check_token(token)
-            checked, length, timeout_us = self._pass_through(m["name"], model, body, raw)
-        except ServekitError as exc:
-            reply(*self._error(exc))
-            return True
-
-        def done(answer: tuple[int, bytes, dict[str, str]] | ServekitError) -> None:
-            reply(*(self._error(answer) if isinstance(answer, ServekitError) else answer))
-
-        model.send(checked, length, "", done, timeout_us)
-        return True
-
     def _decode(self, name: str, body: bytes, raw: str | None) -> DecodedRequest:
         """The request, checked; a malformed one counts as failed (it never reaches a Batcher)."""
         try:
@@ -398,45 +341,6 @@ class KServeApp:
         except InvalidInput:
             self.metrics.failed(name)
             raise
-
-    def _pass_through(
-        self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None
-    ) -> tuple[bytes, int | None, int | None]:
-        """Checked as the model would check it; the bytes to send on (``explicit_binary``)
-        and the request's ``timeout`` parameter (microseconds), if any.
-
-        A request with its tensors in binary is judged by its JSON header and its length
-        alone (numbers' raw bytes are any bytes): a header that passed is remembered, so
-        a client that repeats it is not decoded again. BYTES tensors are always decoded."""
-        spec = model.spec  # type: ignore[union-attr]
-        key = None
-        if raw and raw.isascii() and raw.isdigit() and 0 < int(raw) <= len(body):
-            length = int(raw)
-            if length <= _CHECKED_HEADER_BYTES:
-                key = (name, body[:length], len(body))
-                hit = self._checked.get(key)
-                if hit is not None and hit[0] is spec:
-                    header, timeout_us = hit[1], hit[2]
-                    if header is None:
-                        return body, length, timeout_us
-                    return header + body[length:], len(header), timeout_us
-        request = self._decode(name, body, raw)
-        try:
-            timeout_us = scheduling(request.parameters).get("timeout_us")
-            sequence = sequence_flags(request.parameters)
-            if sequence is not None and not getattr(model, "sequenced", False):
-                raise unsequenced(name, sequence)
-            spec.validate_inputs(request.inputs)
-        except InvalidInput:
-            self.metrics.failed(name)  # refused here: tritonserver never sees it
-            raise
-        checked, checked_length = explicit_binary(body, int(raw) if raw else None, request)
-        if key is not None and all(a.dtype.kind != "O" for a in request.inputs.values()):
-            if len(self._checked) >= _CHECKED_MAX:
-                self._checked.clear()
-            header = None if checked is body else checked[:checked_length]
-            self._checked[key] = (spec, header, timeout_us)
-        return checked, checked_length, timeout_us
 
     def _body(self, request: HttpRequest) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
@@ -463,9 +367,10 @@ class KServeApp:
     ) -> Answer:
         body = self._body(http)
         raw = http.headers.get(HEADER_LENGTH)
-        whole = _whole_body(raw)
+        whole = whole_body(raw)
         if isinstance(model, DecoupledModel):
-            return self._events(name, model, self._decode(name, body, raw), http)
+            request = self._decode(name, body, raw)
+            return event_stream(name, model, request, http.headers.get("accept", ""))
         if conforms(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             body, length, timeout_us = self._pass_through(name, model, body, raw)
             return await model.forward(body, length, version, timeout_us)
@@ -494,38 +399,6 @@ class KServeApp:
         )  # fmt: skip
         payload, out_headers = encode_response(name, outputs, request, answered)
         return 200, payload, out_headers
-
-    def _events(
-        self, name: str, model: DecoupledModel, request: DecodedRequest, http: HttpRequest
-    ) -> Answer:
-        """A decoupled model's responses as Server-Sent Events, one KServe JSON response
-        per event as the model makes it, then ``event: end``; an error after the first
-        event is sent as ``event: error`` with its message. Without ``Accept:
-        text/event-stream`` the request is refused, as Triton refuses a unary call."""
-        if "text/event-stream" not in http.headers.get("accept", ""):
-            raise InvalidInput(
-                f"model {name!r} is decoupled (it answers a request with any number of "
-                "responses): ask for 'Accept: text/event-stream', or call it over a gRPC stream"
-            )
-        model.spec.validate_inputs(request.inputs)
-        request = dataclasses.replace(request, binary_outputs=frozenset())
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                async for outputs in model.responses(request.inputs):
-                    payload, _ = encode_response(name, outputs, request)
-                    yield b"data: " + payload + b"\n\n"
-            except ServekitError as exc:
-                yield b"event: error\ndata: " + orjson.dumps({"error": str(exc)}) + b"\n\n"
-                return
-            yield b"event: end\ndata: {}\n\n"
-
-        return 200, events(), {"content-type": "text/event-stream", "cache-control": "no-cache"}
-
-
-def _whole_body(raw: str | None) -> bool:
-    """``Inference-Header-Content-Length: 0``: the body is the model's one input, raw."""
-    return raw is not None and raw.isascii() and raw.isdigit() and int(raw) == 0
 
 
 def metrics_handler(render: Callable[[], str]) -> Handler:

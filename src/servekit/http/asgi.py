@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .h1 import Answer, HttpRequest
+from .messages import Answer, HttpRequest
 
 if TYPE_CHECKING:
     from .app import KServeApp

@@ -24,8 +24,8 @@ from ..config import ModelConfig, ServeConfig
 from ..errors import InvalidInput
 from ..rollout import Traffic, TrafficPolicy, same_answer
 from ..spec import ModelSpec
-from .kserve import unsequenced
 from .models import FrontModel, SequencedModel, VersionTarget, as_front_model
+from .parameters import unsequenced
 
 __all__ = ["RoutedModel", "follow_file", "infer_answered", "route", "traffic_of"]
 
