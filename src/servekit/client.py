@@ -19,8 +19,10 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .errors import (
+    CONTROL_TOKEN_HEADER,
     GRPC_HEADER_PREFIX,
     INFERENCE_TOKEN_HEADER,
+    PYTRITON_TOKEN_HEADER,
     ModelNotReady,
     ServekitError,
     ServerUnreachable,
@@ -81,8 +83,12 @@ def _predictions(out: Mapping[str, np.ndarray]) -> list[list[Prediction]]:
 
 
 GRPC_PREFIX = GRPC_HEADER_PREFIX
-TOKEN_HEADERS = {"http": "triton-access-token", "grpc": GRPC_PREFIX + "triton-access-token"}
-"""Header carrying the token for Triton's restricted APIs, per protocol."""
+TOKEN_HEADERS = {
+    "http": (PYTRITON_TOKEN_HEADER, CONTROL_TOKEN_HEADER),
+    "grpc": (GRPC_PREFIX + PYTRITON_TOKEN_HEADER, GRPC_PREFIX + CONTROL_TOKEN_HEADER),
+}
+"""Headers carrying the token for Triton's restricted APIs, per protocol: PyTriton's and
+servekit's (the triton and native runtimes), so one ``access_token`` works on each."""
 
 
 class _Base:
@@ -97,7 +103,9 @@ class _Base:
     ) -> None:
         self.url = url
         self.protocol, self.address = _parse(url)
-        self._headers = {TOKEN_HEADERS[self.protocol]: access_token} if access_token else None
+        self._headers = (
+            dict.fromkeys(TOKEN_HEADERS[self.protocol], access_token) if access_token else None
+        )
         # Triton reads a restricted gRPC protocol's header under this prefix.
         key = (
             INFERENCE_TOKEN_HEADER

@@ -9,6 +9,7 @@
     │   └── UnsupportedEncoding  a Content-Encoding the server cannot decode: HTTP 415, gRPC UNIMPLEMENTED
     ├── Unauthenticated       the access token is missing or wrong: HTTP 401, gRPC UNAUTHENTICATED
     ├── ModelNotFound         no such model or version: HTTP 404, gRPC NOT_FOUND
+    ├── RegionNotFound        no such shared-memory region registered: HTTP 404, gRPC NOT_FOUND
     ├── ModelNotReady         loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
     │   └── FetchFailed       its file could not be fetched from object storage (why, where)
     ├── Overloaded            queue full, retry later: HTTP 503, gRPC UNAVAILABLE
@@ -34,9 +35,11 @@ __all__ = [
     "DeadlineExceeded",
     "FetchFailed",
     "INFERENCE_TOKEN_HEADER",
+    "PYTRITON_TOKEN_HEADER",
     "InvalidInput",
     "ModelNotFound",
     "ModelNotReady",
+    "RegionNotFound",
     "Overloaded",
     "PayloadTooLarge",
     "PoisonInput",
@@ -59,9 +62,11 @@ __all__ = [
 INFERENCE_TOKEN_HEADER = "servekit-inference-token"
 """Header (HTTP) or metadata key (gRPC) carrying the inference access token."""
 CONTROL_TOKEN_HEADER = "servekit-control-token"
+"""Header carrying the model-control token (Triton's repository and shared-memory APIs)."""
+PYTRITON_TOKEN_HEADER = "triton-access-token"
+"""Where PyTriton's tritonserver reads the token of its restricted APIs."""
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 """Where Triton reads a restricted gRPC protocol's header: metadata key = prefix + header."""
-"""Header carrying the model-control token (Triton's repository and shared-memory APIs)."""
 
 
 class ServekitError(Exception):
@@ -74,6 +79,10 @@ class InvalidInput(ServekitError, ValueError):
 
 class ModelNotFound(ServekitError, LookupError):
     """The requested model or version does not exist."""
+
+
+class RegionNotFound(ServekitError, LookupError):
+    """A request names a shared-memory region nobody registered (Triton's 404)."""
 
 
 class ModelNotReady(ServekitError):
@@ -152,6 +161,7 @@ _HTTP = {
     UpdateRefused: 400,
     InvalidInput: 400,
     ModelNotFound: 404,
+    RegionNotFound: 404,
     ModelNotReady: 503,
     Overloaded: 503,
     DeadlineExceeded: 504,
@@ -165,6 +175,7 @@ _GRPC = {
     UpdateRefused: "FAILED_PRECONDITION",
     InvalidInput: "INVALID_ARGUMENT",
     ModelNotFound: "NOT_FOUND",
+    RegionNotFound: "NOT_FOUND",
     ModelNotReady: "UNAVAILABLE",
     Overloaded: "UNAVAILABLE",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
@@ -177,6 +188,7 @@ _TRITON = {
     UpdateRefused: "INVALID_ARG",
     InvalidInput: "INVALID_ARG",
     ModelNotFound: "NOT_FOUND",
+    RegionNotFound: "NOT_FOUND",
     ModelNotReady: "UNAVAILABLE",
     Overloaded: "UNAVAILABLE",
     DeadlineExceeded: "UNAVAILABLE",  # the Python backend has no deadline code

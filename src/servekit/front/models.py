@@ -106,6 +106,11 @@ class PyTritonModels(StaticModels):
         )
         return 403, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
 
+    async def shared_memory(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        return await triton_fetch(self.http_url, headers, method, path, body)
+
     async def aclose(self) -> None:
         for model in self.forwarded.values():
             await model.aclose()
@@ -178,6 +183,12 @@ class TritonModels(Mapping[str, ForwardedModel]):
         if cached is not None:  # looked up afresh next time (kept while it serves the same spec)
             self._cache[name] = (float("-inf"), cached[1])
         return answer
+
+    async def shared_memory(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """tritonserver's answer (``PassThroughRegistry``)."""
+        return await triton_fetch(self.http_url, headers, method, path, body)
 
     def stale(self) -> None:
         """Read every model's config again when next asked (tritonserver restarted: what it

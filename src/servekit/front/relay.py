@@ -26,9 +26,11 @@ from tritonclient.grpc import service_pb2
 
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
 from ..grpc.calls import Method, Raw, each_answered, once, service_methods
-from ..grpc.service import GRPC_TOKEN_KEY, GrpcService, decode_inputs, request_parameters
+from ..grpc.service import GRPC_TOKEN_KEY, GrpcService
 from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
+from ..grpc.tensors import decode_inputs, request_parameters
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
+from ..protocol.shm import DECLARED, check_registration
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status
@@ -80,6 +82,8 @@ class GrpcRelay:
                 table[path] = Method(method.name, Raw, handler)
             elif method.name.startswith("Repository") and isinstance(self.registry, PyTritonModels):
                 continue  # PyTriton's models are fixed at start: servekit says so
+            elif method.name == "SystemSharedMemoryRegister":
+                table[path] = Method(method.name, Raw, self._register)
             elif method.name in _CONTROL and isinstance(self.registry, TritonModels):
                 handler = functools.partial(self._control, method.name)
                 table[path] = Method(method.name, Raw, handler)
@@ -117,6 +121,18 @@ class GrpcRelay:
         if why is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {why}")
         return await self._pass(method, request, context)
+
+    async def _register(self, request: Raw, context: Any) -> Raw:
+        """A shared-memory registration checked as native checks it (a key of the
+        server's own regions, a path, a missing key or one too small is the client's
+        INVALID_ARGUMENT), then passed on: tritonserver maps the key and checks the token."""
+        kind = service_pb2.SystemSharedMemoryRegisterRequest
+        message = await self._parse(kind, request, context)
+        try:
+            check_registration(message.name, message.key, message.offset, message.byte_size)
+        except ServekitError as exc:
+            await self.service.fail(context, exc)
+        return await self._pass("SystemSharedMemoryRegister", request, context)
 
     async def _model(self, name: str) -> ForwardedModel | None:
         """The model ``name`` names if tritonserver answers for it as it is; None where
@@ -159,7 +175,7 @@ class GrpcRelay:
         try:
             self.service.authenticate(context)
             try:
-                inputs = decode_inputs(message, len(request.data))
+                inputs = decode_inputs(message, len(request.data), DECLARED)
                 model.spec.validate_inputs(inputs)
                 parameters = request_parameters(message)
                 timeout_us = scheduling(parameters).get("timeout_us")

@@ -22,7 +22,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
-import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._version import __version__
@@ -38,29 +37,26 @@ from ..errors import (
     grpc_code,
 )
 from ..protocol.kserve import (
-    check_datatype,
     classify,
-    element_count,
     parse_json,
-    tensor_from_raw,
-    tensor_to_raw,
 )
 from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, conforms
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
+from ..protocol.shm import (
+    NO_SHARED_MEMORY,
+    SharedMemory,
+)
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
-from ..spec import as_dtype
 from .calls import Method, each_answered, service_methods
 from .h2 import GrpcH2Server
 from .streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
+from .tensors import decode_inputs, infer_response, parameter, request_parameters
 
 __all__ = [
     "GrpcOnLoop",
     "GrpcService",
-    "decode_inputs",
     "grpc_server",
-    "infer_response",
-    "request_parameters",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,72 +65,6 @@ GRPC_TOKEN_KEY = GRPC_HEADER_PREFIX + INFERENCE_TOKEN_HEADER
 """Where a gRPC client puts the inference token (Triton's prefix for restricted protocols)."""
 GRPC_CONTROL_KEY = GRPC_HEADER_PREFIX + CONTROL_TOKEN_HEADER
 """Where a gRPC client puts the control token (repository load and unload)."""
-
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-"""Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
-
-
-def _parameter(value: Any) -> Any:
-    kind = value.WhichOneof("parameter_choice")
-    return getattr(value, kind) if kind else None
-
-
-def request_parameters(request: Any) -> dict[str, Any]:
-    """The request's ``parameters`` map as plain values (what the HTTP JSON carries)."""
-    return {key: _parameter(value) for key, value in request.parameters.items()}
-
-
-def decode_inputs(request: Any, size: int | None = None) -> dict[str, np.ndarray]:
-    """The request's input tensors, checked before anything is allocated for them;
-    ``size``: the message's size in bytes, where the caller has it."""
-    available = request.ByteSize() if size is None else size
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
-        )
-    inputs: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(request.inputs):
-        name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
-        if not name:
-            raise InvalidInput(f"inputs[{i}] needs a name")
-        if name in inputs:
-            raise InvalidInput(f"input {name!r} appears twice")
-        check_datatype(name, datatype)
-        if any(d < 0 for d in shape):
-            raise InvalidInput(f"input {name!r}: shape {shape} has a negative dimension")
-        count = element_count(shape, name, available)
-        if raw:
-            inputs[name] = tensor_from_raw(name, datatype, shape, memoryview(raw[i]), count)
-            continue
-        field = _CONTENTS.get(datatype)
-        if field is None:
-            raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
-        values = getattr(tensor.contents, field)
-        if len(values) != count:
-            raise InvalidInput(
-                f"input {name!r}: shape {shape} needs {count} values, contents has {len(values)}"
-            )
-        if datatype == "BYTES":
-            array = np.empty(count, dtype=object)
-            array[:] = list(values)
-        else:
-            array = np.asarray(values, dtype=as_dtype(datatype).numpy)
-        inputs[name] = array.reshape(shape)
-    return inputs
 
 
 class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -148,8 +78,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         inference_token: str | None = None,
         control_token: str | None = None,
         on_failure: Callable[[str], None] = lambda _: None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.models, self._ready = models, ready
+        self._shm = shared_memory
         self._token = inference_token.encode() if inference_token else None
         self._control = control_token.encode() if control_token else None
         self._on_failure = on_failure
@@ -251,7 +183,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 )
             override = None
             if "config" in request.parameters:
-                text = _parameter(request.parameters["config"])
+                text = parameter(request.parameters["config"])
                 where = "repository load: parameters.config"
                 override = (
                     parse_json(text.encode(), where) if isinstance(text, str) and text else None
@@ -306,7 +238,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     f"model {name!r} has no version {wanted!r}; it has {list(model.versions)}"
                 )
             try:
-                inputs = decode_inputs(request)
+                inputs = decode_inputs(request, regions=self._shm)
             except InvalidInput:
                 self._on_failure(name)
                 raise
@@ -324,7 +256,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 )
             for o in request.outputs:  # Triton's classification extension
                 k = (
-                    _parameter(o.parameters["classification"])
+                    parameter(o.parameters["classification"])
                     if "classification" in o.parameters
                     else 0
                 )
@@ -332,7 +264,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     outputs[o.name] = classify(outputs[o.name], int(k), o.name)
         except Exception as exc:
             await self.fail(context, exc)
-        return infer_response(request, outputs, wanted, answered)
+        return infer_response(request, outputs, wanted, answered, self._shm)
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncGenerator[Any, None]:
         """Triton's stream: each request is answered as it completes, with its id; one that
@@ -365,10 +297,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             self.authenticate(context)
             parameters = request_parameters(request)
             final_empty = parameters.get("triton_enable_empty_final_response") is True
-            inputs = decode_inputs(request)
+            inputs = decode_inputs(request, regions=self._shm)
             wanted = [o.name for o in request.outputs]
             async for outputs in model.responses(inputs):
-                response = infer_response(request, outputs, wanted or list(outputs), "1")
+                response = infer_response(request, outputs, wanted or list(outputs), "1", self._shm)
                 response.parameters["triton_final_response"].bool_param = False
                 yield response
         except Exception as exc:
@@ -379,28 +311,42 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             yield response
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        return service_pb2.SystemSharedMemoryStatusResponse()  # the service takes no regions
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        try:
+            for entry in self._shared_memory(context).status(request.name or None):
+                response.regions[entry["name"]].CopyFrom(
+                    service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**entry)
+                )
+        except Exception as exc:
+            await self.fail(context, exc)
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        try:
+            self._shared_memory(context).register(
+                request.name, request.key, request.offset, request.byte_size
+            )
+        except Exception as exc:
+            await self.fail(context, exc)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        try:
+            self._shared_memory(context).unregister(request.name or None)
+        except Exception as exc:
+            await self.fail(context, exc)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    def _shared_memory(self, context: Any) -> SharedMemory:
+        """The server's regions, for a call that carries the control token (Triton's
+        shared-memory APIs are control APIs); refused where none are taken."""
+        self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
+        if self._shm is None:
+            raise InvalidInput(f"shared memory {NO_SHARED_MEMORY}")
+        return self._shm
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         return service_pb2.CudaSharedMemoryStatusResponse()
-
-
-def infer_response(
-    request: Any, outputs: Mapping[str, np.ndarray], wanted: list[str], version: str
-) -> Any:
-    """The ``ModelInferResponse`` carrying ``wanted`` of ``outputs`` as raw bytes."""
-    response = service_pb2.ModelInferResponse(
-        model_name=request.model_name, model_version=version, id=request.id
-    )
-    for out in wanted:
-        if out not in outputs:
-            raise InvalidInput(
-                f"requested output {out!r}: {request.model_name} has {sorted(outputs)}"
-            )
-        datatype, raw = tensor_to_raw(outputs[out])
-        response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
-        response.raw_output_contents.append(raw)
-    return response
 
 
 class Servicer(Protocol):

@@ -58,6 +58,7 @@ from ..protocol.models import (
 )
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import RoutedModel, infer_answered
+from ..protocol.shm import Regions, SharedMemory
 from ..protocol.surface import (
     NOT_SERVED,
     model_config_json,
@@ -70,14 +71,13 @@ from .asgi import serve_asgi
 from .events import event_stream
 from .forward import MODEL, Forwarding, whole_body
 from .messages import Answer, Handler, HttpRequest
+from .sharedmemory import SHARED_MEMORY, shared_memory_answer
 
 __all__ = ["KServeApp", "metrics_handler"]
 
 log = logging.getLogger(__name__)
 
-_NOT_SERVED = re.compile(
-    r"^/v2/(repository/models/|systemsharedmemory/|cudasharedmemory/|trace|logging)"
-)
+_NOT_SERVED = re.compile(r"^/v2/(repository/models/|trace|logging)")
 _REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
 _JSON = {"content-type": "application/json"}
 
@@ -114,8 +114,11 @@ class KServeApp(Forwarding):
         metrics: Metrics | None = None,
         inference_token: str | None = None,
         control_token: str | None = None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.models = as_registry(models)
+        self.shared_memory = shared_memory
+        """The server's shared-memory regions (None: it takes none)."""
         self._token = inference_token.encode() if inference_token else None
         self._control = control_token.encode() if control_token else None
         self.max_body_bytes = max_body_bytes
@@ -188,11 +191,12 @@ class KServeApp(Forwarding):
             if path.endswith("index"):
                 return self._json(200, repository_index(loaded))
             return self._json(200, statistics(loaded))
-        if method == "GET" and path in (
-            "/v2/systemsharedmemory/status",
-            "/v2/cudasharedmemory/status",
-        ):
-            return self._json(200, [])  # nothing registered: the front takes no regions
+        shm = SHARED_MEMORY.match(path)
+        if shm is not None:
+            body = lambda: self._body(request)  # noqa: E731
+            return await shared_memory_answer(
+                shm, request, body, self.shared_memory, behind, self._check_control
+            )
         repository = _REPOSITORY_MODEL.match(path) if method == "POST" else None
         if repository is not None and control is not None:
             return await self._repository(
@@ -332,12 +336,16 @@ class KServeApp(Forwarding):
         if self._token is not None and not hmac.compare_digest(given, self._token):
             raise Unauthenticated(f"missing or wrong {INFERENCE_TOKEN_HEADER} header")
 
-    def _decode(self, name: str, body: bytes, raw: str | None) -> DecodedRequest:
-        """The request, checked; a malformed one counts as failed (it never reaches a Batcher)."""
+    def _decode(
+        self, name: str, body: bytes, raw: str | None, regions: Regions | None = None
+    ) -> DecodedRequest:
+        """The request, checked; a malformed one counts as failed (it never reaches a
+        Batcher). Its shared-memory tensors are read from ``regions`` (default: the
+        server's own)."""
         try:
             if raw and not (raw.isascii() and raw.isdigit()):
                 raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count, got {raw!r}")
-            return decode_request(body, int(raw) if raw else None)
+            return decode_request(body, int(raw) if raw else None, regions or self.shared_memory)
         except InvalidInput:
             self.metrics.failed(name)
             raise

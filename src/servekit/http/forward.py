@@ -17,6 +17,7 @@ from ..protocol.kserve import (
 )
 from ..protocol.models import FrontModel, PassThrough, PassThroughRegistry
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
+from ..protocol.shm import DECLARED, Regions
 from ..spec import ModelSpec
 from .messages import Reply
 
@@ -48,7 +49,9 @@ class Forwarding:
 
         def _error(self, exc: ServekitError) -> tuple[int, bytes, dict[str, str]]: ...
 
-        def _decode(self, name: str, body: bytes, raw: str | None) -> DecodedRequest: ...
+        def _decode(
+            self, name: str, body: bytes, raw: str | None, regions: Regions | None = None
+        ) -> DecodedRequest: ...
 
     def forward_now(
         self,
@@ -115,7 +118,7 @@ class Forwarding:
                     if header is None:
                         return body, length, timeout_us
                     return header + body[length:], len(header), timeout_us
-        request = self._decode(name, body, raw)
+        request = self._decode(name, body, raw, DECLARED)  # tritonserver reads the regions
         try:
             timeout_us = scheduling(request.parameters).get("timeout_us")
             sequence = sequence_flags(request.parameters)

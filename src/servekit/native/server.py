@@ -17,6 +17,7 @@ from ..config import ServeConfig
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
+from ..protocol.shm import SharedMemory
 from ..runtime.registry import ServedModels
 from ..store import ModelStore, store_app
 
@@ -37,6 +38,8 @@ class NativeServer:
         """The ``[store]``'s models, when the config has one."""
         self._threads: list[H1Server] = []
         self._ready = False
+        self.shared_memory = SharedMemory()
+        """The regions clients register (Triton's system shared memory), on HTTP and gRPC."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> NativeServer:
@@ -58,6 +61,7 @@ class NativeServer:
                 ready=lambda: self._ready,
                 inference_token=c.server.inference_token,
                 control_token=c.server.control_token,
+                shared_memory=self.shared_memory,
             )
             self.app.metrics.autoscale.update(c.autoscale_policies())
             self._listen(self.app)
@@ -77,6 +81,7 @@ class NativeServer:
             inference_token=c.server.inference_token,
             control_token=c.server.control_token,
             on_failure=app.metrics.failed,
+            shared_memory=app.shared_memory,
         )
         on_loop = GrpcOnLoop(
             grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
@@ -100,7 +105,9 @@ class NativeServer:
         """Serve the ``[store]``: listen at once, then load what it loads at start (pins;
         every model when ``load = "eager"``); ready once those are resident."""
         c = self.config
-        self.app, self.store = store_app(c, ready=lambda: self._ready)
+        self.app, self.store = store_app(
+            c, ready=lambda: self._ready, shared_memory=self.shared_memory
+        )
         server = self._listen(self.app)
         asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
         self._ready = True
@@ -138,6 +145,7 @@ class NativeServer:
         """Stop listening, drain the Batchers and close the runners."""
         self._shutdown()
         self.models.close()
+        self.shared_memory.close()
 
     def __enter__(self) -> NativeServer:
         return self.start()

@@ -23,6 +23,7 @@ import orjson
 
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
+from .shm import BYTE_SIZE, REGION, Regions, ShmRef, shm_ref
 
 __all__ = [
     "DecodedRequest",
@@ -67,6 +68,10 @@ class DecodedRequest:
     classification: Mapping[str, int] = field(default_factory=dict)
     """Output name -> k: answer the top k classes instead of the tensor (Triton's
     classification extension)."""
+    shm_outputs: Mapping[str, ShmRef] = field(default_factory=dict)
+    """Outputs to write into shared memory instead of the response."""
+    regions: Regions | None = None
+    """Where its shared-memory tensors lie (the server's ``SharedMemory``)."""
 
 
 def _bytes_from_binary(raw: memoryview, count: int, name: str) -> np.ndarray:
@@ -148,6 +153,16 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
             f"more than the {available}-byte request can hold"
         )
     return count
+
+
+def _shared(regions: Regions | None, ref: ShmRef, name: str) -> Regions:
+    """Where tensor ``name``'s region lies; refused where no shared memory is served."""
+    if regions is None:
+        raise InvalidInput(
+            f"tensor {name!r} names shared-memory region {ref.region!r}, but this server "
+            "takes no shared memory (the native, pytriton and triton runtimes do)"
+        )
+    return regions
 
 
 def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
@@ -239,7 +254,9 @@ def parse_json(body: bytes, what: str) -> Any:
     return data
 
 
-def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
+def decode_request(
+    body: bytes, header_length: int | None = None, regions: Regions | None = None
+) -> DecodedRequest:
     """Decode an infer request body (JSON, or JSON header + binary tensors)."""
     header_bytes = body if header_length is None else body[:header_length]
     if header_length is not None and not 0 < header_length <= len(body):
@@ -271,7 +288,13 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             )
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
-        size = _parameters(item, "input", name).get("binary_data_size")
+        params = _parameters(item, "input", name)
+        size = params.get("binary_data_size")
+        ref = shm_ref(params, f"input {name!r}")
+        if ref is not None:
+            _element_count(shape, name, ref.byte_size)
+            inputs[name] = _shared(regions, ref, name).tensor(ref, name, datatype, shape)
+            continue
         count = _element_count(shape, name, len(body))
         if size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(binary):
@@ -296,6 +319,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     binary_out: set[str] = {"*"} if parameters.get("binary_data_output", False) else set()
     json_out: set[str] = set()
     classification: dict[str, int] = {}
+    shm_outputs: dict[str, ShmRef] = {}
     if requested is not None:
         if not isinstance(requested, list) or not all(
             isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
@@ -309,6 +333,10 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
             params = _parameters(o, "output", o["name"])
             if "binary_data" in params:  # an output's own choice wins over the request's
                 (binary_out if params["binary_data"] else json_out).add(o["name"])
+            ref = shm_ref(params, f"output {o['name']!r}")
+            if ref is not None:
+                _shared(regions, ref, o["name"])
+                shm_outputs[o["name"]] = ref
             k = params.get("classification")
             if k is not None:
                 if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -324,6 +352,8 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         parameters,
         frozenset(json_out) if json_out else _NONE,
         classification,
+        shm_outputs,
+        regions,
     )
 
 
@@ -399,6 +429,13 @@ def encode_response(
             array = classify(array, request.classification[name], name)
         datatype = as_dtype(array.dtype).datatype
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        ref = request.shm_outputs.get(name)
+        if ref is not None and request.regions is not None:
+            _, raw = tensor_to_raw(array)
+            request.regions.write(ref, name, raw)
+            entry["parameters"] = {REGION: ref.region, BYTE_SIZE: len(raw)}
+            entries.append(entry)
+            continue
         binary = name in request.binary_outputs or (
             "*" in request.binary_outputs and name not in request.json_outputs
         )

@@ -143,6 +143,13 @@ class PassThroughRegistry(Protocol):
         it cannot take one."""
         ...
 
+    async def shared_memory(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """That server's answer to a shared-memory request (Triton's extension), with the
+        client's own token headers: it checks them, and it reads the regions."""
+        ...
+
 
 @runtime_checkable
 class ModelRegistry(Protocol):

@@ -9,6 +9,7 @@ from ..config import ServeConfig
 from ..http.app import KServeApp
 from ..metrics import Metrics
 from ..protocol.routed import traffic_of
+from ..protocol.shm import SharedMemory
 from .catalog import catalog
 from .meter import Meter
 from .registry import StoreModels
@@ -18,7 +19,10 @@ __all__ = ["store_app"]
 
 
 def store_app(
-    config: ServeConfig, *, ready: Callable[[], bool] | None = None
+    config: ServeConfig,
+    *,
+    ready: Callable[[], bool] | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> tuple[KServeApp, ModelStore]:
     """The app serving ``config``'s store (Triton's repository extension included), its
     Batchers' and the store's series on ``/metrics``; start the store on the app's loop."""
@@ -49,5 +53,6 @@ def store_app(
         metrics=metrics,
         inference_token=config.server.inference_token,
         control_token=config.server.control_token,
+        shared_memory=shared_memory,
     )
     return app, store

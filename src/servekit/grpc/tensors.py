@@ -1,0 +1,145 @@
+"""Tensors in and out of Triton's gRPC messages: a ``ModelInferRequest``'s inputs as
+numpy (typed contents or raw bytes, or a shared-memory region), checked before anything
+is allocated for them, and a ``ModelInferResponse`` carrying outputs as raw bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from ..errors import InvalidInput
+from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
+from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, shm_ref
+from ..spec import as_dtype
+
+__all__ = ["decode_inputs", "infer_response", "parameter", "request_parameters"]
+
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
+
+
+def parameter(value: Any) -> Any:
+    kind = value.WhichOneof("parameter_choice")
+    return getattr(value, kind) if kind else None
+
+
+def request_parameters(request: Any) -> dict[str, Any]:
+    """The request's ``parameters`` map as plain values (what the HTTP JSON carries)."""
+    return {key: parameter(value) for key, value in request.parameters.items()}
+
+
+def _shm(tensor: Any, what: str) -> ShmRef | None:
+    """The tensor's shared-memory reference, if its parameters name a region."""
+    if not tensor.parameters:
+        return None
+    return shm_ref({k: parameter(v) for k, v in tensor.parameters.items()}, what)
+
+
+def decode_inputs(
+    request: Any, size: int | None = None, regions: Regions | None = None
+) -> dict[str, np.ndarray]:
+    """The request's input tensors, checked before anything is allocated for them;
+    ``size``: the message's size in bytes, where the caller has it; ``regions``: where
+    inputs in shared memory are read (none taken without it)."""
+    available = request.ByteSize() if size is None else size
+    raw = list(request.raw_input_contents)
+    refs = [_shm(t, f"input {t.name!r}") for t in request.inputs]
+    sent = sum(ref is None for ref in refs)  # raw contents come for these only, in order
+    if raw and len(raw) != sent:
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries for {sent} inputs not in shared memory"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    position = 0
+    for i, tensor in enumerate(request.inputs):
+        name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
+        if not name:
+            raise InvalidInput(f"inputs[{i}] needs a name")
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
+        check_datatype(name, datatype)
+        if any(d < 0 for d in shape):
+            raise InvalidInput(f"input {name!r}: shape {shape} has a negative dimension")
+        ref = refs[i]
+        if ref is not None:
+            element_count(shape, name, ref.byte_size)
+            if regions is None:
+                raise InvalidInput(
+                    f"input {name!r} names shared-memory region {ref.region!r}, but this "
+                    "server takes no shared memory (the native, pytriton and triton runtimes do)"
+                )
+            inputs[name] = regions.tensor(ref, name, datatype, shape)
+            continue
+        count = element_count(shape, name, available)
+        if raw:
+            data = memoryview(raw[position])
+            position += 1
+            inputs[name] = tensor_from_raw(name, datatype, shape, data, count)
+            continue
+        field = _CONTENTS.get(datatype)
+        if field is None:
+            raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
+        values = getattr(tensor.contents, field)
+        if len(values) != count:
+            raise InvalidInput(
+                f"input {name!r}: shape {shape} needs {count} values, contents has {len(values)}"
+            )
+        if datatype == "BYTES":
+            array = np.empty(count, dtype=object)
+            array[:] = list(values)
+        else:
+            array = np.asarray(values, dtype=as_dtype(datatype).numpy)
+        inputs[name] = array.reshape(shape)
+    return inputs
+
+
+def infer_response(
+    request: Any,
+    outputs: Mapping[str, np.ndarray],
+    wanted: list[str],
+    version: str,
+    regions: Regions | None = None,
+) -> Any:
+    """The ``ModelInferResponse`` carrying ``wanted`` of ``outputs`` as raw bytes, or
+    written into the shared-memory region the request names for one (``regions``; its
+    raw contents then empty, so the others keep their places)."""
+    response = service_pb2.ModelInferResponse(
+        model_name=request.model_name, model_version=version, id=request.id
+    )
+    refs = {o.name: _shm(o, f"output {o.name!r}") for o in request.outputs if o.parameters}
+    for out in wanted:
+        if out not in outputs:
+            raise InvalidInput(
+                f"requested output {out!r}: {request.model_name} has {sorted(outputs)}"
+            )
+        datatype, raw = tensor_to_raw(outputs[out])
+        tensor = response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
+        ref = refs.get(out)
+        if ref is not None:
+            if regions is None:
+                raise InvalidInput(
+                    f"output {out!r} names shared-memory region {ref.region!r}, but this "
+                    "server takes no shared memory"
+                )
+            regions.write(ref, out, raw)
+            tensor.parameters[REGION].string_param = ref.region
+            tensor.parameters[BYTE_SIZE].int64_param = len(raw)
+            raw = b""
+        response.raw_output_contents.append(raw)
+    return response

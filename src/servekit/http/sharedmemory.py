@@ -1,0 +1,88 @@
+"""Triton's shared-memory extension over HTTP: ``GET /v2/{system,cuda}sharedmemory
+[/region/<r>]/status``, ``POST .../region/<r>/register`` and ``POST .../[region/<r>/]
+unregister``. Served from the server's ``SharedMemory`` (native), passed on to
+tritonserver with the client's own token headers (the Triton runtimes' front: Triton
+checks them), or refused naming where it is served (Ray)."""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+from ..errors import CONTROL_TOKEN_HEADER, PYTRITON_TOKEN_HEADER, InvalidInput
+from ..protocol.kserve import parse_json
+from ..protocol.models import PassThroughRegistry
+from ..protocol.shm import NO_SHARED_MEMORY, SharedMemory, check_registration
+from .messages import Answer, HttpRequest
+
+__all__ = ["SHARED_MEMORY", "shared_memory_answer"]
+
+SHARED_MEMORY = re.compile(
+    r"^/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<name>[^/]+))?"
+    r"/(?P<action>status|register|unregister)$"
+)
+TOKEN_HEADERS = (CONTROL_TOKEN_HEADER, PYTRITON_TOKEN_HEADER)
+"""The control token's headers: servekit's and PyTriton's (``Client(access_token=)``)."""
+_JSON = {"content-type": "application/json"}
+_METHODS = {"status": "GET", "register": "POST", "unregister": "POST"}
+
+
+async def shared_memory_answer(
+    match: re.Match[str],
+    request: HttpRequest,
+    body: Callable[[], bytes],
+    regions: SharedMemory | None,
+    behind: PassThroughRegistry | None,
+    check_control: Callable[[HttpRequest], None],
+) -> Answer:
+    """The answer to one shared-memory request (``match``: of ``SHARED_MEMORY``)."""
+    action, kind = match["action"], match["kind"]
+    if request.method != _METHODS[action]:
+        return _json(405, {"error": f"{request.method} not allowed on {request.path}"})
+    name = urllib.parse.unquote(match["name"]) if match["name"] is not None else None
+    data = body() if request.method == "POST" else None
+    if behind is not None:  # tritonserver checks the token and maps the region
+        if action == "register" and kind == "system":  # the client's error, not Triton's 500
+            check_registration(*_registration(data, name))
+        headers = {h: v for h in TOKEN_HEADERS if (v := request.headers.get(h)) is not None}
+        return await behind.shared_memory(request.method, request.path, data, headers)
+    if regions is None or kind == "cuda":
+        if action == "status" and match["name"] is None:
+            return _json(200, [])  # none registered
+        what = "CUDA shared memory" if kind == "cuda" else "shared memory"
+        served = (
+            "is not served by this server: CUDA shared memory needs tritonserver on a GPU "
+            "(the triton and pytriton runtimes)"
+            if kind == "cuda" and regions is not None
+            else NO_SHARED_MEMORY
+        )
+        return _json(403, {"error": f"{request.method} {request.path}: {what} {served}"})
+    check_control(request)
+    if action == "status":
+        return _json(200, regions.status(name))
+    if action == "unregister":
+        regions.unregister(name)
+        return 200, b"", {}
+    regions.register(*_registration(data, name))
+    return 200, b"", {}
+
+
+def _registration(body: bytes | None, name: str | None) -> tuple[str, Any, Any, Any]:
+    """(name, key, offset, byte_size) of a registration's body; what is missing named."""
+    if name is None:
+        raise InvalidInput("a registration names its region: /region/<name>/register")
+    data = parse_json(body or b"", "shared-memory registration")
+    if not isinstance(data, dict) or "key" not in data or "byte_size" not in data:
+        raise InvalidInput(
+            'shared-memory registration: expected {"key": "/name", "offset": <int>, '
+            f'"byte_size": <int>}}, got {str(data)[:200]}'
+        )
+    return name, data["key"], data.get("offset", 0), data["byte_size"]
+
+
+def _json(status: int, data: object) -> tuple[int, bytes, Mapping[str, str]]:
+    return status, orjson.dumps(data), _JSON

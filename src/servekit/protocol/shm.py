@@ -1,0 +1,278 @@
+"""Triton's system shared-memory extension: a client on the same host registers a region
+(a POSIX shared-memory key, an offset and a size) and then names it in an infer request's
+inputs and outputs instead of sending their bytes (seed 002: 15 % on large images).
+
+``SharedMemory`` holds the registered regions of one server (HTTP and gRPC share it);
+``shm_ref`` reads a tensor's ``shared_memory_region``/``_offset``/``_byte_size``
+parameters. Every access is checked as Triton checks it: the region is registered, the
+tensor's bytes lie inside it, and its size is the tensor's. The hardening Triton added
+after CVE-2025-23319: registration is behind the control token (the caller's job), a key
+names a plain file of ``/dev/shm`` (no path, no symbolic link) and never one of the
+serving stack's own regions. The front of the Triton runtimes, which hands requests on to
+tritonserver, checks tensors against their declared sizes only (``Declared``): the
+region is tritonserver's to read.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import InvalidInput, RegionNotFound
+from ..spec import as_dtype
+
+__all__ = [
+    "BYTE_SIZE",
+    "RegionNotFound",
+    "check_registration",
+    "open_key",
+    "OFFSET",
+    "REGION",
+    "NO_SHARED_MEMORY",
+    "DECLARED",
+    "Declared",
+    "Regions",
+    "SharedMemory",
+    "ShmRef",
+    "shm_ref",
+]
+
+REGION, OFFSET, BYTE_SIZE = (
+    "shared_memory_region",
+    "shared_memory_offset",
+    "shared_memory_byte_size",
+)
+SHM_ROOT = "/dev/shm"
+NO_SHARED_MEMORY = (
+    "is not served by this server: system shared memory is served on one host by the "
+    "native, pytriton and triton runtimes (Ray's replicas may run on other hosts)"
+)
+_KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+RESERVED_KEYS = ("triton_python_backend", "psm_", "servekit")
+"""Key prefixes of the serving stack's own regions (Triton's Python backend stubs,
+PyTriton's tensor store, servekit's): never registrable by a client."""
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """Where one tensor lies: ``byte_size`` bytes at ``offset`` into a registered region."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+def shm_ref(parameters: Mapping[str, Any], what: str) -> ShmRef | None:
+    """The tensor's shared-memory parameters, checked (``what``: "input 'x'"); None when
+    it names no region."""
+    region = parameters.get(REGION)
+    if region is None:
+        stray = sorted(k for k in (OFFSET, BYTE_SIZE) if k in parameters)
+        if stray:
+            raise InvalidInput(f"{what}: {stray} given without {REGION!r}")
+        return None
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{what}: {REGION!r} must be a region's name, got {region!r}")
+    numbers = []
+    for key, default in ((OFFSET, 0), (BYTE_SIZE, None)):
+        value = parameters.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidInput(
+                f"{what}: {key!r} must be a non-negative integer, got {value!r}"
+                + (" (it is required with a region)" if value is None else "")
+            )
+        numbers.append(value)
+    return ShmRef(region, numbers[0], numbers[1])
+
+
+class Regions(Protocol):
+    """Where an infer's shared-memory tensors are read and written."""
+
+    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> np.ndarray:
+        """Input ``name`` from ``ref`` (a copy: the client may write the region again)."""
+        ...
+
+    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
+        """Output ``name``'s bytes into ``ref``."""
+        ...
+
+
+def _expected_bytes(ref: ShmRef, name: str, datatype: str, shape: list[int]) -> int:
+    """The tensor's element count, once ``ref``'s size is the one its shape needs
+    (BYTES: any size, its elements say their lengths)."""
+    count = math.prod(shape)
+    if datatype != "BYTES":
+        need = count * as_dtype(datatype).numpy.itemsize
+        if ref.byte_size != need:
+            raise InvalidInput(
+                f"input {name!r}: shape {shape} of {datatype} needs {need} bytes, "
+                f"region {ref.region!r} gives {ref.byte_size} ({BYTE_SIZE})"
+            )
+    return count
+
+
+class Declared:
+    """The front's view: a tensor in shared memory is checked against its declared size
+    and stands as a zero-copy placeholder of its dtype and shape (enough for the
+    signature's checks); tritonserver reads the region itself."""
+
+    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> np.ndarray:
+        _expected_bytes(ref, name, datatype, shape)
+        if datatype == "BYTES":
+            return np.broadcast_to(np.array(b"", dtype=object), shape)
+        return np.broadcast_to(np.zeros((), as_dtype(datatype).numpy), shape)
+
+    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
+        raise AssertionError("the front never answers an infer itself")
+
+
+def open_key(name: str, key: Any, offset: Any, byte_size: Any, root: str = SHM_ROOT) -> int:
+    """A descriptor of the shared-memory object ``key`` (read and write), once the
+    registration of region ``name`` passes every check; ``InvalidInput`` naming the one
+    that failed. The front of the Triton runtimes runs the same checks before it passes a
+    registration on (tritonserver answers a missing key as its own error, a 500)."""
+    what = f"shared-memory region {name!r}"
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise InvalidInput(
+            f"{what}: key must name a shared-memory object (/name: letters, digits, "
+            f"'.', '_', '-'), got {key!r}"
+        )
+    plain = key.lstrip("/")
+    if plain.startswith(RESERVED_KEYS):
+        raise InvalidInput(f"{what}: key {key!r} names one of the server's own regions")
+    for field, value in (("offset", offset), ("byte_size", byte_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidInput(f"{what}: {field} must be a non-negative integer, got {value!r}")
+    try:
+        fd = os.open(os.path.join(root, plain), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise InvalidInput(
+            f"{what}: cannot open shared-memory key {key!r}: {exc.strerror}"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidInput(f"{what}: key {key!r} is not a shared-memory object")
+        if offset + byte_size > info.st_size or byte_size == 0:
+            raise InvalidInput(
+                f"{what}: offset {offset} + byte_size {byte_size} does not fit key "
+                f"{key!r} of {info.st_size} bytes"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_registration(name: str, key: Any, offset: Any, byte_size: Any) -> None:
+    """``open_key``'s checks alone (the front's, before tritonserver maps the key)."""
+    os.close(open_key(name, key, offset, byte_size))
+
+
+DECLARED = Declared()
+"""The one ``Declared`` (it keeps nothing)."""
+
+
+@dataclass
+class _Region:
+    key: str
+    offset: int
+    byte_size: int
+    fd: int
+    map: mmap.mmap
+
+    def status(self, name: str) -> dict[str, Any]:
+        return {"name": name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+class SharedMemory:
+    """The system shared-memory regions registered with one server."""
+
+    def __init__(self, root: str = SHM_ROOT) -> None:
+        self._root = root
+        self._regions: dict[str, _Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` as
+        region ``name``; refused (``InvalidInput``) naming what is wrong."""
+        fd = open_key(name, key, offset, byte_size, self._root)
+        try:
+            with self._lock:
+                if name in self._regions:
+                    raise InvalidInput(
+                        f"shared-memory region {name!r} is already registered; unregister it first"
+                    )
+                self._regions[name] = _Region(key, offset, byte_size, fd, mmap.mmap(fd, 0))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region ``name`` (every region: None); an unknown name is no error, as
+        in Triton."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name]
+            gone = [self._regions.pop(n) for n in names if n in self._regions]
+        for region in gone:
+            region.map.close()
+            os.close(region.fd)
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Triton's status entries: every region, or ``name``'s (unknown: ``InvalidInput``)."""
+        with self._lock:
+            if name is None:
+                return [r.status(n) for n, r in sorted(self._regions.items())]
+            region = self._regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"shared-memory region {name!r} is not registered")
+        return [region.status(name)]
+
+    def close(self) -> None:
+        self.unregister()
+
+    def _span(self, ref: ShmRef, what: str) -> tuple[mmap.mmap, int]:
+        """The region's map and where ``ref`` starts in it, once it lies inside."""
+        region = self._regions.get(ref.region)
+        if region is None:
+            raise RegionNotFound(f"{what}: shared-memory region {ref.region!r} is not registered")
+        if ref.offset + ref.byte_size > region.byte_size:
+            raise InvalidInput(
+                f"{what}: offset {ref.offset} + byte_size {ref.byte_size} runs past the end "
+                f"of region {ref.region!r} ({region.byte_size} bytes)"
+            )
+        start = region.offset + ref.offset
+        # A client may shrink the object under us: reading past its end would be a SIGBUS.
+        if os.fstat(region.fd).st_size < start + ref.byte_size:
+            raise InvalidInput(
+                f"{what}: region {ref.region!r}'s object shrank since it was registered"
+            )
+        return region.map, start
+
+    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> np.ndarray:
+        from .kserve import tensor_from_raw
+
+        count = _expected_bytes(ref, name, datatype, shape)
+        with self._lock:
+            view, start = self._span(ref, f"input {name!r}")
+            raw = view[start : start + ref.byte_size]  # a copy, made under the lock
+        return tensor_from_raw(name, datatype, shape, memoryview(raw), count)
+
+    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
+        if len(raw) > ref.byte_size:
+            raise InvalidInput(
+                f"output {name!r}: its {len(raw)} bytes do not fit the {ref.byte_size} bytes "
+                f"of region {ref.region!r} given for it"
+            )
+        with self._lock:
+            view, start = self._span(ref, f"output {name!r}")
+            view[start : start + len(raw)] = raw

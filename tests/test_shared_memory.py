@@ -1,0 +1,345 @@
+"""Triton's system shared memory, end to end: tritonclient registers regions, sends an
+infer's inputs through them and asks for its outputs in them, over HTTP and gRPC, on the
+native runtime (servekit reads and writes the regions) and on the pytriton and triton
+runtimes (through servekit's front to tritonserver, which reads them), eight clients at
+once. Registration is behind the control token; a region too small, an offset past its
+end and an unregistered region are each a clear 400 / INVALID_ARGUMENT, and the server
+goes on. ``SharedMemory``'s own checks (keys, symbolic links, a shrunk object) run in
+process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.http")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+import tritonclient.utils.shared_memory as shm  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from conftest import each_client  # noqa: E402
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
+from servekit.bench.compare import ServerProcess  # noqa: E402
+from servekit.errors import InvalidInput, RegionNotFound  # noqa: E402
+from servekit.protocol.shm import SharedMemory, ShmRef  # noqa: E402
+
+TOKEN = "shm-control-token"
+ROW = 16
+ROW_BYTES = ROW * 4
+
+
+def token_headers(protocol: str) -> dict[str, str]:
+    """The control token as each runtime reads it: servekit's header (native, triton) and
+    PyTriton's (pytriton), as ``servekit.client.Client(access_token=)`` sends it."""
+    prefix = "triton-grpc-protocol-" if protocol == "grpc" else ""
+    return {f"{prefix}servekit-control-token": TOKEN, f"{prefix}triton-access-token": TOKEN}
+
+
+@pytest.fixture(scope="module", params=["native", "pytriton", "triton"])
+def server(request, add_sub_path):
+    if request.param != "native":
+        pytest.importorskip("pytriton", reason="needs the triton extra")
+    config = ServeConfig(
+        (
+            ModelConfig(
+                str(add_sub_path), "adder", threads=1,
+                batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=500),
+            ),
+        ),
+        ServerConfig(exit_timeout_s=2, control_token=TOKEN),
+        runtime=request.param,
+    ).on_loopback()  # fmt: skip
+    with ServerProcess(config) as served:
+        served.wait_ready(["adder"])
+        yield served
+
+
+class Region:
+    """A client's region: the two inputs then the two outputs of ``rows`` rows."""
+
+    def __init__(self, client, protocol: str, rows: int = 2, size: int | None = None) -> None:
+        self.client, self.protocol, self.rows = client, protocol, rows
+        self.name = f"r{uuid.uuid4().hex[:12]}"
+        self.key = f"/{self.name}"
+        self.size = size if size is not None else 4 * rows * ROW_BYTES
+        self.handle = shm.create_shared_memory_region(self.name, self.key, self.size)
+        client.register_system_shared_memory(
+            self.name, self.key, self.size, headers=token_headers(protocol)
+        )
+
+    def close(self) -> None:
+        try:
+            self.client.unregister_system_shared_memory(
+                self.name, headers=token_headers(self.protocol)
+            )
+        finally:
+            shm.destroy_shared_memory_region(self.handle)
+
+
+def module(protocol: str):
+    return grpcclient if protocol == "grpc" else httpclient
+
+
+def client_of(server, protocol: str):
+    if protocol == "grpc":
+        return grpcclient.InferenceServerClient(server.config.server.grpc_url.split("//")[-1])
+    return httpclient.InferenceServerClient(server.config.server.http_url.split("//")[-1])
+
+
+def shm_infer(client, protocol: str, region: Region, a: np.ndarray, b: np.ndarray, **spans):
+    """Infer ``a + b``, ``a - b`` with every tensor in ``region``; ``spans`` overrides an
+    input's (offset, byte_size)."""
+    m = module(protocol)
+    nbytes = a.nbytes
+    shm.set_shared_memory_region(region.handle, [a, b])
+    inputs = []
+    for i, name in enumerate(("INPUT0", "INPUT1")):
+        tensor = m.InferInput(name, list(a.shape), "FP32")
+        offset, size = spans.get(name, (i * nbytes, nbytes))
+        tensor.set_shared_memory(region.name, size, offset=offset)
+        inputs.append(tensor)
+    outputs = []
+    for i, name in enumerate(("OUTPUT0", "OUTPUT1")):
+        out = m.InferRequestedOutput(name)
+        out.set_shared_memory(region.name, nbytes, offset=(2 + i) * nbytes)
+        outputs.append(out)
+    result = client.infer("adder", inputs, outputs=outputs)
+    got = []
+    for i, name in enumerate(("OUTPUT0", "OUTPUT1")):
+        output = result.get_output(name)
+        assert output is not None, name
+        got.append(
+            shm.get_contents_as_numpy(region.handle, np.float32, a.shape, offset=(2 + i) * nbytes)
+        )
+    return got
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_eight_clients_infer_through_their_own_regions(server, protocol):
+    """Each client registers its region, then sends 20 infers whose inputs and outputs all
+    lie in it; every answer is its own inputs' sum and difference."""
+
+    def work(i: int) -> None:
+        client = client_of(server, protocol)
+        region = Region(client, protocol)
+        try:
+            rng = np.random.default_rng(i)
+            for _ in range(20):
+                a = rng.standard_normal((2, ROW)).astype(np.float32)
+                b = rng.standard_normal((2, ROW)).astype(np.float32)
+                total, difference = shm_infer(client, protocol, region, a, b)
+                np.testing.assert_allclose(total, a + b, rtol=1e-6)
+                np.testing.assert_allclose(difference, a - b, rtol=1e-6)
+        finally:
+            region.close()
+            client.close()
+
+    each_client(work)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_status_lists_a_region_until_it_is_unregistered(server, protocol):
+    client = client_of(server, protocol)
+    region = Region(client, protocol)
+    try:
+        status = client.get_system_shared_memory_status(
+            region.name, headers=token_headers(protocol)
+        )
+        if protocol == "grpc":
+            status = [
+                {"name": n, "key": r.key, "byte_size": r.byte_size}
+                for n, r in status.regions.items()
+            ]
+        assert [(s["name"], s["key"], int(s["byte_size"])) for s in status] == [
+            (region.name, region.key, region.size)
+        ]
+    finally:
+        region.close()
+    everything = client.get_system_shared_memory_status(headers=token_headers(protocol))
+    names = list(everything.regions) if protocol == "grpc" else [s["name"] for s in everything]
+    assert region.name not in names
+    client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_registration_needs_the_control_token(server, protocol):
+    client = client_of(server, protocol)
+    name = f"r{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(name, f"/{name}", 256)
+    try:
+        with pytest.raises(InferenceServerException):
+            client.register_system_shared_memory(name, f"/{name}", 256)
+        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
+        names = list(status.regions) if protocol == "grpc" else [s["name"] for s in status]
+        assert name not in names
+    finally:
+        shm.destroy_shared_memory_region(handle)
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize(
+    "case, spans",
+    [
+        ("too small", {"INPUT0": (0, ROW_BYTES)}),  # one row's bytes for two rows
+        ("past the end", {"INPUT1": (4 * 2 * ROW_BYTES - 8, 2 * ROW_BYTES)}),
+        ("unregistered", None),
+    ],
+)
+def test_a_bad_region_is_the_requests_error_and_the_server_goes_on(server, protocol, case, spans):
+    client = client_of(server, protocol)
+    region = Region(client, protocol)
+    a = np.ones((2, ROW), np.float32)
+    try:
+        if spans is None:
+            region.client.unregister_system_shared_memory(
+                region.name, headers=token_headers(protocol)
+            )
+            spans = {}
+        with pytest.raises(InferenceServerException) as caught:
+            shm_infer(client, protocol, region, a, a, **spans)
+        status = str(caught.value.status())
+        # Triton's codes: a region nobody registered is not found; a span that does not
+        # fit is the request's error.
+        expected = (
+            ("404", "StatusCode.NOT_FOUND")
+            if case == "unregistered"
+            else ("400", "StatusCode.INVALID_ARGUMENT")
+        )
+        assert status == expected[protocol == "grpc"], (status, caught.value)
+        assert region.name in caught.value.message() or "INPUT" in caught.value.message()
+        # The server goes on: the same client, its inputs in the request this time.
+        m = module(protocol)
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            tensor = m.InferInput(name, [2, ROW], "FP32")
+            tensor.set_data_from_numpy(a)
+            inputs.append(tensor)
+        assert np.array_equal(client.infer("adder", inputs).as_numpy("OUTPUT0"), a + a)
+    finally:
+        region.close()
+        client.close()
+
+
+# ---------------------------------------------------------------- SharedMemory in process
+
+
+@pytest.fixture
+def shared(tmp_path):
+    regions = SharedMemory(root=str(tmp_path))
+    yield regions, tmp_path
+    regions.close()
+
+
+def test_a_tensor_is_read_and_written_at_its_offset(shared):
+    regions, root = shared
+    data = np.arange(8, dtype=np.float32)
+    (root / "k").write_bytes(b"\0" * 16 + data.tobytes() + b"\0" * 32)
+    regions.register("r", "/k", 16, 64)
+    got = regions.tensor(ShmRef("r", 0, 32), "x", "FP32", [2, 4])
+    assert np.array_equal(got, data.reshape(2, 4))
+    regions.write(ShmRef("r", 32, 32), "y", (data * 2).tobytes())
+    assert (root / "k").read_bytes()[48:80] == (data * 2).tobytes()
+    assert regions.status() == [{"name": "r", "key": "/k", "offset": 16, "byte_size": 64}]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_registration_that_cannot_work_is_the_clients_error(server, protocol):
+    """A missing key, one too small, a path or one of the server's own regions: a 400 /
+    INVALID_ARGUMENT naming the region on every runtime (tritonserver alone answers a
+    missing key with a 500; the front checks first)."""
+    client = client_of(server, protocol)
+    name = f"r{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(name, f"/{name}", 64)
+    try:
+        for key, size in (
+            (f"/missing{name}", 64),
+            (f"/{name}", 128),
+            ("/../etc/passwd", 8),
+            ("/triton_python_backend_shm_region_1", 8),
+        ):
+            with pytest.raises(InferenceServerException) as caught:
+                client.register_system_shared_memory(
+                    name, key, size, headers=token_headers(protocol)
+                )
+            status = str(caught.value.status())
+            assert status == ("StatusCode.INVALID_ARGUMENT" if protocol == "grpc" else "400")
+            assert name in caught.value.message(), caught.value.message()
+    finally:
+        shm.destroy_shared_memory_region(handle)
+        client.close()
+
+
+def test_what_a_region_refuses(shared):
+    regions, root = shared
+    (root / "k").write_bytes(b"\0" * 64)
+    (root / "triton_python_backend_shm_region_1").write_bytes(b"\0" * 64)
+    os.symlink(root / "k", root / "link")
+    regions.register("r", "/k", 0, 64)
+    refused = {
+        "already registered": lambda: regions.register("r", "/k", 0, 8),
+        "past its key": lambda: regions.register("s", "/k", 32, 64),
+        "a path": lambda: regions.register("s", "/../k", 0, 8),
+        "one of the server's own": lambda: regions.register(
+            "s", "/triton_python_backend_shm_region_1", 0, 8
+        ),
+        "a link": lambda: regions.register("s", "/link", 0, 8),
+        "missing": lambda: regions.register("s", "/nothing", 0, 8),
+        "too small for the tensor": lambda: regions.tensor(ShmRef("r", 0, 8), "x", "FP32", [4]),
+        "past the region": lambda: regions.tensor(ShmRef("r", 60, 16), "x", "FP32", [4]),
+        "an output too large": lambda: regions.write(ShmRef("r", 0, 8), "y", b"\0" * 16),
+    }
+    for why, attempt in refused.items():
+        with pytest.raises(InvalidInput):
+            attempt()
+            pytest.fail(f"not refused: {why}")
+    for unknown in (
+        lambda: regions.tensor(ShmRef("q", 0, 16), "x", "FP32", [4]),
+        lambda: regions.status("q"),
+    ):
+        with pytest.raises(RegionNotFound):
+            unknown()
+    regions.unregister("q")  # unknown: no error, as in Triton
+
+
+def test_an_object_shrunk_after_registration_is_refused_not_a_crash(shared):
+    """Reading past a shrunk object's end would be SIGBUS: the server checks first."""
+    regions, root = shared
+    (root / "k").write_bytes(b"\0" * 4096)
+    regions.register("r", "/k", 0, 4096)
+    os.truncate(root / "k", 16)
+    with pytest.raises(InvalidInput, match="shrank"):
+        regions.tensor(ShmRef("r", 0, 64), "x", "FP32", [16])
+
+
+def test_a_server_without_shared_memory_refuses_it_by_name():
+    """Ray's ingress app takes no regions (its replicas may run on other hosts): a
+    registration is a 403 saying where shared memory is served, an infer naming a
+    region a 400 naming the tensor and the region; the status lists none."""
+    import asyncio
+    import json
+
+    from servekit import FunctionRunner, ModelSpec, TensorSpec
+    from servekit.http import KServeApp
+    from servekit.http.messages import HttpRequest
+
+    spec = ModelSpec((TensorSpec("x", np.float32, [1]),), (TensorSpec("y", np.float32, [1]),))
+    app = KServeApp({"m": FunctionRunner(lambda inputs: {"y": inputs["x"]}, spec)})
+
+    def call(method: str, path: str, body: dict | None = None):
+        data = json.dumps(body).encode() if body is not None else b""
+        return asyncio.run(app.handle(HttpRequest(method, path, {}, data)))
+
+    status, body, _ = call(
+        "POST", "/v2/systemsharedmemory/region/r/register", {"key": "/r", "byte_size": 4}
+    )
+    assert status == 403 and b"native, pytriton and triton" in body
+    assert call("GET", "/v2/systemsharedmemory/status")[:2] == (200, b"[]")
+    region = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
+    request = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "parameters": region}]}
+    status, body, _ = call("POST", "/v2/models/m/infer", request)
+    assert status == 400 and b"'x'" in body and b"'r'" in body, body
