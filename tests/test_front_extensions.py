@@ -142,8 +142,6 @@ def test_configuration_and_statistics_come_from_the_batcher(front):
     [
         ("POST", "/v2/repository/models/add_sub/load"),
         ("POST", "/v2/repository/models/add_sub/unload"),
-        ("POST", "/v2/systemsharedmemory/region/r0/register"),
-        ("POST", "/v2/cudasharedmemory/region/r0/register"),
         ("GET", "/v2/trace/setting"),
         ("GET", "/v2/logging"),
     ],
@@ -153,6 +151,15 @@ def test_control_endpoints_say_where_they_are_served(front, method, path):
     status, body, _ = call(url, method, path, b"{}" if method == "POST" else None)
     assert status == 403
     assert b"gRPC port of the triton and pytriton runtimes" in body
+
+
+@pytest.mark.parametrize("kind", ["system", "cuda"])
+def test_an_app_without_regions_says_where_shared_memory_is_served(front, kind):
+    url, _ = front
+    body = b'{"key": "/r0", "byte_size": 8}'
+    status, answer, _ = call(url, "POST", f"/v2/{kind}sharedmemory/region/r0/register", body)
+    assert status == 403
+    assert b"native, pytriton and triton runtimes" in answer
 
 
 def test_a_401_before_the_body_is_read_still_reaches_the_client(add_sub_path):

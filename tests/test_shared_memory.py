@@ -33,10 +33,10 @@ ROW_BYTES = ROW * 4
 
 
 def token_headers(protocol: str) -> dict[str, str]:
-    """The control token as each runtime reads it: servekit's header (native, triton) and
-    PyTriton's (pytriton), as ``servekit.client.Client(access_token=)`` sends it."""
+    """The control token, as servekit reads it on every runtime (the Triton runtimes'
+    front checks it, then reaches tritonserver with its own)."""
     prefix = "triton-grpc-protocol-" if protocol == "grpc" else ""
-    return {f"{prefix}servekit-control-token": TOKEN, f"{prefix}triton-access-token": TOKEN}
+    return {f"{prefix}servekit-control-token": TOKEN}
 
 
 @pytest.fixture(scope="module", params=["native", "pytriton", "triton"])

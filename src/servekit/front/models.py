@@ -76,7 +76,7 @@ class PyTritonModels(StaticModels):
             )
         super().__init__(served)
         self.forwarded = dict(models)
-        self.http_url, self._headers = http_url, dict(headers)
+        self.http_url, self.control_headers = http_url, dict(headers)
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         model = self._models.get(name)
@@ -95,7 +95,7 @@ class PyTritonModels(StaticModels):
                 json.dumps(repository_index(self)).encode(),
                 {"content-type": "application/json"},
             )
-        return await triton_fetch(self.http_url, self._headers, method, path)
+        return await triton_fetch(self.http_url, self.control_headers, method, path)
 
     async def control(
         self, path: str, body: bytes, headers: Mapping[str, str]
@@ -107,9 +107,9 @@ class PyTritonModels(StaticModels):
         return 403, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
 
     async def shared_memory(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+        self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
-        return await triton_fetch(self.http_url, headers, method, path, body)
+        return await triton_fetch(self.http_url, self.control_headers, method, path, body)
 
     async def aclose(self) -> None:
         for model in self.forwarded.values():
@@ -141,14 +141,14 @@ class TritonModels(Mapping[str, ForwardedModel]):
             ttl_s = POLL_TTL_S if control_mode == "poll" else math.inf
         self.ttl_s = ttl_s
         self.recovery, self.control_mode = recovery, control_mode
-        self._token, self._headers = inference_token, dict(control_headers or {})
+        self._token, self.control_headers = inference_token, dict(control_headers or {})
         self._cache: dict[str, tuple[float, ForwardedModel]] = {}
         self.traffic = dict(traffic or {})
         self._routed: dict[str, RoutedModel] = {}
         self._retired: list[ForwardedModel] = []
 
     def _get(self, path: str) -> Any:
-        request = urllib.request.Request(f"{self.http_url}{path}", headers=self._headers)
+        request = urllib.request.Request(f"{self.http_url}{path}", headers=self.control_headers)
         try:
             with urllib.request.urlopen(request, timeout=10) as r:
                 return json.loads(r.read() or b"null")
@@ -164,7 +164,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         """Triton's own answer on its private HTTP port (``PassThroughRegistry``)."""
-        return await triton_fetch(self.http_url, self._headers, method, path)
+        return await triton_fetch(self.http_url, self.control_headers, method, path)
 
     async def control(
         self, path: str, body: bytes, headers: Mapping[str, str]
@@ -185,10 +185,10 @@ class TritonModels(Mapping[str, ForwardedModel]):
         return answer
 
     async def shared_memory(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+        self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
         """tritonserver's answer (``PassThroughRegistry``)."""
-        return await triton_fetch(self.http_url, headers, method, path, body)
+        return await triton_fetch(self.http_url, self.control_headers, method, path, body)
 
     def stale(self) -> None:
         """Read every model's config again when next asked (tritonserver restarted: what it

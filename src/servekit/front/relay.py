@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
-from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
+from ..errors import GRPC_HEADER_PREFIX, INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
 from ..grpc.calls import Method, Raw, each_answered, once, service_methods
 from ..grpc.service import GRPC_TOKEN_KEY, GrpcService
 from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
@@ -82,8 +82,9 @@ class GrpcRelay:
                 table[path] = Method(method.name, Raw, handler)
             elif method.name.startswith("Repository") and isinstance(self.registry, PyTritonModels):
                 continue  # PyTriton's models are fixed at start: servekit says so
-            elif method.name == "SystemSharedMemoryRegister":
-                table[path] = Method(method.name, Raw, self._register)
+            elif "SharedMemory" in method.name:
+                handler = functools.partial(self._shared_memory, method.name)
+                table[path] = Method(method.name, Raw, handler)
             elif method.name in _CONTROL and isinstance(self.registry, TritonModels):
                 handler = functools.partial(self._control, method.name)
                 table[path] = Method(method.name, Raw, handler)
@@ -122,17 +123,25 @@ class GrpcRelay:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {why}")
         return await self._pass(method, request, context)
 
-    async def _register(self, request: Raw, context: Any) -> Raw:
-        """A shared-memory registration checked as native checks it (a key of the
-        server's own regions, a path, a missing key or one too small is the client's
-        INVALID_ARGUMENT), then passed on: tritonserver maps the key and checks the token."""
-        kind = service_pb2.SystemSharedMemoryRegisterRequest
-        message = await self._parse(kind, request, context)
+    async def _shared_memory(self, method: str, request: Raw, context: Any) -> Raw:
+        """Triton's shared-memory APIs: the client's control token checked here, a
+        registration checked as native checks it (a missing key, one too small, a path or
+        one of the server's own regions is the client's INVALID_ARGUMENT, where
+        tritonserver answers INTERNAL), then passed on with the front's own control
+        metadata: tritonserver maps and reads the regions."""
         try:
-            check_registration(message.name, message.key, message.offset, message.byte_size)
+            self.service.check_control(context)
+            if method == "SystemSharedMemoryRegister":
+                kind = service_pb2.SystemSharedMemoryRegisterRequest
+                m = await self._parse(kind, request, context)
+                check_registration(m.name, m.key, m.offset, m.byte_size)
         except ServekitError as exc:
             await self.service.fail(context, exc)
-        return await self._pass("SystemSharedMemoryRegister", request, context)
+        control = tuple(
+            (GRPC_HEADER_PREFIX + k, v) for k, v in self.registry.control_headers.items()
+        )
+        outcome = await self.upstream.call(method, request.data, control)
+        return await self._answer(context, outcome)
 
     async def _model(self, name: str) -> ForwardedModel | None:
         """The model ``name`` names if tritonserver answers for it as it is; None where

@@ -32,7 +32,8 @@ class Front:
     Triton model); ``grpc_port``: serve gRPC there too (``GrpcRelay``), passing calls on
     to tritonserver's private gRPC port ``grpc_url``; ``grpc_limits``: that server's
     connection limits (``ServerConfig.grpc_limits``).
-    ``control_token`` guards ``POST /v2/models/<m>/traffic``. ``demand``: the autoscaling
+    ``control_token`` guards ``POST /v2/models/<m>/traffic`` and Triton's shared-memory
+    APIs (checked here, then passed on with ``control_headers``). ``demand``: the autoscaling
     signal's source (``TritonDemand``), exported on the front's ``/metrics``;
     ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
     ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
@@ -102,6 +103,7 @@ class Front:
                     self.registry,
                     ready=ready,
                     inference_token=inference_token,
+                    control_token=control_token,
                     on_failure=self.app.metrics.failed,
                 ),
                 self.registry,

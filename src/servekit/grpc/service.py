@@ -337,10 +337,14 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             await self.fail(context, exc)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
+    def check_control(self, context: Any) -> None:
+        """``Unauthenticated`` unless the call carries the control token (when one is set)."""
+        self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
+
     def _shared_memory(self, context: Any) -> SharedMemory:
         """The server's regions, for a call that carries the control token (Triton's
         shared-memory APIs are control APIs); refused where none are taken."""
-        self._check(context, GRPC_CONTROL_KEY, self._control, CONTROL_TOKEN_HEADER)
+        self.check_control(context)
         if self._shm is None:
             raise InvalidInput(f"shared memory {NO_SHARED_MEMORY}")
         return self._shm

@@ -1,8 +1,8 @@
 """Triton's shared-memory extension over HTTP: ``GET /v2/{system,cuda}sharedmemory
 [/region/<r>]/status``, ``POST .../region/<r>/register`` and ``POST .../[region/<r>/]
-unregister``. Served from the server's ``SharedMemory`` (native), passed on to
-tritonserver with the client's own token headers (the Triton runtimes' front: Triton
-checks them), or refused naming where it is served (Ray)."""
+unregister``. Behind the control token. Served from the server's ``SharedMemory`` (native),
+passed on to tritonserver with the front's own control headers (the Triton runtimes'
+front), or refused naming where it is served (Ray)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import CONTROL_TOKEN_HEADER, PYTRITON_TOKEN_HEADER, InvalidInput
+from ..errors import InvalidInput
 from ..protocol.kserve import parse_json
 from ..protocol.models import PassThroughRegistry
 from ..protocol.shm import NO_SHARED_MEMORY, SharedMemory, check_registration
@@ -25,8 +25,6 @@ SHARED_MEMORY = re.compile(
     r"^/v2/(?P<kind>system|cuda)sharedmemory(?:/region/(?P<name>[^/]+))?"
     r"/(?P<action>status|register|unregister)$"
 )
-TOKEN_HEADERS = (CONTROL_TOKEN_HEADER, PYTRITON_TOKEN_HEADER)
-"""The control token's headers: servekit's and PyTriton's (``Client(access_token=)``)."""
 _JSON = {"content-type": "application/json"}
 _METHODS = {"status": "GET", "register": "POST", "unregister": "POST"}
 
@@ -45,11 +43,11 @@ async def shared_memory_answer(
         return _json(405, {"error": f"{request.method} not allowed on {request.path}"})
     name = urllib.parse.unquote(match["name"]) if match["name"] is not None else None
     data = body() if request.method == "POST" else None
-    if behind is not None:  # tritonserver checks the token and maps the region
+    if behind is not None:  # tritonserver maps the region
+        check_control(request)
         if action == "register" and kind == "system":  # the client's error, not Triton's 500
             check_registration(*_registration(data, name))
-        headers = {h: v for h in TOKEN_HEADERS if (v := request.headers.get(h)) is not None}
-        return await behind.shared_memory(request.method, request.path, data, headers)
+        return await behind.shared_memory(request.method, request.path, data)
     if regions is None or kind == "cuda":
         if action == "status" and match["name"] is None:
             return _json(200, [])  # none registered

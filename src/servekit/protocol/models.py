@@ -144,10 +144,11 @@ class PassThroughRegistry(Protocol):
         ...
 
     async def shared_memory(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+        self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
-        """That server's answer to a shared-memory request (Triton's extension), with the
-        client's own token headers: it checks them, and it reads the regions."""
+        """That server's answer to a shared-memory request (Triton's extension), sent with
+        the front's own control headers once the front checked the client's token: that
+        server maps and reads the regions."""
         ...
 
 
