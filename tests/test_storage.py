@@ -134,10 +134,13 @@ def test_other_processes_on_the_node_share_the_cache_and_one_of_them_downloads(s
     assert out.split() == [outs[0][0], "0"]
 
 
-def test_a_missing_key_and_a_refused_credential_are_named(s3_url, tmp_path):
+def test_a_missing_key_a_missing_bucket_and_a_refused_credential_are_named(s3_url, tmp_path):
     with pytest.raises(ModelNotFound, match=r"s3://models/absent.onnx: no such object "
                        r"\(bucket 'models', key 'absent.onnx'\)"):  # fmt: skip
         fetch(f"s3://{BUCKET}/absent.onnx", settings(s3_url, tmp_path))
+    with pytest.raises(ModelNotFound, match=r"s3://no-such-bucket/a.onnx: no such bucket "
+                       r"'no-such-bucket'"):  # fmt: skip
+        fetch("s3://no-such-bucket/a.onnx", settings(s3_url, tmp_path))
     refused = (r"s3://models/a.onnx: cannot read \(bucket 'models', key 'a.onnx'\): "
                r"PermissionError: Forbidden \(the store refused these credentials")  # fmt: skip
     with moto_server(auth=True) as strict, pytest.raises(FetchFailed, match=refused):

@@ -33,10 +33,14 @@ def bench(
     ] = 0.1,
     out: Annotated[Path | None, typer.Option(help="Write OUT.json, OUT.csv and OUT.png.")] = None,
     shared_memory: Annotated[
-        bool, typer.Option(help="Send inputs through system shared memory (same host only).")
-    ] = False,
+        str,
+        typer.Option(
+            help="none, or system: send inputs through system shared memory (same host only)."
+        ),
+    ] = "none",
     access_token: Annotated[
-        str | None, typer.Option(help="Token for restricted APIs (PyTriton's shared memory).")
+        str | None,
+        typer.Option(help="The control token, to register shared memory where one is set."),
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="HTTP: send JSON tensors, not binary.")
@@ -98,7 +102,7 @@ def bench(
             url,
             model,
             inputs,
-            shared_memory=shared_memory,
+            shared_memory=_shared_memory(shared_memory),
             access_token=access_token,
             binary=not as_json,
             streaming=streaming,
@@ -207,3 +211,16 @@ def compare(
         plot = out.with_suffix(".png").name
     out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine()))
     console.print(f"wrote {out.with_suffix('.md')}")
+
+
+def _shared_memory(kind: str) -> bool:
+    """Whether ``--shared-memory`` asks for system shared memory; CUDA's needs a GPU
+    client this host does not have."""
+    if kind not in ("none", "system", "cuda"):
+        raise typer.BadParameter(f"--shared-memory: none, system or cuda, got {kind!r}")
+    if kind == "cuda":
+        raise typer.BadParameter(
+            "--shared-memory cuda: servekit's load generator registers system shared memory "
+            "only (CUDA regions need the GPU on the client's side)"
+        )
+    return kind == "system"

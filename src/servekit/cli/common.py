@@ -50,6 +50,17 @@ CacheDir = Annotated[
         "--cache-dir", help="Model cache (default $SERVEKIT_CACHE or ~/.cache/servekit/models)."
     ),
 ]
+S3Endpoint = Annotated[
+    str | None,
+    typer.Option(
+        help="An S3-compatible store for s3:// models (MinIO, moto; [storage] "
+        "s3_endpoint_url); default: AWS, or $AWS_ENDPOINT_URL_S3."
+    ),
+]
+GcsEndpoint = Annotated[
+    str | None,
+    typer.Option(help="A GCS emulator for gs:// models ([storage] gcs_endpoint_url)."),
+]
 Front = Annotated[
     bool | None,
     typer.Option(
@@ -123,6 +134,8 @@ def serve_config(
     max_queue_delay_us: int | None = None,
     max_queue_size: int | None = None,
     default: ServeConfig | None = None,
+    s3_endpoint_url: str | None = None,
+    gcs_endpoint_url: str | None = None,
 ) -> ServeConfig:
     """The ``ServeConfig`` a config file (or the defaults) and the flags given describe,
     checked for its runtime (``default``: what to start from without a file); a bad value
@@ -153,6 +166,7 @@ def serve_config(
                 "max_queue_delay_us": max_queue_delay_us,
             },
             queue={"max_queue_size": max_queue_size},
+            storage={"s3_endpoint_url": s3_endpoint_url, "gcs_endpoint_url": gcs_endpoint_url},
         ).check()
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None

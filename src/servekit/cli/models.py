@@ -15,6 +15,7 @@ from .common import (
     ConfigFile,
     Delay,
     Engine,
+    GcsEndpoint,
     Instances,
     Labels,
     MaxBatch,
@@ -23,6 +24,7 @@ from .common import (
     Precision,
     Preferred,
     QueueSize,
+    S3Endpoint,
     Threads,
     TopK,
     console,
@@ -90,6 +92,8 @@ def repo_build(
     labels: Labels = None,
     force: Annotated[bool, typer.Option(help="Rebuild weights that already exist.")] = False,
     cache_dir: CacheDir = None,
+    s3_endpoint_url: S3Endpoint = None,
+    gcs_endpoint_url: GcsEndpoint = None,
 ) -> None:
     """Write a Triton repository for the servekit backend: the models of --config/--model
     (and <name>_image ensembles for classifiers), or with neither the reference ResNet-50
@@ -116,6 +120,8 @@ def repo_build(
         max_queue_delay_us=max_queue_delay_us,
         max_queue_size=max_queue_size,
         default=ServeConfig((REFERENCE,)),
+        s3_endpoint_url=s3_endpoint_url,
+        gcs_endpoint_url=gcs_endpoint_url,
     )
     try:
         with console.status(f"building {directory}"):

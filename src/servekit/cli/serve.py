@@ -17,6 +17,7 @@ from .common import (
     Delay,
     Engine,
     Front,
+    GcsEndpoint,
     Instances,
     Labels,
     MaxBatch,
@@ -25,6 +26,7 @@ from .common import (
     Precision,
     Preferred,
     QueueSize,
+    S3Endpoint,
     Threads,
     TopK,
     console,
@@ -103,6 +105,8 @@ def serve(
     log_verbose: Annotated[int | None, typer.Option(help="Triton's --log-verbose level.")] = None,
     restarts: Restarts = 5,
     cache_dir: CacheDir = None,
+    s3_endpoint_url: S3Endpoint = None,
+    gcs_endpoint_url: GcsEndpoint = None,
 ) -> None:
     """Serve models over KServe v2 (HTTP, and gRPC on every runtime but ray): each tensor
     model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
@@ -130,6 +134,8 @@ def serve(
             preferred_batch_sizes=preferred_batch_sizes,
             max_queue_delay_us=max_queue_delay_us,
             max_queue_size=max_queue_size,
+            s3_endpoint_url=s3_endpoint_url,
+            gcs_endpoint_url=gcs_endpoint_url,
         )
 
     cfg = read()

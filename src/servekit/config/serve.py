@@ -234,11 +234,12 @@ class ServeConfig:
         queue: Mapping[str, Any] | None = None,
         runtime: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        storage: Mapping[str, Any] | None = None,
     ) -> ServeConfig:
         """This config with command-line flags applied: ``models`` (sources) replace the
         file's models, keeping the first one's settings; the rest override every model's
-        (``model``: ``ModelConfig`` fields, ``batching``/``queue``: the policy's), or the
-        server's. None values are flags not given."""
+        (``model``: ``ModelConfig`` fields, ``batching``/``queue``: the policy's), the
+        server's or the ``[storage]`` table's. None values are flags not given."""
 
         def given(d: Mapping[str, Any] | None) -> dict[str, Any]:
             return {k: v for k, v in (d or {}).items() if v is not None}
@@ -263,6 +264,7 @@ class ServeConfig:
             self,
             models=tuple(out),
             server=dataclasses.replace(self.server, **given(server)),
+            storage=dataclasses.replace(self.storage, **given(storage)),
             runtime=runtime or self.runtime,
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else self.cache_dir,
         )

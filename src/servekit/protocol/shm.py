@@ -57,9 +57,9 @@ NO_SHARED_MEMORY = (
     "native, pytriton and triton runtimes (Ray's replicas may run on other hosts)"
 )
 _KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-RESERVED_KEYS = ("triton_python_backend", "psm_", "servekit")
+RESERVED_KEYS = ("triton_python_backend", "psm_")
 """Key prefixes of the serving stack's own regions (Triton's Python backend stubs,
-PyTriton's tensor store, servekit's): never registrable by a client."""
+PyTriton's tensor store): never registrable by a client."""
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def stat(ref: ObjectRef, config: StorageConfig) -> ObjectInfo:
     try:
         info = fs.info(ref.path, refresh=True) if ref.scheme == "s3" else fs.info(ref.path)
     except FileNotFoundError:
-        raise ModelNotFound(f"{ref.uri}: no such object ({ref.where()})") from None
+        raise ModelNotFound(_missing(fs, ref)) from None
     except Exception as exc:
         raise FetchFailed(f"{ref.uri}: cannot read ({ref.where()}): {_why(exc)}") from None
     if info.get("type") != "file":
@@ -183,9 +183,21 @@ def download(ref: ObjectRef, config: StorageConfig, target: Path, progress: Any)
     try:
         fs.get_file(ref.path, str(target), callback=progress)
     except FileNotFoundError:
-        raise ModelNotFound(f"{ref.uri}: no such object ({ref.where()})") from None
+        raise ModelNotFound(_missing(fs, ref)) from None
     except Exception as exc:
         raise FetchFailed(f"{ref.uri}: download failed ({ref.where()}): {_why(exc)}") from None
+
+
+def _missing(fs: Any, ref: ObjectRef) -> str:
+    """What is missing: the bucket itself, or the object in it (the store's 404 alone
+    does not say which)."""
+    try:
+        bucket = fs.exists(ref.bucket)
+    except Exception:  # cannot tell: say what is known
+        bucket = True
+    if not bucket:
+        return f"{ref.uri}: no such bucket {ref.bucket!r} (check the bucket's name and endpoint)"
+    return f"{ref.uri}: no such object ({ref.where()})"
 
 
 def listing(root: str, config: StorageConfig) -> list[str]:
