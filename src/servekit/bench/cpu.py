@@ -75,13 +75,24 @@ def tree_rss_bytes(pid: int) -> int:
     return sum(rss_bytes(p) for p in descendants(pid))
 
 
-def tree_fds(pid: int) -> int:
-    """Open file descriptors of ``pid``'s live tree (sockets included)."""
+def tree_fds(pid: int, skip: tuple[str, ...] = ()) -> int:
+    """Open file descriptors of ``pid``'s live tree (sockets included), less those whose
+    target starts with one of ``skip`` (e.g. ``/dev/shm/``: pools of shared memory)."""
     total = 0
     for p in descendants(pid):
         with contextlib.suppress(OSError):  # exited meanwhile
-            total += len(os.listdir(f"/proc/{p}/fd"))
+            fds = os.listdir(f"/proc/{p}/fd")
+            if skip:
+                fds = [f for f in fds if not _target(p, f).startswith(skip)]
+            total += len(fds)
     return total
+
+
+def _target(pid: int, fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:  # closed meanwhile
+        return ""
 
 
 class PeakRss:

@@ -79,6 +79,20 @@ log = logging.getLogger(__name__)
 
 _NOT_SERVED = re.compile(r"^/v2/(repository/models/|trace|logging)")
 _REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
+ROUTES: tuple[tuple[str, re.Pattern[str], str], ...] = (
+    ("GET", re.compile(r"^/v2/health/live$"), "_live"),
+    ("GET", re.compile(r"^/v2/health/ready$"), "_server_ready"),
+    ("GET", re.compile(r"^/metrics$"), "_metrics"),
+    ("GET", re.compile(r"^/v2$"), "_server_metadata"),
+    ("POST", re.compile(r"^/v2/repository/index$"), "_index"),
+    ("GET", re.compile(r"^/v2/models/stats$"), "_all_stats"),
+    ("*", SHARED_MEMORY, "_shared_memory"),
+    ("POST", _REPOSITORY_MODEL, "_repository_model"),
+    ("*", _NOT_SERVED, "_not_served"),
+    ("*", MODEL, "_model"),
+)
+"""(method, or * for any; path pattern; ``KServeApp`` handler) in the order they are
+tried: the first whose method and path match answers; a path none matches is a 404."""
 _JSON = {"content-type": "application/json"}
 
 
@@ -126,6 +140,7 @@ class KServeApp(Forwarding):
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.ready = self._ready
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
+        self._routes = [(method, path, getattr(self, name)) for method, path, name in ROUTES]
         self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]] = {}
         for name, model in self.models.loaded().items():
             batchers: dict[str, Batcher | SequenceBatcher]
@@ -165,84 +180,95 @@ class KServeApp(Forwarding):
         return status, body, headers
 
     async def _route(self, request: HttpRequest) -> Answer:
-        method, path = request.method, request.path.rstrip("/")
-        if method == "GET" and path == "/v2/health/live":
-            return 200, b"", {}
-        if method == "GET" and path == "/v2/health/ready":
-            return (200 if self._ready() else 503), b"", {}
-        if method == "GET" and path == "/metrics":
-            # Off the loop: a source may read another server (a front reads tritonserver's).
-            text = await asyncio.to_thread(self.metrics.render)
-            return 200, text.encode(), {"content-type": CONTENT_TYPE}
-        if method == "GET" and path == "/v2":
-            return self._json(200, server_metadata())
-        behind = self._behind
-        control = self.models if conforms(self.models, RepositoryControl) else None
-        if (method, path) in (("POST", "/v2/repository/index"), ("GET", "/v2/models/stats")):
-            ready_only = self._index_request(request) if method == "POST" else False
-            if control is not None and method == "POST":
-                index = control.index()
-                return self._json(
-                    200, [e for e in index if e["state"] == "READY" or not ready_only]
-                )
-            if behind is not None:
-                return await behind.fetch(method, path)
-            loaded = self.models.loaded()
-            if path.endswith("index"):
-                return self._json(200, repository_index(loaded))
-            return self._json(200, statistics(loaded))
-        shm = SHARED_MEMORY.match(path)
-        if shm is not None:
-            body = lambda: self._body(request)  # noqa: E731
-            return await shared_memory_answer(
-                shm, request, body, self.shared_memory, behind, self._check_control
-            )
-        repository = _REPOSITORY_MODEL.match(path) if method == "POST" else None
-        if repository is not None and control is not None:
-            return await self._repository(
-                control, repository["name"], repository["action"], request
-            )
-        if repository is not None and behind is not None:  # tritonserver checks the token
+        """The first of ``ROUTES`` whose method and path match answers."""
+        path = request.path.rstrip("/")
+        for method, pattern, handler in self._routes:
+            m = pattern.match(path)
+            if m is not None and method in ("*", request.method):
+                return await handler(request, m)
+        return self._json(404, {"error": f"no route {request.method} {request.path}"})
+
+    async def _live(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        return 200, b"", {}
+
+    async def _server_ready(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        return (200 if self._ready() else 503), b"", {}
+
+    async def _metrics(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        # Off the loop: a source may read another server (a front reads tritonserver's).
+        text = await asyncio.to_thread(self.metrics.render)
+        return 200, text.encode(), {"content-type": CONTENT_TYPE}
+
+    async def _server_metadata(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        return self._json(200, server_metadata())
+
+    async def _index(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        """Triton's repository index: the store's (every model known, with its state),
+        tritonserver's own behind a front, else every model served."""
+        ready_only = self._index_request(request)
+        if conforms(self.models, RepositoryControl):
+            index = self.models.index()
+            return self._json(200, [e for e in index if e["state"] == "READY" or not ready_only])
+        if self._behind is not None:
+            return await self._behind.fetch("POST", "/v2/repository/index")
+        return self._json(200, repository_index(self.models.loaded()))
+
+    async def _all_stats(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        if self._behind is not None:
+            return await self._behind.fetch("GET", "/v2/models/stats")
+        return self._json(200, statistics(self.models.loaded()))
+
+    async def _shared_memory(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        body = lambda: self._body(request)  # noqa: E731
+        return await shared_memory_answer(
+            m, request, body, self.shared_memory, self._behind, self._check_control
+        )
+
+    async def _repository_model(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        """A model's load or unload: the store's, or passed to tritonserver with the
+        client's control header (it checks the token), else not served here."""
+        if conforms(self.models, RepositoryControl):
+            return await self._repository(self.models, m["name"], m["action"], request)
+        if self._behind is not None:
             given = request.headers.get(CONTROL_TOKEN_HEADER)
             headers = {CONTROL_TOKEN_HEADER: given} if given is not None else {}
-            return await behind.control(path, self._body(request), headers)
-        if _NOT_SERVED.match(path):
-            return self._json(403, {"error": f"{method} {request.path} {NOT_SERVED}"})
-        m = MODEL.match(path)
-        if m is None:
-            return self._json(404, {"error": f"no route {method} {request.path}"})
-        model = await self.models.lookup(m["name"])
-        version = m["version"]
+            return await self._behind.control(request.path, self._body(request), headers)
+        return await self._not_served(request, m)
+
+    async def _not_served(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        return self._json(403, {"error": f"{request.method} {request.path} {NOT_SERVED}"})
+
+    async def _model(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        """``/v2/models/<m>[/versions/<v>][/ready|/infer|/config|/stats|/traffic]``."""
+        method, name, version, rest = request.method, m["name"], m["version"], m["rest"]
+        model = await self.models.lookup(name)
         if version is not None and not model.versioned and version not in model.versions:
             raise ModelNotFound(
-                f"model {m['name']!r} has no version {version!r}; it has {list(model.versions)}"
+                f"model {name!r} has no version {version!r}; it has {list(model.versions)}"
             )
-        if m["rest"] == "/traffic":
-            return self._traffic(m["name"], model, request)
-        if m["rest"] in ("/config", "/stats") and method == "GET":
+        behind = self._behind
+        if rest == "/traffic":
+            return self._traffic(name, model, request)
+        if rest in ("/config", "/stats") and method == "GET":
             if behind is not None:
-                return await behind.fetch(method, path)
-            if m["rest"] == "/config":
-                return self._json(200, model_config_json(m["name"], model))
-            return self._json(200, statistics({m["name"]: model}))
-        if (
-            model.versioned
-            and version
-            and m["rest"] is None
-            and not await self.models.is_ready(m["name"], version)
-        ):
-            raise ModelNotFound(f"model {m['name']!r} has no version {version!r} ready")
-        if m["rest"] is None and method == "GET":
+                return await behind.fetch(method, request.path.rstrip("/"))
+            if rest == "/config":
+                return self._json(200, model_config_json(name, model))
+            return self._json(200, statistics({name: model}))
+        unready = rest is None and model.versioned and version
+        if unready and not await self.models.is_ready(name, version):
+            raise ModelNotFound(f"model {name!r} has no version {version!r} ready")
+        if rest is None and method == "GET":
             if behind is not None and not model.versions:  # tritonserver lists its versions
-                return await behind.fetch(method, path)
-            return self._json(200, metadata(m["name"], model.spec, model.versions))
-        if m["rest"] == "/ready" and method == "GET":
-            ready = self._ready() and await self.models.is_ready(m["name"], version)
+                return await behind.fetch(method, request.path.rstrip("/"))
+            return self._json(200, metadata(name, model.spec, model.versions))
+        if rest == "/ready" and method == "GET":
+            ready = self._ready() and await self.models.is_ready(name, version)
             return (200 if ready else 503), b"", {}
-        if m["rest"] == "/infer" and method == "POST":
+        if rest == "/infer" and method == "POST":
             self._check_token(request.headers.get(INFERENCE_TOKEN_HEADER, "").encode("latin-1"))
             version = version if model.versioned and version else ""
-            return await self._infer(m["name"], model, request, version)
+            return await self._infer(name, model, request, version)
         return self._json(405, {"error": f"{method} not allowed on {request.path}"})
 
     def _traffic(self, name: str, model: FrontModel, request: HttpRequest) -> Answer:

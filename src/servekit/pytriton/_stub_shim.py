@@ -9,6 +9,9 @@ the second and later instances of a model wait for the first one's handshake ins
 of failing the load (``_get_config_patiently``).
 """
 
+import os
+import queue
+import threading
 import time
 
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
@@ -31,6 +34,22 @@ def _wrap_response_or_error(response, requested_output_names, model_outputs_dict
     return _wrap_response(response, requested_output_names, model_outputs_dict)
 
 
+PIPELINE_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "2"))
+"""Batches one instance holds at once (``servekit.triton.pipeline``): 1 answers each batch
+inside ``execute``, as PyTriton's proxy does."""
+
+
+class _Answered:
+    """A request as PyTriton's response handler reads it once ``execute`` has returned:
+    its requested outputs, taken while the request was Triton's to read."""
+
+    def __init__(self, request):  # type: ignore[no-untyped-def]
+        self._names = list(request.requested_output_names())
+
+    def requested_output_names(self):  # type: ignore[no-untyped-def]
+        return self._names
+
+
 class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-defined]
     def initialize(self, args):  # type: ignore[no-untyped-def]
         global _failures
@@ -40,7 +59,59 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
             _failures = FailureCounter(pb_utils, args["model_name"], str(args["model_version"]))
         except ImportError:  # servekit not importable by this stub: no failure counter
             _failures = None
-        return super().initialize(args)
+        super().initialize(args)
+        self._slots = None
+        known = all(  # the proxy's parts this relies on (PyTriton 0.5 to 0.7)
+            hasattr(self, a) for a in ("_requests", "_requests_server", "_tracable_model")
+        )
+        if PIPELINE_DEPTH > 1 and known and not self._decoupled_model:
+            self._slots = threading.Semaphore(PIPELINE_DEPTH)
+            self._answers = queue.Queue()
+            self._sender = threading.Thread(target=self._sending, name="servekit-send", daemon=True)
+            self._sender.start()
+
+    def execute(self, triton_requests):  # type: ignore[no-untyped-def]
+        """PyTriton's execute, returning once the batch is on its way to the infer
+        function: the next batch is handed over while this one runs, and each response
+        goes back through its request's response sender (``_sending``)."""
+        if self._slots is None:
+            return super().execute(triton_requests)
+        self._slots.acquire()
+        try:
+            spans = self._tracable_model.start_requests_spans(triton_requests)
+            self._next_id = (getattr(self, "_next_id", 0) + 1) % 2**32
+            requests_id = self._next_id.to_bytes(4, "big")
+            while requests_id in self._requests:
+                self._next_id = (self._next_id + 1) % 2**32
+                requests_id = self._next_id.to_bytes(4, "big")
+            self._requests[requests_id] = [_Answered(r) for r in triton_requests]
+            senders = [r.get_response_sender() for r in triton_requests]
+            # Returns once the inputs are serialized and sent: the requests are not read after.
+            responses = self._requests_server.push(requests_id, triton_requests, spans).result()
+        except BaseException:
+            self._slots.release()
+            raise
+        self._answers.put((senders, spans, responses))
+        return None
+
+    def _sending(self):  # type: ignore[no-untyped-def]
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        while True:
+            senders, spans, responses = self._answers.get()
+            try:
+                result = responses.result()
+                self._tracable_model.end_requests_spans(spans, result)
+                if isinstance(result, Exception):
+                    error = pb_utils.TritonError(f"Model execute error: {result}")
+                    result = [pb_utils.InferenceResponse(error=error) for _ in senders]
+                for sender, response in zip(senders, result, strict=True):
+                    sender.send(response, flags=final)
+            except Exception as exc:  # noqa: BLE001 - the batch's requests get the error
+                for sender in senders:
+                    error = pb_utils.TritonError(f"Model execute error: {exc}")
+                    sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            finally:
+                self._slots.release()
 
 
 _get_config = _proxy.get_config_from_handshake_server

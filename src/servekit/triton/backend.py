@@ -20,7 +20,7 @@ with Triton's code for it (INVALID_ARG -> HTTP 400).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, spec_from_config
+from .pipeline import DEFAULT_DEPTH, Pipeline
 from .stub_metrics import FailureCounter
 
 __all__ = ["TritonPythonModel", "build_runner", "check_config"]
@@ -214,6 +215,10 @@ class TritonPythonModel:
         except Exception as exc:
             raise pb_utils.TritonModelException(f"servekit backend: {self.name}: {exc}") from None
         self.failures = FailureCounter(pb_utils, self.name, str(args["model_version"]))
+        depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
+        self.pipeline = (
+            Pipeline(self._run, self._send, depth) if depth > 1 and self.sequence is None else None
+        )
         self.inputs = [t.name for t in declared.inputs]
         self.outputs = [t.name for t in declared.outputs]
         pb_utils.Logger.log_info(
@@ -221,25 +226,42 @@ class TritonPythonModel:
             f"({parameters.get('kind', 'runner')}, max_batch_size {declared.max_batch_size})"
         )
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> list[Any] | None:
         if self.sequence is not None:
             return self._sequence(requests)
         pb = self._pb
+        if self.pipeline is None:
+            inputs = [
+                {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
+                for r in requests
+            ]
+            return [self._response(result) for result in self._run(inputs)]
+        # Copies: a request's tensors are Triton's to free once execute has returned.
         inputs = [
-            {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests
+            {n: np.array(pb.get_input_tensor_by_name(r, n).as_numpy()) for n in self.inputs}
+            for r in requests
         ]
-        responses = []
-        for result in run_requests(self.runner, inputs, self.runner.spec):
-            if isinstance(result, ServekitError):
-                self.failures.count(triton_code(result))
-                code = getattr(pb.TritonError, triton_code(result), pb.TritonError.INTERNAL)
-                responses.append(
-                    pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {result}", code))
-                )
-            else:
-                tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]
-                responses.append(pb.InferenceResponse(output_tensors=tensors))
-        return responses
+        self.pipeline.submit(inputs, [r.get_response_sender() for r in requests])
+        return None  # answered through the senders (``pipeline``)
+
+    def _run(self, inputs: list[dict[str, np.ndarray]]) -> list[Any]:
+        return run_requests(self.runner, inputs, self.runner.spec)
+
+    def _send(self, senders: list[Any], results: Sequence[Any]) -> None:
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for sender, result in zip(senders, results, strict=True):
+            sender.send(self._response(result), flags=final)
+
+    def _response(self, result: Any) -> Any:
+        """One request's response: its outputs, or its error with Triton's code for it."""
+        pb = self._pb
+        if isinstance(result, BaseException):
+            error = result if isinstance(result, ServekitError) else as_error(result, self.name)
+            self.failures.count(triton_code(error))
+            code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
+            return pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {error}", code))
+        tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]
+        return pb.InferenceResponse(output_tensors=tensors)
 
     def _sequence(self, requests: list[Any]) -> list[Any]:
         """A batch tritonserver's sequence batcher formed (one request per sequence, a
@@ -283,6 +305,9 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            pipeline.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()

@@ -1,0 +1,81 @@
+"""The servekit backend's pipeline: one Triton instance whose device never waits for the
+hand-over of the next batch.
+
+Triton calls a Python-backend instance's ``execute`` with one batch at a time, and until
+it returns the instance takes no other; with the model run inside ``execute`` the device
+idles while tritonserver hands each batch to the stub and its answers back (88 % of a
+simulated T4 with one instance, BENCHMARKS.md). Here ``execute`` only reads its batch's
+inputs and queues it; a thread runs the model batch after batch, and another sends each
+request's response through its response sender (Triton's default, non-decoupled mode:
+exactly one response, flagged final). At most ``depth`` batches are queued or running:
+``execute`` waits beyond that, so the queue stays Triton's (its delays, priorities and
+timeouts), memory stays bounded and Triton's instance count is what the user set.
+Batches run and are answered in the order Triton gave them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_DEPTH", "Pipeline"]
+
+DEFAULT_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "2"))
+"""Batches one instance holds at once: one on the device, one ready to go (the
+environment's ``SERVEKIT_PIPELINE_DEPTH``, 1 to answer inside ``execute`` as before;
+also the ``pipeline`` parameter of a model's config.pbtxt)."""
+
+Batch = tuple[list[Any], list[Any]]
+"""A batch's inputs (one dict of arrays per request) and its requests' response senders."""
+
+
+class Pipeline:
+    """``run(inputs) -> results`` on a thread of its own, ``send(senders, results)`` on
+    another; ``submit`` queues a batch, waiting while ``depth`` are in flight."""
+
+    def __init__(
+        self,
+        run: Callable[[list[Any]], Sequence[Any]],
+        send: Callable[[list[Any], Sequence[Any]], None],
+        depth: int = DEFAULT_DEPTH,
+    ) -> None:
+        self._run, self._send = run, send
+        self._slots = threading.Semaphore(depth)
+        self._batches: queue.Queue[Batch | None] = queue.Queue()
+        self._answers: queue.Queue[tuple[list[Any], Sequence[Any]] | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._running, name="servekit-run", daemon=True),
+            threading.Thread(target=self._sending, name="servekit-send", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, inputs: list[Any], senders: list[Any]) -> None:
+        self._slots.acquire()
+        self._batches.put((inputs, senders))
+
+    def _running(self) -> None:
+        while (batch := self._batches.get()) is not None:
+            inputs, senders = batch
+            try:
+                results: Sequence[Any] = self._run(inputs)
+            except BaseException as exc:  # run answers per request; anything else fails the batch
+                results = [exc] * len(senders)
+            self._answers.put((senders, results))
+        self._answers.put(None)
+
+    def _sending(self) -> None:
+        while (answer := self._answers.get()) is not None:
+            try:
+                self._send(*answer)
+            finally:
+                self._slots.release()
+
+    def close(self) -> None:
+        """Answer what is queued, then stop both threads."""
+        self._batches.put(None)
+        for thread in self._threads:
+            thread.join()

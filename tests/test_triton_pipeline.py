@@ -1,0 +1,75 @@
+"""The servekit backend's pipeline (``servekit.triton.pipeline``): batches run one after
+another on the device's thread and are answered in the order given, at most ``depth`` are
+held at once (``submit`` waits beyond that), a run that raises answers every request of
+its batch with the error, and ``close`` answers what is queued first."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from servekit.triton.pipeline import Pipeline
+
+
+class Recorder:
+    def __init__(self, delay_s: float = 0.0, fail_on: int | None = None) -> None:
+        self.delay_s, self.fail_on = delay_s, fail_on
+        self.running = 0
+        self.most_running = 0
+        self.sent: list[tuple[list, list]] = []
+        self.lock = threading.Lock()
+
+    def run(self, inputs: list) -> list:
+        with self.lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.running -= 1
+        if self.fail_on is not None and self.fail_on in inputs:
+            raise RuntimeError("device fault")
+        return [x * 10 for x in inputs]
+
+    def send(self, senders: list, results: list) -> None:
+        self.sent.append((senders, list(results)))
+
+
+def test_batches_run_one_at_a_time_and_are_answered_in_order():
+    rec = Recorder(delay_s=0.002)
+    pipeline = Pipeline(rec.run, rec.send, depth=2)
+    for i in range(50):
+        pipeline.submit([i, i + 1], [f"s{i}", f"t{i}"])
+    pipeline.close()
+    assert [senders for senders, _ in rec.sent] == [[f"s{i}", f"t{i}"] for i in range(50)]
+    assert [results for _, results in rec.sent] == [[10 * i, 10 * i + 10] for i in range(50)]
+    assert rec.most_running == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_submit_waits_while_depth_batches_are_held(depth):
+    release = threading.Event()
+    pipeline = Pipeline(lambda inputs: (release.wait(10), inputs)[1], lambda s, r: None, depth)
+    for i in range(depth):
+        pipeline.submit([i], [i])  # returns at once: room for it
+    blocked = threading.Thread(target=pipeline.submit, args=([depth], [depth]), daemon=True)
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), f"a batch past depth {depth} was taken"
+    release.set()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    pipeline.close()
+
+
+def test_a_run_that_raises_answers_its_batch_with_the_error_and_the_next_batch_runs():
+    rec = Recorder(fail_on=3)
+    pipeline = Pipeline(rec.run, rec.send, depth=2)
+    pipeline.submit([1, 2], ["a", "b"])
+    pipeline.submit([3, 4], ["c", "d"])
+    pipeline.submit([5], ["e"])
+    pipeline.close()
+    (_, first), (_, failed), (_, last) = rec.sent
+    assert first == [10, 20] and last == [50]
+    assert len(failed) == 2 and all(isinstance(r, RuntimeError) for r in failed)
