@@ -36,9 +36,10 @@ class Recorder:
         self.sent.append((senders, list(results)))
 
 
-def test_batches_run_one_at_a_time_and_are_answered_in_order():
+@pytest.mark.parametrize("depth", [2, 4])
+def test_batches_run_one_at_a_time_and_are_answered_in_order(depth):
     rec = Recorder(delay_s=0.002)
-    pipeline = Pipeline(rec.run, rec.send, depth=2)
+    pipeline = Pipeline(rec.run, rec.send, depth=depth)
     for i in range(50):
         pipeline.submit([i, i + 1], [f"s{i}", f"t{i}"])
     pipeline.close()
@@ -63,12 +64,33 @@ def test_submit_waits_while_depth_batches_are_held(depth):
     pipeline.close()
 
 
-def test_a_run_that_raises_answers_its_batch_with_the_error_and_the_next_batch_runs():
+def test_batches_handed_over_while_one_runs_run_together_next():
+    release = threading.Event()
+    runs: list[list] = []
+
+    def run(inputs: list) -> list:
+        runs.append(list(inputs))
+        release.wait(10)
+        return inputs
+
+    pipeline = Pipeline(run, lambda senders, results: None, depth=4)
+    pipeline.submit([0], ["a"])
+    time.sleep(0.2)  # the first is running
+    pipeline.submit([1], ["b"])
+    pipeline.submit([2, 3], ["c", "d"])
+    release.set()
+    pipeline.close()
+    assert runs == [[0], [1, 2, 3]]
+
+
+def test_a_run_that_raises_answers_its_requests_with_the_error_and_the_next_run_goes_on():
     rec = Recorder(fail_on=3)
     pipeline = Pipeline(rec.run, rec.send, depth=2)
-    pipeline.submit([1, 2], ["a", "b"])
-    pipeline.submit([3, 4], ["c", "d"])
-    pipeline.submit([5], ["e"])
+    for inputs, senders in (([1, 2], ["a", "b"]), ([3, 4], ["c", "d"]), ([5], ["e"])):
+        pipeline.submit(inputs, senders)
+        deadline = time.monotonic() + 10
+        while len(rec.sent) < 1 + inputs[0] // 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # each answered before the next: runs of one batch each
     pipeline.close()
     (_, first), (_, failed), (_, last) = rec.sent
     assert first == [10, 20] and last == [50]

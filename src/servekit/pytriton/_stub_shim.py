@@ -34,7 +34,7 @@ def _wrap_response_or_error(response, requested_output_names, model_outputs_dict
     return _wrap_response(response, requested_output_names, model_outputs_dict)
 
 
-PIPELINE_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "2"))
+PIPELINE_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "1"))
 """Batches one instance holds at once (``servekit.triton.pipeline``): 1 answers each batch
 inside ``execute``, as PyTriton's proxy does."""
 

@@ -7,7 +7,10 @@ idles while tritonserver hands each batch to the stub and its answers back (88 %
 simulated T4 with one instance, BENCHMARKS.md). Here ``execute`` only reads its batch's
 inputs and queues it; a thread runs the model batch after batch, and another sends each
 request's response through its response sender (Triton's default, non-decoupled mode:
-exactly one response, flagged final). At most ``depth`` batches are queued or running:
+exactly one response, flagged final). The batches handed over while one ran are run
+together next (``run`` groups their rows up to the model's max batch size again), since
+Triton forms each of them from the few requests queued by the time the last one was
+handed over. At most ``depth`` batches are queued or running:
 ``execute`` waits beyond that, so the queue stays Triton's (its delays, priorities and
 timeouts), memory stays bounded and Triton's instance count is what the user set.
 Batches run and are answered in the order Triton gave them.
@@ -23,10 +26,11 @@ from typing import Any
 
 __all__ = ["DEFAULT_DEPTH", "Pipeline"]
 
-DEFAULT_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "2"))
-"""Batches one instance holds at once: one on the device, one ready to go (the
-environment's ``SERVEKIT_PIPELINE_DEPTH``, 1 to answer inside ``execute`` as before;
-also the ``pipeline`` parameter of a model's config.pbtxt)."""
+DEFAULT_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "1"))
+"""Batches one instance holds at once: the environment's ``SERVEKIT_PIPELINE_DEPTH``, or
+the ``pipeline`` parameter of a model's config.pbtxt. 1 (the default) answers inside
+``execute``: on the simulated T4 the pipeline did not pay for itself (BENCHMARKS.md,
+"Pipelining one Triton instance"), so it is there to try, not on."""
 
 Batch = tuple[list[Any], list[Any]]
 """A batch's inputs (one dict of arrays per request) and its requests' response senders."""
@@ -59,12 +63,29 @@ class Pipeline:
 
     def _running(self) -> None:
         while (batch := self._batches.get()) is not None:
-            inputs, senders = batch
+            # Every batch handed over while the last one ran goes in this run: Triton
+            # formed the later ones from what had queued by then, often a request or two,
+            # and ``run`` groups rows up to the model's max batch size again.
+            batches, closing = [batch], False
+            while not closing:
+                try:
+                    more = self._batches.get_nowait()
+                except queue.Empty:
+                    break
+                closing = more is None
+                if more is not None:
+                    batches.append(more)
+            inputs = [x for b in batches for x in b[0]]
             try:
                 results: Sequence[Any] = self._run(inputs)
             except BaseException as exc:  # run answers per request; anything else fails the batch
-                results = [exc] * len(senders)
-            self._answers.put((senders, results))
+                results = [exc] * len(inputs)
+            start = 0
+            for _, senders in batches:
+                self._answers.put((senders, results[start : start + len(senders)]))
+                start += len(senders)
+            if closing:
+                break
         self._answers.put(None)
 
     def _sending(self) -> None:
