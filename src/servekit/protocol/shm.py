@@ -228,7 +228,7 @@ class SharedMemory:
             os.close(region.fd)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Triton's status entries: every region, or ``name``'s (unknown: ``InvalidInput``)."""
+        """Triton's status entries: every region, or ``name``'s (unknown: ``RegionNotFound``)."""
         with self._lock:
             if name is None:
                 return [r.status(n) for n, r in sorted(self._regions.items())]
