@@ -99,8 +99,9 @@ _JSON = {"content-type": "application/json"}
 class KServeApp(Forwarding):
     """ASGI app: ``/v2/health/{live,ready}``, ``/v2``,
     ``/v2/models/{name}[/versions/{v}][/ready|/infer|/config|/stats]``, ``/v2/models/stats``,
-    ``/v2/repository/index`` and the shared-memory status (``servekit.protocol.surface``);
-    Triton's control APIs are a 403 saying where they are served.
+    ``/v2/repository/index`` (``servekit.protocol.surface``) and Triton's system shared
+    memory (with ``shared_memory``, or passed to tritonserver by the front; ``ROUTES``);
+    Triton's other control APIs are a 403 saying where they are served.
 
     ``GET /metrics`` is the Prometheus exposition (Triton's ``nv_inference_*`` names) for
     every model with a Batcher behind it.
