@@ -1,7 +1,8 @@
 """The pipelined instance (``SERVEKIT_PIPELINE_DEPTH`` > 1) served for real: on the
 triton runtime (servekit's backend) and the pytriton runtime (the stub shim), eight
-tritonclients at once each get their own sums back, and each client's malformed request
-is refused alone with a 400 while the rest of its batch is answered."""
+tritonclients at once each get their own sums back, each client's malformed request is
+refused alone with a 400 while the rest of its batch is answered, and the model is idle
+again once they stop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytest.importorskip("pytriton", reason="needs the triton extra")
 import tritonclient.http as httpclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from conftest import each_client  # noqa: E402
+from conftest import each_client, sample, scrape  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.bench.compare import ServerProcess  # noqa: E402
 
@@ -66,3 +67,9 @@ def test_eight_clients_get_their_own_answers_and_a_bad_request_fails_alone(serve
             client.close()
 
     each_client(work)
+    # Idle again once they stop: nothing queued for the model, every batch answered.
+    samples = scrape(server.config.server.metrics_url)
+    labels = {"model": "adder", "version": "1"}
+    assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
+    assert sample(samples, "nv_inference_request_success", **labels) >= 8 * 29

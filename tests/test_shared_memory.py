@@ -21,7 +21,7 @@ import tritonclient.http as httpclient  # noqa: E402
 import tritonclient.utils.shared_memory as shm  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from conftest import each_client  # noqa: E402
+from conftest import each_client, sample, scrape  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.bench.compare import ServerProcess  # noqa: E402
 from servekit.errors import InvalidInput, RegionNotFound  # noqa: E402
@@ -91,8 +91,8 @@ def client_of(server, protocol: str):
 
 
 def shm_infer(client, protocol: str, region: Region, a: np.ndarray, b: np.ndarray, **spans):
-    """Infer ``a + b``, ``a - b`` with every tensor in ``region``; ``spans`` overrides an
-    input's (offset, byte_size)."""
+    """Infer ``a + b``, ``a - b`` with every tensor in ``region``; ``spans`` overrides a
+    tensor's (offset, byte_size)."""
     m = module(protocol)
     nbytes = a.nbytes
     shm.set_shared_memory_region(region.handle, [a, b])
@@ -105,7 +105,8 @@ def shm_infer(client, protocol: str, region: Region, a: np.ndarray, b: np.ndarra
     outputs = []
     for i, name in enumerate(("OUTPUT0", "OUTPUT1")):
         out = m.InferRequestedOutput(name)
-        out.set_shared_memory(region.name, nbytes, offset=(2 + i) * nbytes)
+        offset, size = spans.get(name, ((2 + i) * nbytes, nbytes))
+        out.set_shared_memory(region.name, size, offset=offset)
         outputs.append(out)
     result = client.infer("adder", inputs, outputs=outputs)
     got = []
@@ -139,6 +140,17 @@ def test_eight_clients_infer_through_their_own_regions(server, protocol):
             client.close()
 
     each_client(work)
+    # Idle again once they stop: no region left registered, nothing queued for the model.
+    client = client_of(server, protocol)
+    try:
+        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
+        assert len(status.regions if protocol == "grpc" else status) == 0, status
+    finally:
+        client.close()
+    samples = scrape(server.config.server.metrics_url)
+    labels = {"model": "adder", "version": "1"}
+    assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -187,6 +199,7 @@ def test_registration_needs_the_control_token(server, protocol):
     [
         ("too small", {"INPUT0": (0, ROW_BYTES)}),  # one row's bytes for two rows
         ("past the end", {"INPUT1": (4 * 2 * ROW_BYTES - 8, 2 * ROW_BYTES)}),
+        ("output too small", {"OUTPUT0": (2 * 2 * ROW_BYTES, ROW_BYTES)}),  # 1 row for 2
         ("unregistered", None),
     ],
 )
@@ -211,7 +224,8 @@ def test_a_bad_region_is_the_requests_error_and_the_server_goes_on(server, proto
             else ("400", "StatusCode.INVALID_ARGUMENT")
         )
         assert status == expected[protocol == "grpc"], (status, caught.value)
-        assert region.name in caught.value.message() or "INPUT" in caught.value.message()
+        message = caught.value.message()
+        assert region.name in message or "INPUT" in message or "OUTPUT0" in message, message
         # The server goes on: the same client, its inputs in the request this time.
         m = module(protocol)
         inputs = []

@@ -28,9 +28,9 @@ from ..errors import GRPC_HEADER_PREFIX, INFERENCE_TOKEN_HEADER, InvalidInput, S
 from ..grpc.calls import Method, Raw, each_answered, once, service_methods
 from ..grpc.service import GRPC_TOKEN_KEY, GrpcService
 from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
-from ..grpc.tensors import decode_inputs, request_parameters
+from ..grpc.tensors import decode_inputs, output_refs, request_parameters
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
-from ..protocol.shm import DECLARED, check_registration
+from ..protocol.shm import DECLARED, check_output_room, check_registration
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status
@@ -185,7 +185,8 @@ class GrpcRelay:
             self.service.authenticate(context)
             try:
                 inputs = decode_inputs(message, len(request.data), DECLARED)
-                model.spec.validate_inputs(inputs)
+                rows = model.spec.validate_inputs(inputs)
+                check_output_room(model.spec, rows, output_refs(message))
                 parameters = request_parameters(message)
                 timeout_us = scheduling(parameters).get("timeout_us")
                 sequence = sequence_flags(parameters)

@@ -262,9 +262,11 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                 )
                 if k:
                     outputs[o.name] = classify(outputs[o.name], int(k), o.name)
+            # Inside: writing an output into its region can fail as the request's error.
+            response = infer_response(request, outputs, wanted, answered, self._shm)
         except Exception as exc:
             await self.fail(context, exc)
-        return infer_response(request, outputs, wanted, answered, self._shm)
+        return response
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncGenerator[Any, None]:
         """Triton's stream: each request is answered as it completes, with its id; one that

@@ -12,10 +12,10 @@ from tritonclient.grpc import service_pb2
 
 from ..errors import InvalidInput
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
-from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, shm_ref
+from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 from ..spec import as_dtype
 
-__all__ = ["decode_inputs", "infer_response", "parameter", "request_parameters"]
+__all__ = ["decode_inputs", "infer_response", "output_refs", "parameter", "request_parameters"]
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -42,6 +42,12 @@ def parameter(value: Any) -> Any:
 def request_parameters(request: Any) -> dict[str, Any]:
     """The request's ``parameters`` map as plain values (what the HTTP JSON carries)."""
     return {key: parameter(value) for key, value in request.parameters.items()}
+
+
+def output_refs(request: Any) -> dict[str, ShmRef]:
+    """The outputs a ``ModelInferRequest`` asks for in shared memory, and where."""
+    refs = {o.name: _shm(o, f"output {o.name!r}") for o in request.outputs if o.parameters}
+    return {name: ref for name, ref in refs.items() if ref is not None}
 
 
 def _shm(tensor: Any, what: str) -> ShmRef | None:
@@ -79,12 +85,7 @@ def decode_inputs(
         ref = refs[i]
         if ref is not None:
             element_count(shape, name, ref.byte_size)
-            if regions is None:
-                raise InvalidInput(
-                    f"input {name!r} names shared-memory region {ref.region!r}, but this "
-                    "server takes no shared memory (the native, pytriton and triton runtimes do)"
-                )
-            inputs[name] = regions.tensor(ref, name, datatype, shape)
+            inputs[name] = served(regions, ref, name).tensor(ref, name, datatype, shape)
             continue
         count = element_count(shape, name, available)
         if raw:
@@ -122,7 +123,7 @@ def infer_response(
     response = service_pb2.ModelInferResponse(
         model_name=request.model_name, model_version=version, id=request.id
     )
-    refs = {o.name: _shm(o, f"output {o.name!r}") for o in request.outputs if o.parameters}
+    refs = output_refs(request)
     for out in wanted:
         if out not in outputs:
             raise InvalidInput(
@@ -132,12 +133,7 @@ def infer_response(
         tensor = response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
         ref = refs.get(out)
         if ref is not None:
-            if regions is None:
-                raise InvalidInput(
-                    f"output {out!r} names shared-memory region {ref.region!r}, but this "
-                    "server takes no shared memory"
-                )
-            regions.write(ref, out, raw)
+            served(regions, ref, out).write(ref, out, raw)
             tensor.parameters[REGION].string_param = ref.region
             tensor.parameters[BYTE_SIZE].int64_param = len(raw)
             raw = b""

@@ -17,7 +17,7 @@ from ..protocol.kserve import (
 )
 from ..protocol.models import FrontModel, PassThrough, PassThroughRegistry
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
-from ..protocol.shm import DECLARED, Regions
+from ..protocol.shm import DECLARED, Regions, check_output_room
 from ..spec import ModelSpec
 from .messages import Reply
 
@@ -124,7 +124,8 @@ class Forwarding:
             sequence = sequence_flags(request.parameters)
             if sequence is not None and not getattr(model, "sequenced", False):
                 raise unsequenced(name, sequence)
-            spec.validate_inputs(request.inputs)
+            rows = spec.validate_inputs(request.inputs)
+            check_output_room(spec, rows, request.shm_outputs)
         except InvalidInput:
             self.metrics.failed(name)  # refused here: tritonserver never sees it
             raise

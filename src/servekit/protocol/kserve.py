@@ -23,7 +23,7 @@ import orjson
 
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
-from .shm import BYTE_SIZE, REGION, Regions, ShmRef, shm_ref
+from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 
 __all__ = [
     "DecodedRequest",
@@ -155,16 +155,6 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
     return count
 
 
-def _shared(regions: Regions | None, ref: ShmRef, name: str) -> Regions:
-    """Where tensor ``name``'s region lies; refused where no shared memory is served."""
-    if regions is None:
-        raise InvalidInput(
-            f"tensor {name!r} names shared-memory region {ref.region!r}, but this server "
-            "takes no shared memory (the native, pytriton and triton runtimes do)"
-        )
-    return regions
-
-
 def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
     """The values of a nested list, level by level (no recursion, no numpy dimension
     limit), and their types; nesting deeper than ``MAX_JSON_DEPTH`` is refused."""
@@ -293,7 +283,7 @@ def decode_request(
         ref = shm_ref(params, f"input {name!r}")
         if ref is not None:
             _element_count(shape, name, ref.byte_size)
-            inputs[name] = _shared(regions, ref, name).tensor(ref, name, datatype, shape)
+            inputs[name] = served(regions, ref, name).tensor(ref, name, datatype, shape)
             continue
         count = _element_count(shape, name, len(body))
         if size is not None:
@@ -335,7 +325,7 @@ def decode_request(
                 (binary_out if params["binary_data"] else json_out).add(o["name"])
             ref = shm_ref(params, f"output {o['name']!r}")
             if ref is not None:
-                _shared(regions, ref, o["name"])
+                served(regions, ref, o["name"])
                 shm_outputs[o["name"]] = ref
             k = params.get("classification")
             if k is not None:

@@ -28,13 +28,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import InvalidInput, RegionNotFound
-from ..spec import as_dtype
+from ..spec import ModelSpec, as_dtype
 
 __all__ = [
     "BYTE_SIZE",
     "RegionNotFound",
+    "check_output_room",
     "check_registration",
+    "no_room",
     "open_key",
+    "served",
     "OFFSET",
     "REGION",
     "NO_SHARED_MEMORY",
@@ -104,6 +107,39 @@ class Regions(Protocol):
     def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
         """Output ``name``'s bytes into ``ref``."""
         ...
+
+
+def served(regions: Regions | None, ref: ShmRef, name: str) -> Regions:
+    """Where tensor ``name``'s region lies; ``InvalidInput`` naming the tensor and the
+    region where the server takes no shared memory (Ray, or a front reading no region)."""
+    if regions is None:
+        raise InvalidInput(
+            f"tensor {name!r} names shared-memory region {ref.region!r}, but this server "
+            "takes no shared memory (the native, pytriton and triton runtimes do)"
+        )
+    return regions
+
+
+def no_room(name: str, need: int, ref: ShmRef) -> InvalidInput:
+    """The error for an output larger than the region span given for it."""
+    return InvalidInput(
+        f"output {name!r}: its {need} bytes do not fit the {ref.byte_size} bytes of region "
+        f"{ref.region!r} given for it"
+    )
+
+
+def check_output_room(spec: ModelSpec, rows: int, refs: Mapping[str, ShmRef]) -> None:
+    """Each output asked for in a region fits the span given for it, where its size is
+    known before the run (a fixed shape, not BYTES): the Triton runtimes' front checks
+    this, since tritonserver answers it with a 500 after running the model."""
+    lead = [rows] if spec.batched else []
+    for t in spec.outputs:
+        ref = refs.get(t.name)
+        if ref is None or t.dtype.datatype == "BYTES" or any(d < 0 for d in t.shape):
+            continue
+        need = math.prod([*lead, *t.shape]) * t.dtype.numpy.itemsize
+        if need > ref.byte_size:
+            raise no_room(t.name, need, ref)
 
 
 def _expected_bytes(ref: ShmRef, name: str, datatype: str, shape: list[int]) -> int:
@@ -269,10 +305,7 @@ class SharedMemory:
 
     def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
         if len(raw) > ref.byte_size:
-            raise InvalidInput(
-                f"output {name!r}: its {len(raw)} bytes do not fit the {ref.byte_size} bytes "
-                f"of region {ref.region!r} given for it"
-            )
+            raise no_room(name, len(raw), ref)
         with self._lock:
             view, start = self._span(ref, f"output {name!r}")
             view[start : start + len(raw)] = raw
