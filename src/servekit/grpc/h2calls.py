@@ -285,14 +285,10 @@ class Calls:
                         stream.drained = asyncio.Event()
                         await stream.drained.wait()
                         stream.drained = None
-        except Aborted as exc:
-            self._finish(sid, stream, exc.code, exc.details)
-            return
-        except asyncio.CancelledError:
-            return  # reset by the client or past its deadline: answered already, or nobody asks
-        except Exception as exc:
-            log.exception("unexpected error in gRPC call %s", method.name)
-            self._finish(sid, stream, INTERNAL, f"internal error: {type(exc).__name__}")
+        except (asyncio.CancelledError, Exception) as exc:
+            status = _failed(method, context, exc)
+            if status is not None:
+                self._finish(sid, stream, *status)
             return
         finally:
             # A method that handed its requests to a task of its own and left it running
@@ -337,19 +333,10 @@ class Calls:
             return
         try:
             response = await method.handler(request, context)
-        except Aborted as exc:
-            self._answer(sid, stream, exc.code, exc.details)
-            return
-        except NotImplementedError:
-            self._answer(
-                sid, stream, context.status[0] or UNIMPLEMENTED, context.status[1] or method.name
-            )
-            return
-        except asyncio.CancelledError:
-            return  # reset by the client or past its deadline: answered already, or nobody asks
-        except Exception as exc:
-            log.exception("unexpected error in gRPC call %s", method.name)
-            self._answer(sid, stream, INTERNAL, f"internal error: {type(exc).__name__}")
+        except (asyncio.CancelledError, Exception) as exc:
+            status = _failed(method, context, exc)
+            if status is not None:
+                self._answer(sid, stream, *status)
             return
         body = response.SerializeToString()
         self._answer(sid, stream, OK, "", b"\x00" + len(body).to_bytes(4, "big") + body)
@@ -417,3 +404,18 @@ class Calls:
             self._release(stream)
         if self.going_away and not self.streams:
             self.close()
+
+
+def _failed(method: Method, context: CallContext, exc: BaseException) -> tuple[int, str] | None:
+    """The status a call ends with when its method raised ``exc``: the servicer's abort,
+    UNIMPLEMENTED for a method it lacks, INTERNAL (logged) for anything unexpected; None
+    when it was cancelled (reset by the client or past its deadline: answered already, or
+    nobody asks)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return None
+    if isinstance(exc, Aborted):
+        return exc.code, exc.details
+    if isinstance(exc, NotImplementedError):
+        return context.status[0] or UNIMPLEMENTED, context.status[1] or method.name
+    log.exception("unexpected error in gRPC call %s", method.name, exc_info=exc)
+    return INTERNAL, f"internal error: {type(exc).__name__}"

@@ -9,9 +9,6 @@ the second and later instances of a model wait for the first one's handshake ins
 of failing the load (``_get_config_patiently``).
 """
 
-import os
-import queue
-import threading
 import time
 
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
@@ -34,11 +31,6 @@ def _wrap_response_or_error(response, requested_output_names, model_outputs_dict
     return _wrap_response(response, requested_output_names, model_outputs_dict)
 
 
-PIPELINE_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "1"))
-"""Batches one instance holds at once (``servekit.triton.pipeline``): 1 answers each batch
-inside ``execute``, as PyTriton's proxy does."""
-
-
 class _Answered:
     """A request as PyTriton's response handler reads it once ``execute`` has returned:
     its requested outputs, taken while the request was Triton's to read."""
@@ -53,65 +45,66 @@ class _Answered:
 class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-defined]
     def initialize(self, args):  # type: ignore[no-untyped-def]
         global _failures
+        pipeline = None
         try:
+            from servekit.triton.pipeline import DEFAULT_DEPTH, Pipeline
             from servekit.triton.stub_metrics import FailureCounter
 
             _failures = FailureCounter(pb_utils, args["model_name"], str(args["model_version"]))
-        except ImportError:  # servekit not importable by this stub: no failure counter
-            _failures = None
+        except ImportError:  # servekit not importable by this stub: no counter, no pipeline
+            _failures, DEFAULT_DEPTH = None, 1
         super().initialize(args)
-        self._slots = None
-        known = all(  # the proxy's parts this relies on (PyTriton 0.5 to 0.7)
+        known = all(  # the proxy's parts the pipeline relies on (PyTriton 0.5 to 0.7)
             hasattr(self, a) for a in ("_requests", "_requests_server", "_tracable_model")
         )
-        if PIPELINE_DEPTH > 1 and known and not self._decoupled_model:
-            self._slots = threading.Semaphore(PIPELINE_DEPTH)
-            self._answers = queue.Queue()
-            self._sender = threading.Thread(target=self._sending, name="servekit-send", daemon=True)
-            self._sender.start()
+        if DEFAULT_DEPTH > 1 and known and not self._decoupled_model:
+            pipeline = Pipeline(self._answers_of, self._send, DEFAULT_DEPTH)
+        self._pipeline = pipeline
 
     def execute(self, triton_requests):  # type: ignore[no-untyped-def]
-        """PyTriton's execute, returning once the batch is on its way to the infer
-        function: the next batch is handed over while this one runs, and each response
-        goes back through its request's response sender (``_sending``)."""
-        if self._slots is None:
+        """PyTriton's execute; pipelined (``servekit.triton.pipeline``), it returns once
+        the batch is on its way to the infer function, so the next batch is handed over
+        while this one runs, and each response goes back through its request's response
+        sender."""
+        if self._pipeline is None:
             return super().execute(triton_requests)
-        self._slots.acquire()
-        try:
-            spans = self._tracable_model.start_requests_spans(triton_requests)
-            self._next_id = (getattr(self, "_next_id", 0) + 1) % 2**32
+        spans = self._tracable_model.start_requests_spans(triton_requests)
+        self._next_id = (getattr(self, "_next_id", 0) + 1) % 2**32
+        requests_id = self._next_id.to_bytes(4, "big")
+        while requests_id in self._requests:
+            self._next_id = (self._next_id + 1) % 2**32
             requests_id = self._next_id.to_bytes(4, "big")
-            while requests_id in self._requests:
-                self._next_id = (self._next_id + 1) % 2**32
-                requests_id = self._next_id.to_bytes(4, "big")
-            self._requests[requests_id] = [_Answered(r) for r in triton_requests]
-            senders = [r.get_response_sender() for r in triton_requests]
-            # Returns once the inputs are serialized and sent: the requests are not read after.
-            responses = self._requests_server.push(requests_id, triton_requests, spans).result()
-        except BaseException:
-            self._slots.release()
-            raise
-        self._answers.put((senders, spans, responses))
+        self._requests[requests_id] = [_Answered(r) for r in triton_requests]
+        senders = [r.get_response_sender() for r in triton_requests]
+        # Returns once the inputs are serialized and sent: the requests are not read after.
+        answers = self._requests_server.push(requests_id, triton_requests, spans).result()
+        self._pipeline.submit([(answers, spans, len(senders))], senders)
         return None
 
-    def _sending(self):  # type: ignore[no-untyped-def]
+    def _answers_of(self, batches):  # type: ignore[no-untyped-def]
+        """Each batch's responses once the infer function has answered (the pipeline's
+        ``run``): PyTriton's, or its error for every request of the batch."""
+        out = []
+        for answers, spans, count in batches:
+            result = answers.result()
+            self._tracable_model.end_requests_spans(spans, result)
+            if isinstance(result, Exception):
+                result = [result] * count
+            out.extend(result)
+        return out
+
+    def _send(self, senders, responses):  # type: ignore[no-untyped-def]
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        while True:
-            senders, spans, responses = self._answers.get()
-            try:
-                result = responses.result()
-                self._tracable_model.end_requests_spans(spans, result)
-                if isinstance(result, Exception):
-                    error = pb_utils.TritonError(f"Model execute error: {result}")
-                    result = [pb_utils.InferenceResponse(error=error) for _ in senders]
-                for sender, response in zip(senders, result, strict=True):
-                    sender.send(response, flags=final)
-            except Exception as exc:  # noqa: BLE001 - the batch's requests get the error
-                for sender in senders:
-                    error = pb_utils.TritonError(f"Model execute error: {exc}")
-                    sender.send(pb_utils.InferenceResponse(error=error), flags=final)
-            finally:
-                self._slots.release()
+        for sender, response in zip(senders, responses, strict=True):
+            if isinstance(response, BaseException):
+                error = pb_utils.TritonError(f"Model execute error: {response}")
+                response = pb_utils.InferenceResponse(error=error)
+            sender.send(response, flags=final)
+
+    def finalize(self):  # type: ignore[no-untyped-def]
+        if self._pipeline is not None:
+            self._pipeline.close()
+        return super().finalize()
 
 
 _get_config = _proxy.get_config_from_handshake_server

@@ -38,7 +38,9 @@ Batch = tuple[list[Any], list[Any]]
 
 class Pipeline:
     """``run(inputs) -> results`` on a thread of its own, ``send(senders, results)`` on
-    another; ``submit`` queues a batch, waiting while ``depth`` are in flight."""
+    another; ``submit`` queues a batch, waiting while ``depth`` are in flight. ``run``
+    answers the inputs of the batches it is given with one result per sender, in order
+    (the servekit backend: one input per request; the PyTriton shim: one per batch)."""
 
     def __init__(
         self,
@@ -78,8 +80,8 @@ class Pipeline:
             inputs = [x for b in batches for x in b[0]]
             try:
                 results: Sequence[Any] = self._run(inputs)
-            except BaseException as exc:  # run answers per request; anything else fails the batch
-                results = [exc] * len(inputs)
+            except BaseException as exc:  # run answers per request; anything else fails the run
+                results = [exc] * sum(len(senders) for _, senders in batches)
             start = 0
             for _, senders in batches:
                 self._answers.put((senders, results[start : start + len(senders)]))
