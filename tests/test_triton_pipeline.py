@@ -95,3 +95,32 @@ def test_a_run_that_raises_answers_its_requests_with_the_error_and_the_next_run_
     (_, first), (_, failed), (_, last) = rec.sent
     assert first == [10, 20] and last == [50]
     assert len(failed) == 2 and all(isinstance(r, RuntimeError) for r in failed)
+
+
+def test_a_failed_answer_neither_stops_the_pipeline_nor_the_rest_of_its_batch():
+    """A sender that raises (its request cancelled) is logged; the batch's other requests
+    and every later batch are still answered, and the slot comes back."""
+    from servekit.triton.pipeline import send_each
+
+    answered: list = []
+
+    class Sender:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def send(self, response) -> None:
+            if self.name == "gone":
+                raise RuntimeError("response sender closed")
+            answered.append((self.name, response))
+
+    def send(senders, results):
+        send_each(senders, results, lambda s, r: s.send(r))
+        if any(s.name == "boom" for s in senders):
+            raise RuntimeError("the whole send failed")
+
+    pipeline = Pipeline(lambda inputs: inputs, send, depth=1)
+    pipeline.submit([1, 2, 3], [Sender("a"), Sender("gone"), Sender("c")])
+    pipeline.submit([4], [Sender("boom")])
+    pipeline.submit([5], [Sender("e")])  # depth 1: waits for both slots above to return
+    pipeline.close()
+    assert answered == [("a", 1), ("c", 3), ("boom", 4), ("e", 5)]

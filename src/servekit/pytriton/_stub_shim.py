@@ -94,12 +94,17 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
         return out
 
     def _send(self, senders, responses):  # type: ignore[no-untyped-def]
+        from servekit.triton.pipeline import send_each
+
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        for sender, response in zip(senders, responses, strict=True):
+
+        def send(sender, response):  # type: ignore[no-untyped-def]
             if isinstance(response, BaseException):
                 error = pb_utils.TritonError(f"Model execute error: {response}")
                 response = pb_utils.InferenceResponse(error=error)
             sender.send(response, flags=final)
+
+        send_each(senders, responses, send)
 
     def finalize(self):  # type: ignore[no-untyped-def]
         if self._pipeline is not None:

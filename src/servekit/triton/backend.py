@@ -32,7 +32,7 @@ from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, spec_from_config
-from .pipeline import DEFAULT_DEPTH, Pipeline
+from .pipeline import DEFAULT_DEPTH, Pipeline, send_each
 from .stub_metrics import FailureCounter
 
 __all__ = ["TritonPythonModel", "build_runner", "check_config"]
@@ -249,8 +249,7 @@ class TritonPythonModel:
 
     def _send(self, senders: list[Any], results: Sequence[Any]) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        for sender, result in zip(senders, results, strict=True):
-            sender.send(self._response(result), flags=final)
+        send_each(senders, results, lambda s, r: s.send(self._response(r), flags=final))
 
     def _response(self, result: Any) -> Any:
         """One request's response: its outputs, or its error with Triton's code for it."""

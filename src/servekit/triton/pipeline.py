@@ -18,13 +18,16 @@ Batches run and are answered in the order Triton gave them.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_DEPTH", "Pipeline"]
+__all__ = ["DEFAULT_DEPTH", "Pipeline", "send_each"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DEPTH = int(os.environ.get("SERVEKIT_PIPELINE_DEPTH", "1"))
 """Batches one instance holds at once: the environment's ``SERVEKIT_PIPELINE_DEPTH``, or
@@ -94,6 +97,8 @@ class Pipeline:
         while (answer := self._answers.get()) is not None:
             try:
                 self._send(*answer)
+            except Exception:  # a sender gone (its request cancelled): the next batches go on
+                log.exception("servekit pipeline: answering a batch failed")
             finally:
                 self._slots.release()
 
@@ -102,3 +107,14 @@ class Pipeline:
         self._batches.put(None)
         for thread in self._threads:
             thread.join()
+
+
+def send_each(senders: Sequence[Any], responses: Sequence[Any], send: Callable[..., None]) -> None:
+    """``send(sender, response)`` for every request of a batch, each on its own: one whose
+    sender fails (its request cancelled, its client gone) is logged, and the others are
+    still answered."""
+    for sender, response in zip(senders, responses, strict=True):
+        try:
+            send(sender, response)
+        except Exception:
+            log.exception("servekit pipeline: a response could not be sent")
