@@ -175,6 +175,19 @@ def _ray_lost(outcome: object) -> Lost | None:
     return Lost.IN_FLIGHT if isinstance(outcome, RayActorError) else None
 
 
+def _stopping() -> Any:
+    """The answer to a request that reaches a replica after its drain has settled."""
+    import json
+
+    from starlette.responses import Response
+
+    from ..errors import ModelNotReady, http_status
+
+    exc = ModelNotReady("servekit is stopping: this server takes no new requests")
+    body = json.dumps({"error": str(exc)}).encode()
+    return Response(body, http_status(exc), media_type="application/json")
+
+
 def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConfig:
     """The ``ServeConfig`` a Ray app's ``args`` (a config file's tables) describe, checked
     for the ``ray`` runtime."""
@@ -228,11 +241,17 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             chains: Mapping[Key, tuple[ModelSpec, tuple[Any, ...], Any]],
             fused: tuple[ModelConfig, ...] = (),
         ) -> None:
+            from ray import serve as ray_serve
+
+            from .drain import Gate
+
+            replica = ray_serve.get_replica_context().replica_id.unique_id
+            self.gate = Gate(APP_NAME, replica)
             self.store: Any = None
             if config.store.active:
                 from ..store import store_app
 
-                self.app, self.store = store_app(config)
+                self.app, self.store = store_app(config, ready=lambda: not self.gate.draining)
                 self._started: Any = None
                 return
             recovery = config.server.recovery()  # this ingress replica's
@@ -255,11 +274,20 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 max_body_bytes=config.server.max_body_bytes,
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,
+                ready=lambda: not self.gate.draining,
             )
             self.app.metrics.autoscale.update(config.autoscale_policies())
             self.app.metrics.collect(recovery.figures)
 
         async def __call__(self, request: Any) -> Any:
+            if not self.gate.enter():
+                return _stopping()
+            try:
+                return await self._answer(request)
+            finally:
+                self.gate.leave()
+
+        async def _answer(self, request: Any) -> Any:
             from starlette.responses import Response
 
             if self.store is not None:  # pins (every model, eager) load on the replica's loop

@@ -8,12 +8,16 @@ version stays). Ray restarts dead replicas itself, so there is never a ``problem
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import ServeConfig
+from . import drain
 from .app import APP_NAME, build_app, ray_config
 
 __all__ = ["RayRuntime"]
+
+log = logging.getLogger("servekit")
 
 
 class RayRuntime:
@@ -41,6 +45,7 @@ class RayRuntime:
             ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
             self._owns_ray = True
         s = self.config.server
+        drain.clear(APP_NAME)
         serve.start(http_options={"host": s.host, "port": s.http_port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         return self
@@ -73,11 +78,27 @@ class RayRuntime:
             for name, d in app.deployments.items()
         }
 
+    def drain(self) -> int:
+        """Drain every ingress replica (``servekit.ray.drain``) within ``exit_timeout_s``;
+        returns how many replicas were left with requests in flight."""
+        try:
+            replicas = self.deployments().get("Ingress", 0)
+        except Exception:  # Serve is not running (it never started, or died)
+            return 0
+        drain.begin(APP_NAME)
+        timeout_s = max(self.config.server.exit_timeout_s, drain.SETTLE_S + 1.0)
+        return replicas - drain.wait(APP_NAME, replicas, timeout_s)
+
     def stop(self) -> None:
+        """Drain, then stop Serve (and Ray, when this runtime started it)."""
         import ray
         from ray import serve
 
         if ray.is_initialized():
+            left = self.drain()
+            if left:
+                log.warning("%d ingress replica(s) still had requests after %d s", left,
+                            self.config.server.exit_timeout_s)  # fmt: skip
             serve.shutdown()
             if self._owns_ray:
                 ray.shutdown()
