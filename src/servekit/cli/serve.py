@@ -3,6 +3,7 @@ on a repository of your own); both run under the ``Supervisor``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -107,6 +108,13 @@ def serve(
     cache_dir: CacheDir = None,
     s3_endpoint_url: S3Endpoint = None,
     gcs_endpoint_url: GcsEndpoint = None,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="With --runtime ray: the Ray cluster to deploy on (its head's host:port, "
+            "or auto); without it servekit starts a Ray of its own."
+        ),
+    ] = None,
 ) -> None:
     """Serve models over KServe v2 (HTTP, and gRPC on every runtime but ray): each tensor
     model and, for image classifiers, <name>_image (images in, top-k out). SIGHUP reloads
@@ -117,7 +125,7 @@ def serve(
     flags = _server_flags(locals())
 
     def read() -> ServeConfig:  # again on SIGHUP: the file's traffic splits
-        return serve_config(
+        cfg = serve_config(
             config,
             models=model,
             runtime=runtime,
@@ -137,6 +145,13 @@ def serve(
             s3_endpoint_url=s3_endpoint_url,
             gcs_endpoint_url=gcs_endpoint_url,
         )
+        if address is None:
+            return cfg
+        if cfg.runtime != "ray":
+            raise typer.BadParameter(
+                f"is Ray's: it needs --runtime ray, not {cfg.runtime}", param_hint="--address"
+            )
+        return cfg.replace(ray=dataclasses.replace(cfg.ray, address=address))
 
     cfg = read()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -98,11 +98,18 @@ class ServerConfig(Endpoints):
 class RayOptions:
     """Ray Serve's deployment knobs beyond the model's own (``instances`` = model replicas)."""
 
+    address: str = ""
+    """The Ray cluster to deploy on (``host:port`` of its head, or ``auto``); empty:
+    servekit starts a Ray of its own on this machine."""
     model_cpus: float = 1.0
     """CPUs reserved per model replica."""
     stage_cpus: float = 0.25
     """CPUs reserved per pre/postprocess replica and for the ingress."""
     stage_replicas: int = 1
+    ingress_replicas: int = 1
+    """Replicas of the ingress (KServe v2), at most one per host. On a cluster give it the
+    host count: each host's proxy then has an ingress of its own (Ray routes to a replica
+    on the proxy's node first), so losing a host costs only what ran on it."""
     max_ongoing_requests: int = 0
     """Per replica; 0 = four times the model's max batch size (at least 16). Ray's own
     default (5) would starve the Batcher."""

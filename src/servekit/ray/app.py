@@ -55,7 +55,7 @@ class _Batched:
         runner = getattr(self.runner, "runner", self.runner)
         return {"policy": self.batcher.policy, "threads": getattr(runner, "threads", None)}
 
-    def where(self) -> dict[str, Any]:
+    async def where(self) -> dict[str, Any]:
         """This replica's node and batch counts (which replica did the work, and how much)."""
         import ray
 
@@ -378,5 +378,8 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             (model.batching, in_flight),
         )
     return Ingress.options(  # type: ignore[attr-defined]
-        max_ongoing_requests=4 * busiest, ray_actor_options={"num_cpus": ray.stage_cpus}
+        num_replicas=ray.ingress_replicas,
+        max_replicas_per_node=1 if ray.ingress_replicas > 1 else None,
+        max_ongoing_requests=4 * busiest,
+        ray_actor_options={"num_cpus": ray.stage_cpus},
     ).bind(chains)

@@ -24,10 +24,11 @@ class RayRuntime:
     """The ``ray`` runtime: start, use, stop (or a context manager)."""
 
     def __init__(
-        self, config: ServeConfig, *, address: str = "local", num_cpus: int | None = None
+        self, config: ServeConfig, *, address: str = "", num_cpus: int | None = None
     ) -> None:
         self.config = ray_config(config)
-        self.address, self.num_cpus = address, num_cpus
+        self.address = address or self.config.ray.address or "local"
+        self.num_cpus = num_cpus if self.address == "local" else None
         self._owns_ray = False
         self._origins: dict[str, object] | None = None
 
