@@ -10,6 +10,7 @@ Without root or ``ip``/``unshare``/``nsenter`` the module skips, naming why.
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("ray", reason="needs the ray extra")
@@ -28,6 +30,7 @@ from servekit.bench.hosts import Host, Hosts, unavailable
 from servekit.bench.raycluster import RayCluster
 from servekit.client import Client
 from servekit.errors import ModelNotReady, ServerUnreachable
+from servekit.zoo.tiny import build_simulated
 
 why = unavailable()
 pytestmark = [
@@ -51,17 +54,42 @@ instances = 3
 """
 
 
+RAMP = """
+runtime = "ray"
+[server]
+http_port = {port}
+[ray]
+model_cpus = 0.1
+model_gpus = 1
+stage_cpus = 0.1
+ingress_replicas = 3
+autoscaling = {{ min_replicas = 1, max_replicas = 3, upscale_delay_s = 1, downscale_delay_s = 5, look_back_period_s = 5 }}
+[[models]]
+source = "{source}"
+name = "device"
+[models.batching]
+max_batch_size = 16
+max_queue_delay_us = 2000
+[models.autoscale]
+window_s = 4
+"""
+"""A device-bound model (a simulated device: each batch 20 ms + 2.5 ms a row, one device
+per host, which Ray sees as its one GPU) scaled by servekit's signal from 1 to 3 replicas."""
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    with Hosts(3) as hosts, RayCluster(hosts) as ray_cluster:
+    with Hosts(3) as hosts, RayCluster(hosts, gpus_per_host=1) as ray_cluster:
         yield ray_cluster
 
 
 class Served:
     """``servekit serve`` on host 1 against the cluster; ``stop`` sends it SIGTERM."""
 
-    def __init__(self, cluster: RayCluster, config: Path, log: Path) -> None:
-        self.cluster, self.log = cluster, log
+    def __init__(
+        self, cluster: RayCluster, config: Path, log: Path, model: str = "add_sub"
+    ) -> None:
+        self.cluster, self.log, self.model = cluster, log, model
         with log.open("wb") as out:
             self.proc = cluster.popen(
                 cluster.head,
@@ -76,7 +104,7 @@ class Served:
     def wait_ready(self, host: Host, timeout_s: float = 180) -> None:
         def ready() -> bool:
             with contextlib.suppress(ModelNotReady), Client(self.url(host), timeout_s=5) as c:
-                return c.is_ready("add_sub")
+                return c.is_ready(self.model)
             return False
 
         def alive() -> bool:
@@ -85,7 +113,7 @@ class Served:
             print(self.log.read_text()[-3000:])
             return False
 
-        wait_until(ready, f"add_sub ready on {host.address}", timeout_s, alive=alive)
+        wait_until(ready, f"{self.model} ready on {host.address}", timeout_s, alive=alive)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -162,12 +190,12 @@ def replicas(cluster: RayCluster) -> dict[str, int]:
     return found
 
 
-def model_nodes(cluster: RayCluster) -> set[str]:
-    """The addresses of the hosts whose add_sub replicas answer ``where()``."""
+def model_nodes(cluster: RayCluster, model: str = "add_sub") -> set[str]:
+    """The addresses of the hosts whose ``model`` replicas answer ``where()``."""
     nodes = cluster.nodes()
     seen = cluster.python(
         "from ray import serve\n"
-        "h = serve.get_deployment_handle('add_sub', 'servekit')\n"
+        f"h = serve.get_deployment_handle({model!r}, 'servekit')\n"
         "out(sorted({h.where.remote().result()['node'] for _ in range(60)}))"
     )
     assert isinstance(seen, list)
@@ -236,3 +264,69 @@ def test_sigterm_to_servekit_drains_the_cluster_and_exits_0(served, cluster):
     assert [o for o in before if o is not True] == []
     after = [o for sent, _, o in load.calls if sent >= signalled]
     assert all(o is True or isinstance(o, ModelNotReady | ServerUnreachable) for o in after)
+
+
+class Paced:
+    """Open-loop load: Poisson arrivals at ``rate`` requests/s in all (changeable), four
+    rows each, from eight threads over ``hosts``' proxies; every call kept as in ``Load``."""
+
+    def __init__(self, served: Served, hosts: list[Host], rate: float) -> None:
+        self.rate = rate
+        self.calls: list[tuple[float, float, object]] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(served, hosts[k % len(hosts)], k))
+            for k in range(8)
+        ]
+
+    def _loop(self, served: Served, host: Host, k: int) -> None:
+        rng = random.Random(k)
+        x = np.full((4, 16), k, np.float32)
+        with Client(served.url(host), timeout_s=120) as c:
+            due = time.monotonic() + rng.random()
+            while not self._stop.is_set():
+                due += rng.expovariate(self.rate / len(self._threads))
+                time.sleep(max(0.0, due - time.monotonic()))
+                sent = time.monotonic()
+                try:
+                    c.infer(served.model, {"INPUT0": x})
+                    outcome: object = True
+                except Exception as exc:
+                    outcome = exc
+                self.calls.append((sent, time.monotonic(), outcome))
+
+    def __enter__(self) -> Paced:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(150)
+
+
+def test_servekit_signal_scales_replicas_out_over_hosts_and_back(cluster, tmp_path):
+    model = tmp_path / "device.onnx"
+    onnx.save(build_simulated("device", 20_000, 2_500), model)
+    config = tmp_path / "serve.toml"
+    config.write_text(RAMP.format(port=PORT, source=model))
+    served = Served(cluster, config, tmp_path / "serve.log", model="device")
+    h1, h2, h3 = cluster.hosts.hosts
+    try:
+        for host in (h1, h2, h3):
+            served.wait_ready(host)
+        with Paced(served, [h1, h2], rate=10) as load:
+            time.sleep(8)
+            assert replicas(cluster)["device"] == 1  # one device keeps up with 40 rows/s
+            load.rate = 150  # 600 rows/s: more than one device's 270
+            ramp = time.monotonic()
+            wait_until(lambda: replicas(cluster)["device"] == 3, "3 device replicas", 120)
+            scaled = time.monotonic() - ramp
+            assert model_nodes(cluster, "device") == {h1.address, h2.address, h3.address}
+            load.rate = 10
+            wait_until(lambda: replicas(cluster)["device"] == 1, "back to 1 replica", 150)
+    finally:
+        served.stop()
+    print(f"1 -> 3 replicas {scaled:.1f} s after the load rose")
+    assert [o for _, _, o in load.calls if o is not True] == []

@@ -181,6 +181,20 @@ class Metrics:
     def models(self) -> list[tuple[str, str]]:
         return list(self._models)
 
+    def replicas_needed(self, model: str, version: str = "1") -> float:
+        """The autoscaling signal of ``model``'s Batcher alone, as ``render`` exports it
+        (what a Ray replica reports to Serve's autoscaler)."""
+        with self._lock:
+            watched = self._models[model, version]
+            return self._needed(watched, watched.batcher.stats.snapshot())
+
+    def _needed(self, w: _Watched, s: Any) -> float:
+        w.demand.policy = self.autoscale.get(w.model, w.demand.policy)
+        counters = Counters(
+            s.request_success, s.inference_count, s.execution_count, s.queue_us, w.compute_us
+        )
+        return w.demand.observe(counters)
+
     def _observe(self, watched: _Watched, record: BatchRecord) -> None:
         now = self._clock()
         with self._lock:
@@ -221,12 +235,7 @@ class Metrics:
                     (READY, server_ready and not w.batcher.closed),
                 ):
                     values[name].append((w.labels, float(value)))
-                w.demand.policy = self.autoscale.get(w.model, w.demand.policy)
-                counters = Counters(
-                    s.request_success, s.inference_count, s.execution_count, s.queue_us,
-                    w.compute_us,
-                )  # fmt: skip
-                values[DEMAND].append((w.labels, w.demand.observe(counters)))
+                values[DEMAND].append((w.labels, self._needed(w, s)))
             for name, help_text in COUNTERS.items():
                 _family(lines, name, "counter", help_text, values[name])
             for name, help_text in GAUGES.items():

@@ -27,9 +27,9 @@ PORT = 6379
 class RayCluster:
     """``ray start --head`` on ``hosts[0]``, ``ray start --address`` on the others."""
 
-    def __init__(self, hosts: Hosts, cpus_per_host: int = 1) -> None:
+    def __init__(self, hosts: Hosts, cpus_per_host: int = 1, gpus_per_host: int = 0) -> None:
         self.hosts = hosts
-        self.cpus_per_host = cpus_per_host
+        self.cpus_per_host, self.gpus_per_host = cpus_per_host, gpus_per_host
         self.ray = str(Path(sys.executable).with_name("ray"))
         self.env = {
             **os.environ,
@@ -65,23 +65,29 @@ class RayCluster:
     ) -> None:
         self.close()
 
-    def start(self) -> None:
-        self.head.run(
-            [self.ray, "start", "--head", f"--port={PORT}", f"--node-ip-address={self.head.address}",
-             f"--num-cpus={self.cpus_per_host}", "--include-dashboard=false",
-             f"--temp-dir={self.head.temp_dir}"],
-            env=self.env,
+    def env_on(self, host: Host) -> dict[str, str]:
+        """The environment of Ray on ``host``: the cluster's, and a ``TMPDIR`` of the host's
+        own, so a simulated device (a lock file there, ``SimulatedDevice``) is one per host."""
+        tmp = host.temp_dir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        return {**self.env, "TMPDIR": str(tmp)}
+
+    def _start(self, host: Host, *how: str) -> None:
+        host.run(
+            [self.ray, "start", *how, f"--node-ip-address={host.address}",
+             f"--num-cpus={self.cpus_per_host}", f"--num-gpus={self.gpus_per_host}",
+             f"--temp-dir={host.temp_dir}"],
+            env=self.env_on(host),
         )  # fmt: skip
+
+    def start(self) -> None:
+        self._start(self.head, "--head", f"--port={PORT}", "--include-dashboard=false")
         for host in self.hosts.hosts[1:]:
             self.join(host)
 
     def join(self, host: Host) -> None:
         """Start a Ray worker on ``host`` that joins the head (again, after ``leave``)."""
-        host.run(
-            [self.ray, "start", f"--address={self.address}", f"--node-ip-address={host.address}",
-             f"--num-cpus={self.cpus_per_host}", f"--temp-dir={host.temp_dir}"],
-            env=self.env,
-        )  # fmt: skip
+        self._start(host, f"--address={self.address}")
 
     def leave(self, host: Host) -> None:
         """``ray stop`` on ``host``: its Ray stops as a user stops it (the others run on)."""
@@ -93,7 +99,7 @@ class RayCluster:
 
     def popen(self, host: Host, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
         """``argv`` on ``host`` with the cluster's token (a driver: ``servekit serve``)."""
-        return host.popen(argv, env=self.env, **kwargs)
+        return host.popen(argv, env=self.env_on(host), **kwargs)
 
     def python(self, code: str, host: Host | None = None, timeout_s: float = 120) -> object:
         """Run ``code`` as a Ray driver on ``host`` (the head) and return what it prints as
@@ -104,7 +110,7 @@ class RayCluster:
             "def out(value):\n    print('servekit-out', json.dumps(value), flush=True)\n" + code
         )
         text = (host or self.head).run(
-            [sys.executable, "-c", script], timeout_s=timeout_s, env=self.env
+            [sys.executable, "-c", script], timeout_s=timeout_s, env=self.env_on(host or self.head)
         )
         said = [line for line in text.splitlines() if line.startswith("servekit-out ")]
         if not said:

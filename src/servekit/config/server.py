@@ -103,6 +103,8 @@ class RayOptions:
     servekit starts a Ray of its own on this machine."""
     model_cpus: float = 1.0
     """CPUs reserved per model replica."""
+    model_gpus: float = 0.0
+    """GPUs reserved per model replica (1: one replica per GPU, on whichever host has one)."""
     stage_cpus: float = 0.25
     """CPUs reserved per pre/postprocess replica and for the ingress."""
     stage_replicas: int = 1
@@ -117,11 +119,23 @@ class RayOptions:
     """Batches the ingress keeps in flight per model; 0 = two per model replica, plus one."""
     autoscaling: Mapping[str, Any] | None = None
     """Ray's ``autoscaling_config`` for the model deployments (replaces ``instances``)."""
+    autoscale_signal: str = "servekit"
+    """What ``autoscaling`` scales on: ``servekit`` (each replica's
+    ``servekit_replicas_needed``, summed: ``servekit.ray.autoscale``) or ``ray`` (Ray's
+    own ``target_ongoing_requests``)."""
     fuse: bool = False
     """Serve tensor models inside the ingress replicas: one deployment, no handle call per
     batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
     each). Cheaper per request; models no longer scale apart. Image classifiers keep
     their stage deployments, so they cannot be fused."""
+
+    def __post_init__(self) -> None:
+        if self.autoscale_signal not in ("servekit", "ray"):
+            raise ValueError(
+                f"[ray] autoscale_signal must be 'servekit' or 'ray', got {self.autoscale_signal!r}"
+            )
+        if self.ingress_replicas < 1:
+            raise ValueError(f"[ray] ingress_replicas must be >= 1, got {self.ingress_replicas}")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

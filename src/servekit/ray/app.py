@@ -14,16 +14,19 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..autoscale import AutoscalePolicy
 from ..batching import Batcher, BatchingPolicy
 from ..batching.execute import as_error
 from ..config import ModelConfig, ServeConfig, image_model_name, version_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
+from ..metrics import Metrics
 from ..protocol.routed import route, traffic_of
 from ..recovery import Lost, Recovery, tensors_key
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
+from .autoscale import SIGNAL, replicas_needed
 
 __all__ = ["APP_NAME", "build_app", "ray_config"]
 
@@ -33,9 +36,22 @@ APP_NAME = "servekit"
 class _Batched:
     """A Runner behind a Batcher inside one replica; errors travel back as themselves."""
 
-    def __init__(self, runner: Any, policy: BatchingPolicy, name: str) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        runner: Any,
+        policy: BatchingPolicy,
+        name: str,
+        autoscale: AutoscalePolicy | None = None,
+    ) -> None:
+        self.runner, self.name = runner, name
         self.batcher = Batcher(runner, policy, name=name)
+        self.metrics = Metrics()  # the autoscaling signal's source, as every server's
+        self.metrics.autoscale = {name: autoscale or AutoscalePolicy()}
+        self.metrics.watch(self.batcher, name)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads (``servekit.ray.autoscale``)."""
+        return {SIGNAL: self.metrics.replicas_needed(self.name)}
 
     async def __call__(
         self, inputs: dict[str, Any] | ServekitError
@@ -94,7 +110,7 @@ def _fused(config: ServeConfig, ingress: Any) -> Any:
     return ingress.options(
         num_replicas=max(m.instances for m in config.models),
         max_ongoing_requests=config.ray.max_ongoing_requests or busiest,
-        ray_actor_options={"num_cpus": config.ray.model_cpus},
+        ray_actor_options={"num_cpus": config.ray.model_cpus, "num_gpus": config.ray.model_gpus},
     ).bind({}, config.models)
 
 
@@ -221,7 +237,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             runner = load_model_runner(model, cache_dir, config.storage)
             refuse_decoupled(runner, model.name, "ray")
             runner.warmup()
-            super().__init__(runner, model.batching, model.name)
+            super().__init__(runner, model.batching, model.name, model.autoscale)
 
     @serve.deployment
     class Stage(_Batched):
@@ -321,7 +337,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         return Ingress.options(  # type: ignore[attr-defined]
             num_replicas=1,
             max_ongoing_requests=ray.max_ongoing_requests or 64,
-            ray_actor_options={"num_cpus": ray.model_cpus},
+            ray_actor_options={"num_cpus": ray.model_cpus, "num_gpus": ray.model_gpus},
         ).bind({})
     if ray.fuse:
         return _fused(config, Ingress)
@@ -341,9 +357,13 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
         options: dict[str, Any] = {
             "name": model.name,
             "max_ongoing_requests": ongoing,
-            "ray_actor_options": {"num_cpus": ray.model_cpus},
+            "ray_actor_options": {"num_cpus": ray.model_cpus, "num_gpus": ray.model_gpus},
         }
-        if ray.autoscaling:
+        if ray.autoscaling and ray.autoscale_signal == "servekit":
+            policy = {"policy_function": replicas_needed}
+            options["autoscaling_config"] = {"policy": policy, **ray.autoscaling}
+            replicas = int(ray.autoscaling.get("max_replicas", replicas))
+        elif ray.autoscaling:
             # Ray counts batches in flight per model replica (the ingress batches): a replica
             # at the autoscaling signal's target fill has one running and one forming.
             target = 2 * model.autoscale.target_batch_fill
