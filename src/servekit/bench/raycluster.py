@@ -8,18 +8,25 @@ separate machines. Used by ``tests/test_ray_cluster.py`` and ``bench/ray_cluster
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
+
 from .hosts import Host, Hosts
 
-__all__ = ["RayCluster"]
+__all__ = ["Call", "Clients", "RayCluster", "ServekitOn"]
 
 PORT = 6379
 
@@ -135,5 +142,154 @@ class RayCluster:
                 return nodes
             time.sleep(1.0)
 
+    def rejoin(self, host: Host) -> None:
+        """``host``'s Ray started again, as its user would after the host came back
+        (whatever is left of it stopped first)."""
+        with contextlib.suppress(RuntimeError):  # nothing left to stop
+            self.leave(host)
+        self.join(host)
+
+    def replicas(self, app: str = "servekit") -> dict[str, int]:
+        """Each deployment of ``app`` and its RUNNING replica count (Serve's controller)."""
+        found = self.python(
+            "from ray import serve\n"
+            f"app = serve.status().applications[{app!r}]\n"
+            "out({n: d.replica_states.get('RUNNING', 0) for n, d in app.deployments.items()})"
+        )
+        assert isinstance(found, dict)
+        return found
+
+    def where(self, deployment: str, calls: int = 60) -> list[dict[str, object]]:
+        """What ``calls`` calls of ``deployment``'s ``where()`` found, one entry a replica
+        (servekit's model replicas answer it): each with its host's ``address``."""
+        seen = self.python(
+            "from ray import serve\n"
+            f"h = serve.get_deployment_handle({deployment!r}, 'servekit')\n"
+            f"out([h.where.remote().result() for _ in range({calls})])"
+        )
+        assert isinstance(seen, list)
+        nodes = self.nodes()
+        replicas = {w["replica"]: {**w, "address": nodes.get(w["node"], "?")} for w in seen}
+        return list(replicas.values())
+
     def close(self) -> None:
         """Nothing to do beyond ``Hosts.close``, which ends every process on every host."""
+
+
+class ServekitOn:
+    """``servekit serve --config CONFIG --address`` on ``host`` against ``cluster`` (the
+    user's command); ``stop`` sends it SIGTERM and returns its exit code."""
+
+    def __init__(
+        self, cluster: RayCluster, host: Host, config: Path, log: Path, port: int = 8000
+    ) -> None:
+        self.cluster, self.host, self.log, self.port = cluster, host, log, port
+        with log.open("wb") as out:
+            self.proc = cluster.popen(
+                host,
+                [sys.executable, "-m", "servekit", "serve", "--config", str(config),
+                 "--address", cluster.address],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def url(self, host: Host) -> str:
+        """The proxy on ``host``."""
+        return f"http://{host.address}:{self.port}"
+
+    def wait_ready(self, host: Host, model: str, timeout_s: float = 180) -> None:
+        """Wait until ``host``'s proxy says ``model`` is ready (raises, with the log's
+        tail, if servekit exits first or time runs out)."""
+        from ..client import Client
+        from ..errors import ModelNotReady
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"servekit exited {self.proc.returncode}: {self.tail()}")
+            with contextlib.suppress(ModelNotReady), Client(self.url(host), timeout_s=5) as c:
+                if c.is_ready(model):
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"{model} not ready on {host.address} in {timeout_s:g} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.host.signal(self.proc, signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+Call = tuple[float, float, object]
+"""One call: when it was sent, when it came back, and True (a right answer) or what came
+back instead."""
+
+
+class Clients:
+    """Clients of one model over several proxies, keeping every ``Call``. Closed loop
+    (``rate`` None: each client sends again as soon as it is answered) or open loop
+    (Poisson arrivals at ``rate`` requests/s in all, changeable while it runs)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        inputs: Callable[[int], dict[str, np.ndarray]],
+        check: Callable[[int, dict[str, np.ndarray]], bool] = lambda k, out: True,
+        clients: int = 8,
+        rate: float | None = None,
+    ) -> None:
+        self.model, self.inputs, self.check, self.rate = model, inputs, check, rate
+        self.calls: list[Call] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(urls[k % len(urls)], k))
+            for k in range(clients)
+        ]
+
+    def _loop(self, url: str, k: int) -> None:
+        from ..client import Client
+
+        rng = random.Random(k)
+        x = self.inputs(k)
+        due = time.monotonic() + rng.random()
+        with Client(url, timeout_s=120) as c:
+            while not self._stop.is_set():
+                if self.rate is not None:
+                    due += rng.expovariate(self.rate / len(self._threads))
+                    time.sleep(max(0.0, due - time.monotonic()))
+                sent = time.monotonic()
+                try:
+                    outcome: object = self.check(k, c.infer(self.model, x))
+                except Exception as exc:
+                    outcome = exc
+                    time.sleep(0.05)
+                self.calls.append((sent, time.monotonic(), outcome))
+
+    def __enter__(self) -> Clients:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(150)
+
+    def wait_calls(self, count: int, timeout_s: float = 60) -> None:
+        """Wait until ``count`` more calls have come back."""
+        target, deadline = len(self.calls) + count, time.monotonic() + timeout_s
+        while len(self.calls) < target:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} more calls not back in {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def failed(self, since: float = 0.0) -> list[object]:
+        """What came back instead of a right answer, for calls sent after ``since``."""
+        return [o for sent, _, o in self.calls if sent >= since and o is not True]

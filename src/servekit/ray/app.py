@@ -78,6 +78,7 @@ class _Batched:
         s = self.batcher.stats
         return {
             "node": ray.get_runtime_context().get_node_id(),
+            "replica": ray.get_runtime_context().get_actor_id(),
             "executions": s.execution_count,
             "inferences": s.inference_count,
         }
