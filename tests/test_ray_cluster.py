@@ -9,6 +9,7 @@ Without root or ``ip``/``unshare``/``nsenter`` the module skips, naming why.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,14 @@ pytest.importorskip("ray", reason="needs the ray extra")
 
 from conftest import wait_until
 from servekit.bench.hosts import Host, Hosts, unavailable
-from servekit.bench.raycluster import Clients, RayCluster, ServekitOn
+from servekit.bench.raycluster import (
+    ADD_SUB,
+    RAMP,
+    Clients,
+    RayCluster,
+    ServekitOn,
+    add_sub_clients,
+)
 from servekit.client import Client
 from servekit.errors import ModelNotReady, ServerUnreachable
 from servekit.zoo.tiny import build_simulated
@@ -32,69 +40,33 @@ pytestmark = [
     pytest.mark.timeout(400),
 ]
 
-ADD_SUB = """
-runtime = "ray"
-[ray]
-model_cpus = 0.25
-stage_cpus = 0.1
-ingress_replicas = 3
-[[models]]
-source = "{source}"
-name = "add_sub"
-instances = 3
-"""
-
-RAMP = """
-runtime = "ray"
-[ray]
-model_cpus = 0.1
-model_gpus = 1
-stage_cpus = 0.1
-ingress_replicas = 3
-autoscaling = {{ min_replicas = 1, max_replicas = 3, upscale_delay_s = 1, downscale_delay_s = 5, look_back_period_s = 5 }}
-[[models]]
-source = "{source}"
-name = "device"
-[models.batching]
-max_batch_size = 16
-max_queue_delay_us = 2000
-[models.autoscale]
-window_s = 4
-"""
-"""A device-bound model (a simulated device: each batch 20 ms + 2.5 ms a row, one device
-per host, which Ray sees as the host's one GPU) scaled by servekit's signal."""
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    with Hosts(3) as hosts, RayCluster(hosts, gpus_per_host=1) as ray_cluster:
-        yield ray_cluster
+    with Hosts(3) as hosts:
+        yield RayCluster(hosts, gpus_per_host=1).start()
+
+
+def serve_add_sub(cluster: RayCluster, source: Path, folder: Path) -> ServekitOn:
+    config = folder / "serve.toml"
+    config.write_text(ADD_SUB.format(source=source))
+    s = ServekitOn(cluster, cluster.head, config, folder / "serve.log")
+    try:
+        for host in cluster.hosts.hosts:
+            s.wait_ready(host, "add_sub")
+    except BaseException:
+        s.stop()
+        raise
+    return s
 
 
 @pytest.fixture
 def served(cluster: RayCluster, add_sub_path: Path, tmp_path: Path) -> Iterator[ServekitOn]:
-    config = tmp_path / "serve.toml"
-    config.write_text(ADD_SUB.format(source=add_sub_path))
-    s = ServekitOn(cluster, cluster.head, config, tmp_path / "serve.log")
-    try:
-        for host in cluster.hosts.hosts:
-            s.wait_ready(host, "add_sub")
-        yield s
-    finally:
-        s.stop()
-
-
-def add_sub_clients(served: ServekitOn, hosts: list[Host]) -> Clients:
-    """Eight closed-loop clients of add_sub over ``hosts``' proxies, each checking its answers."""
-
-    def inputs(k: int) -> dict[str, np.ndarray]:
-        x = np.full((1, 16), k, np.float32)
-        return {"INPUT0": x, "INPUT1": x}
-
-    def right(k: int, out: dict[str, np.ndarray]) -> bool:
-        return bool(np.array_equal(out["OUTPUT0"], np.full((1, 16), 2 * k, np.float32)))
-
-    return Clients([served.url(h) for h in hosts], "add_sub", inputs, right)
+    """servekit serving add_sub on the cluster, stopped after the test (each test's own:
+    one servekit app at a time, since stopping one stops Serve)."""
+    s = serve_add_sub(cluster, add_sub_path, tmp_path)
+    yield s
+    s.stop()
 
 
 def addresses(hosts: list[Host]) -> set[str]:
@@ -145,8 +117,9 @@ def test_a_host_lost_under_load_costs_no_request(served, cluster, how):
         assert np.array_equal(c.infer("add_sub", {"INPUT0": x, "INPUT1": x})["OUTPUT1"], 0 * x)
 
 
-def test_sigterm_to_servekit_drains_the_cluster_and_exits_0(served, cluster):
+def test_sigterm_to_servekit_drains_the_cluster_and_exits_0(cluster, add_sub_path, tmp_path):
     h1, h2, _ = cluster.hosts.hosts
+    served = serve_add_sub(cluster, add_sub_path, tmp_path)
     with add_sub_clients(served, [h1, h2]) as load:
         load.wait_calls(100)
         signalled = time.monotonic()
@@ -183,3 +156,31 @@ def test_servekit_signal_scales_replicas_out_over_hosts_and_back(cluster, tmp_pa
         served.stop()
     print(f"1 -> 3 replicas {scaled:.1f} s after the load rose")
     assert load.failed() == []
+
+
+def test_servekit_batch_runs_on_the_cluster_by_address(cluster, tmp_path, tiny_cnn_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from servekit.stages import synthetic_image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(48):
+        (images / f"img{i:02d}.jpg").write_bytes(synthetic_image(i, size=(64, 64)))
+    # Which actor scores a block is Ray Data's choice (a short job's blocks can all go to
+    # one): the job runs again, into a new folder, until two hosts have scored rows.
+    hosts: set[str] = set()
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        said = cluster.head.run(
+            [sys.executable, "-m", "servekit", "batch", str(images), str(out),
+             "--model", str(tiny_cnn_path), "--actors", "3", "--actor-cpus", "0.5",
+             "--batch-size", "4", "--address", cluster.address],
+            timeout_s=240, env=cluster.env_on(cluster.head),
+        )  # fmt: skip
+        assert "48 predictions for 48 files (0 failed)" in said
+        rows = pq.read_table(out).to_pylist()
+        assert sorted(r["path"] for r in rows) == sorted(str(p) for p in images.iterdir())
+        hosts = {r["node"] for r in rows}
+        if len(hosts) >= 2:
+            break
+    assert len(hosts) >= 2, f"every row came from one node: {hosts}"

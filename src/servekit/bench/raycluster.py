@@ -20,13 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 
 from .hosts import Host, Hosts
 
-__all__ = ["Call", "Clients", "RayCluster", "ServekitOn"]
+__all__ = ["ADD_SUB", "RAMP", "Call", "Clients", "RayCluster", "ServekitOn", "add_sub_clients"]
 
 PORT = 6379
 
@@ -59,19 +58,6 @@ class RayCluster:
         """What a driver or worker joins: the head's GCS."""
         return f"{self.head.address}:{PORT}"
 
-    def __enter__(self) -> RayCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def env_on(self, host: Host) -> dict[str, str]:
         """The environment of Ray on ``host``: the cluster's, and a ``TMPDIR`` of the host's
         own, so a simulated device (a lock file there, ``SimulatedDevice``) is one per host."""
@@ -87,10 +73,12 @@ class RayCluster:
             env=self.env_on(host),
         )  # fmt: skip
 
-    def start(self) -> None:
+    def start(self) -> RayCluster:
+        """The head, then each worker; the cluster ends with its ``Hosts`` (``close``)."""
         self._start(self.head, "--head", f"--port={PORT}", "--include-dashboard=false")
         for host in self.hosts.hosts[1:]:
             self.join(host)
+        return self
 
     def join(self, host: Host) -> None:
         """Start a Ray worker on ``host`` that joins the head (again, after ``leave``)."""
@@ -171,9 +159,6 @@ class RayCluster:
         nodes = self.nodes()
         replicas = {w["replica"]: {**w, "address": nodes.get(w["node"], "?")} for w in seen}
         return list(replicas.values())
-
-    def close(self) -> None:
-        """Nothing to do beyond ``Hosts.close``, which ends every process on every host."""
 
 
 class ServekitOn:
@@ -293,3 +278,51 @@ class Clients:
     def failed(self, since: float = 0.0) -> list[object]:
         """What came back instead of a right answer, for calls sent after ``since``."""
         return [o for sent, _, o in self.calls if sent >= since and o is not True]
+
+
+ADD_SUB = """
+runtime = "ray"
+[ray]
+model_cpus = 0.25
+stage_cpus = 0.1
+ingress_replicas = 3
+[[models]]
+source = "{source}"
+name = "add_sub"
+instances = 3
+"""
+"""add_sub on three hosts: a replica and an ingress on each (``.format(source=path)``)."""
+
+RAMP = """
+runtime = "ray"
+[ray]
+model_cpus = 0.1
+model_gpus = 1
+stage_cpus = 0.1
+ingress_replicas = 3
+autoscaling = {{ min_replicas = 1, max_replicas = 3, upscale_delay_s = 1, downscale_delay_s = 5, look_back_period_s = 5 }}
+[[models]]
+source = "{source}"
+name = "device"
+[models.batching]
+max_batch_size = 16
+max_queue_delay_us = 2000
+[models.autoscale]
+window_s = 4
+"""
+"""A device-bound model (``build_simulated("device", 20_000, 2_500)``: each batch 20 ms +
+2.5 ms a row, one device per host, which Ray sees as the host's one GPU) scaled by
+servekit's signal from 1 to 3 replicas."""
+
+
+def add_sub_clients(served: ServekitOn, hosts: list[Host]) -> Clients:
+    """Eight closed-loop clients of add_sub over ``hosts``' proxies, each checking its answers."""
+
+    def inputs(k: int) -> dict[str, np.ndarray]:
+        x = np.full((1, 16), k, np.float32)
+        return {"INPUT0": x, "INPUT1": x}
+
+    def right(k: int, out: dict[str, np.ndarray]) -> bool:
+        return bool(np.array_equal(out["OUTPUT0"], np.full((1, 16), 2 * k, np.float32)))
+
+    return Clients([served.url(h) for h in hosts], "add_sub", inputs, right)
