@@ -1,9 +1,12 @@
-"""``RayRuntime``: a ``ServeConfig`` served by Ray Serve on a local Ray (or a cluster).
+"""``RayRuntime``: a ``ServeConfig`` served by Ray Serve on a Ray of its own, or on the
+running cluster at ``[ray] address``.
 
-``start`` starts Ray and Serve on the config's host and HTTP port and deploys
-``build_app(config)``; ``reload`` deploys again (Ray rolls the replicas over, each
-re-reading the model file; a file that does not load fails on the driver and the serving
-version stays). Ray restarts dead replicas itself, so there is never a ``problem``.
+``start`` starts (or joins) Ray, starts Serve on the config's host and HTTP port (a proxy
+on every host) and deploys ``build_app(config)``; ``reload`` deploys again (Ray rolls the
+replicas over, each re-reading the model file; a file that does not load fails on the
+driver and the serving version stays); ``stop`` drains the ingress replicas
+(``servekit.ray.drain``), then stops Serve, and Ray when it started it. Ray restarts dead
+replicas itself, so there is never a ``problem``.
 """
 
 from __future__ import annotations
