@@ -5,6 +5,7 @@ a load ramp to new replicas. Needs root. Each part writes its figures as JSON.
     python bench/ray_cluster.py hosts --out bench/results/ray_cluster_hosts.json
     python bench/ray_cluster.py loss --times 10 --out bench/results/ray_cluster_loss.json
     python bench/ray_cluster.py head --out bench/results/ray_cluster_head.json
+    python bench/ray_cluster.py head-ft --out bench/results/ray_cluster_head_ft.json   # needs redis-server
     python bench/ray_cluster.py scale --times 3 --out bench/results/ray_cluster_scale.json
 
 hosts: a device-bound model (a simulated device per host, Ray's one GPU there: each
@@ -13,14 +14,19 @@ replica per host and an ingress per host, 12 closed-loop clients per host sendin
 each to that host's proxy; rows/s answered and each device's busy share over the window.
 loss: add_sub on 3 hosts, 8 clients on hosts 1 and 2's proxies; host 3 cut off (link
 down) or its raylet killed, then brought back, ``--times`` each: requests failed and the
-worst latency. head: the same load, then the head's GCS killed (no GCS fault tolerance):
-what each 5 s of the next 90 answered. scale: the ramp of tests/test_ray_cluster.py.
+worst latency. head: the same load through host 2's proxy, then the head's GCS killed
+(no GCS fault tolerance): what each 5 s of the next 90 answered. head-ft: the same with
+GCS fault tolerance (Debian's redis-server on this machine keeps the GCS's tables), the
+whole head host killed and its Ray started again 5 s later, as KubeRay restarts a head.
+scale: the ramp of tests/test_ray_cluster.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,6 +47,7 @@ from servekit.bench.raycluster import (
     add_sub_clients,
 )
 from servekit.bench.report import machine
+from servekit.endpoints import free_port
 from servekit.zoo.tiny import build_simulated
 
 FIXED_US, ROW_US, ROWS = 80_000, 10_000, 16
@@ -161,15 +168,41 @@ def part_loss(folder: Path, times: int) -> list[dict]:
     return out
 
 
-def part_head(folder: Path) -> list[dict]:
+def part_head(folder: Path, fault_tolerant: bool) -> list[dict]:
+    """The head lost under load through host 2's proxy. Without GCS fault tolerance its
+    GCS is killed; with it (a Redis on this machine keeps the GCS's tables) the whole head
+    host dies and its Ray is started again 5 s later, as KubeRay restarts a head pod."""
     source = zoo.build("add_sub", folder)
-    out = []
-    with served(3, ADD_SUB.format(source=source), "add_sub", folder) as (cluster, s):
-        h1, h2, _ = cluster.hosts.hosts
+    config = folder / "serve.toml"
+    config.write_text(ADD_SUB.format(source=source))
+    out: list[dict] = []
+    with Hosts(3) as made, contextlib.ExitStack() as stack:
+        redis = None
+        if fault_tolerant:
+            port = free_port()
+            stack.enter_context(
+                subprocess.Popen(
+                    ["redis-server", "--bind", made.gateway, "--port", str(port), "--save", "",
+                     "--appendonly", "no"],
+                    stdout=subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+            redis = f"{made.gateway}:{port}"
+            time.sleep(1)
+        cluster = RayCluster(made, gpus_per_host=1, gcs_redis=redis).start()
+        h1, h2, _ = made.hosts
+        s = ServekitOn(cluster, h1, config, folder / "serve.log")
+        for host in made.hosts:
+            s.wait_ready(host, "add_sub")
         with add_sub_clients(s, [h2]) as load:
             load.wait_calls(200)
             killed = time.monotonic()
-            h1.run(["pkill", "-KILL", "-f", "gcs_server"])
+            if fault_tolerant:
+                cluster.kill_host(h1)
+                time.sleep(5)
+                cluster.start_head()
+            else:
+                h1.run(["pkill", "-KILL", "-f", "gcs_server"])
             time.sleep(90)
         for k in range(-1, 18):
             lo, hi = killed + 5 * k, killed + 5 * (k + 1)
@@ -181,7 +214,10 @@ def part_head(folder: Path) -> list[dict]:
             }  # fmt: skip
             print(point, flush=True)
             out.append(point)
+        if fault_tolerant:
+            out.append({"replicas_after": cluster.replicas(), "nodes_after": len(cluster.nodes())})
         out.append({"servekit_exit": s.stop()})
+        print(out[-2:], flush=True)
     return out
 
 
@@ -219,7 +255,7 @@ def part_scale(folder: Path, times: int) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["hosts", "loss", "head", "scale"])
+    p.add_argument("part", choices=["hosts", "loss", "head", "head-ft", "scale"])
     p.add_argument("--times", type=int, default=10)
     p.add_argument("--window-s", type=float, default=30.0)
     p.add_argument("--out", type=Path)
@@ -230,8 +266,8 @@ def main() -> None:
             points = part_hosts(folder, a.window_s)
         elif a.part == "loss":
             points = part_loss(folder, a.times)
-        elif a.part == "head":
-            points = part_head(folder)
+        elif a.part in ("head", "head-ft"):
+            points = part_head(folder, fault_tolerant=a.part == "head-ft")
         else:
             points = part_scale(folder, a.times)
     if a.out:

@@ -33,9 +33,18 @@ PORT = 6379
 class RayCluster:
     """``ray start --head`` on ``hosts[0]``, ``ray start --address`` on the others."""
 
-    def __init__(self, hosts: Hosts, cpus_per_host: int = 1, gpus_per_host: int = 0) -> None:
+    def __init__(
+        self,
+        hosts: Hosts,
+        cpus_per_host: int = 1,
+        gpus_per_host: int = 0,
+        gcs_redis: str | None = None,
+    ) -> None:
         self.hosts = hosts
         self.cpus_per_host, self.gpus_per_host = cpus_per_host, gpus_per_host
+        self.gcs_redis = gcs_redis
+        """``host:port`` of a Redis that keeps the GCS's tables (GCS fault tolerance, as
+        KubeRay's ``gcsFaultToleranceOptions``): a restarted head takes the cluster back."""
         self.ray = str(Path(sys.executable).with_name("ray"))
         self.env = {
             **os.environ,
@@ -65,24 +74,37 @@ class RayCluster:
         tmp.mkdir(exist_ok=True)
         return {**self.env, "TMPDIR": str(tmp)}
 
-    def _start(self, host: Host, *how: str) -> None:
-        host.run(
-            [self.ray, "start", *how, f"--node-ip-address={host.address}",
-             f"--num-cpus={self.cpus_per_host}", f"--num-gpus={self.gpus_per_host}",
-             f"--temp-dir={host.temp_dir}"],
-            env=self.env_on(host),
-        )  # fmt: skip
-
     def start(self) -> RayCluster:
         """The head, then each worker; the cluster ends with its ``Hosts`` (``close``)."""
-        self._start(self.head, "--head", f"--port={PORT}", "--include-dashboard=false")
+        self.start_head()
         for host in self.hosts.hosts[1:]:
             self.join(host)
         return self
 
+    def start_head(self) -> None:
+        """``ray start --head`` on host 1 (again, after ``kill_host``: a restarted head pod)."""
+        env = self.env_on(self.head)
+        if self.gcs_redis is not None:
+            env |= {"RAY_REDIS_ADDRESS": self.gcs_redis}
+        self.head.run(
+            [self.ray, "start", "--head", f"--port={PORT}", "--include-dashboard=false",
+             f"--node-ip-address={self.head.address}", f"--num-cpus={self.cpus_per_host}",
+             f"--num-gpus={self.gpus_per_host}", f"--temp-dir={self.head.temp_dir}"],
+            env=env,
+        )  # fmt: skip
+
+    def kill_host(self, host: Host) -> None:
+        """SIGKILL every process on ``host`` but its init: a machine (or pod) that died."""
+        host.run(["kill", "-KILL", "-1"], timeout_s=30)
+
     def join(self, host: Host) -> None:
         """Start a Ray worker on ``host`` that joins the head (again, after ``leave``)."""
-        self._start(host, f"--address={self.address}")
+        host.run(
+            [self.ray, "start", f"--address={self.address}", f"--node-ip-address={host.address}",
+             f"--num-cpus={self.cpus_per_host}", f"--num-gpus={self.gpus_per_host}",
+             f"--temp-dir={host.temp_dir}"],
+            env=self.env_on(host),
+        )  # fmt: skip
 
     def leave(self, host: Host) -> None:
         """``ray stop`` on ``host``: its Ray stops as a user stops it (the others run on)."""
