@@ -89,3 +89,12 @@ def test_bench_against_a_server_that_is_not_up_says_it_cannot_reach_it():
         assert result.exit_code == 2, result.output
         assert "ServerUnreachable: cannot reach" in result.output, result.output
         assert "ModelNotReady" not in result.output
+
+
+def test_serve_address_is_rays_and_is_refused_on_another_runtime():
+    result = cli.invoke(
+        app, ["serve", "--runtime", "native", "--model", "add_sub", "--address", "10.0.0.1:6379"]
+    )
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "--address" in text and "needs --runtime ray, not native" in text, text

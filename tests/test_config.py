@@ -324,3 +324,26 @@ def test_a_models_version_number_comes_from_a_store_s_layout_and_is_refused_in_m
     three = ModelConfig("m.onnx", "m", version=3, versions=(ModelVersion(4, "n.onnx"),))
     assert three.version_numbers == (3, 4) and three.for_version(4).source == "n.onnx"
     assert "version" not in ModelConfig("m.onnx", "m").to_dict()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"autoscale_signal": "cpu"}, r"autoscale_signal must be 'servekit' or 'ray', got 'cpu'"),
+        ({"ingress_replicas": 0}, r"ingress_replicas must be >= 1, got 0"),
+        (
+            {"autoscaling": {"target_ongoing_requests": 4}},
+            r"autoscaling.target_ongoing_requests is Ray's own signal",
+        ),
+    ],
+)
+def test_a_bad_ray_option_is_refused_naming_it(options, message):
+    with pytest.raises(ValueError, match=message):
+        RayOptions.from_dict(options)
+
+
+def test_rays_own_signal_may_be_asked_for_by_name():
+    ray = RayOptions.from_dict(
+        {"autoscale_signal": "ray", "autoscaling": {"target_ongoing_requests": 4}}
+    )
+    assert ray.autoscaling == {"target_ongoing_requests": 4}

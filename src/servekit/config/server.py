@@ -134,6 +134,13 @@ class RayOptions:
             raise ValueError(
                 f"[ray] autoscale_signal must be 'servekit' or 'ray', got {self.autoscale_signal!r}"
             )
+        if self.autoscale_signal == "servekit" and "target_ongoing_requests" in (
+            self.autoscaling or {}
+        ):
+            raise ValueError(
+                "[ray] autoscaling.target_ongoing_requests is Ray's own signal: set "
+                "autoscale_signal = 'ray' to scale on it (servekit's is the default)"
+            )
         if self.ingress_replicas < 1:
             raise ValueError(f"[ray] ingress_replicas must be >= 1, got {self.ingress_replicas}")
 
