@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"endpoints", "compression", "samples", "storage"},
     {"spec"},
     {"runners"},  # the Runner contract (runners.base) and the engines, imported lazily
-    {"autoscale", "batching", "custom", "recovery", "rollout", "stages", "zoo"},
+    {"autoscale", "batching", "cache", "custom", "recovery", "rollout", "stages", "zoo"},
     {"config", "metrics", "pipeline"},
     {"client", "optimize", "accuracy", "protocol"},
     {"http", "grpc"},  # servers: each builds on protocol, neither on the other
