@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -329,3 +331,43 @@ def serve_on_runtime(request: Any, runtime: str) -> Any:
         return on(runtime)
     url = request.getfixturevalue("ray_url")
     return lambda model, **server: on_ray(url, model, **server)
+
+
+# ------------------------------------------------------------- Redis, a real one
+
+REDIS = shutil.which("redis-server")
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server (Debian's) on a free loopback port; yields its URL, ``stop``
+    and ``start`` (again, on the same port); always stopped."""
+    if REDIS is None:
+        pytest.skip("needs redis-server (apt-get install redis-server)")
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+
+    def start() -> None:
+        procs.append(subprocess.Popen(
+            [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        ))  # fmt: skip
+
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, "redis-server listening", 20)
+
+    def stop() -> None:
+        procs[-1].kill()
+        procs[-1].wait(10)
+
+    start()
+    try:
+        yield f"redis://127.0.0.1:{port}/0", stop, start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

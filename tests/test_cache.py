@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import socket
-import subprocess
 import time
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, wait_until
 from servekit.cache import LocalStore, Query, ResponseCache, decode_tensors, encode_tensors
 
 BASE = np.arange(12, dtype=np.float32)
@@ -183,42 +178,6 @@ def test_invalidating_a_model_forgets_its_answers_only():
 
 # ------------------------------------------------------------- Redis, a real one
 
-REDIS = shutil.which("redis-server")
-
-
-@pytest.fixture
-def redis_server():
-    """A redis-server on a free loopback port; yields (url, restart), always stopped."""
-    if REDIS is None:
-        pytest.skip("needs redis-server (apt-get install redis-server)")
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-
-    def start() -> None:
-        procs.append(subprocess.Popen(
-            [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        ))  # fmt: skip
-
-        def listening() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_until(listening, "redis-server listening", 20)
-
-    def stop() -> None:
-        procs[-1].kill()
-        procs[-1].wait(10)
-
-    start()
-    try:
-        yield f"redis://127.0.0.1:{port}/0", stop, start
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-
 
 def test_two_replicas_share_answers_through_redis_and_serve_on_while_it_is_down(
     redis_server, caplog
@@ -247,7 +206,7 @@ def test_two_replicas_share_answers_through_redis_and_serve_on_while_it_is_down(
         await two.insert(queries[0], {"y": np.full(1, 7, np.float32)})
         assert (await one.lookup(queries[0]))["y"].tolist() == [7]
         for cache in (one, two):
-            await cache.store.aclose()  # type: ignore[attr-defined]
+            await cache.store.aclose()
 
     asyncio.run(run())
     said = [r.getMessage() for r in caplog.records if "response cache" in r.getMessage()]

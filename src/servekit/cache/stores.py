@@ -25,6 +25,9 @@ class Store(Protocol):
 
     def size_bytes(self) -> int: ...
 
+    async def aclose(self) -> None:
+        """Let go of connections (before the event loop they were made on closes)."""
+
 
 class LocalStore:
     """An LRU of entries in this process, at most ``budget_bytes`` of them (keys and
@@ -67,6 +70,9 @@ class LocalStore:
 
     def size_bytes(self) -> int:
         return self._bytes
+
+    async def aclose(self) -> None:
+        return None
 
 
 class RedisStore:
@@ -122,4 +128,5 @@ class RedisStore:
         return 0  # Redis's own INFO memory says; not read on every scrape
 
     async def aclose(self) -> None:
+        """Close the connections; the next call opens new ones (on the loop it runs on)."""
         await self._client.aclose()

@@ -45,7 +45,7 @@ from .names import (
     version_model_name,
 )  # fmt: skip
 from .serve import ServeConfig, load_config
-from .server import RayOptions, ServerConfig, StoreConfig
+from .server import CacheConfig, RayOptions, ServerConfig, StoreConfig
 
 __all__ = [
     "ENGINES",
@@ -53,6 +53,7 @@ __all__ = [
     "PRECISIONS",
     "RUNTIMES",
     "ModelConfig",
+    "CacheConfig",
     "RayOptions",
     "ServeConfig",
     "ServerConfig",

@@ -60,6 +60,9 @@ class ModelConfig:
     """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
     autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
     """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
+    response_cache: bool = False
+    """Answer a request the model answered before from ``[server] cache`` (Triton's
+    ``response_cache { enable: true }``), without running the model."""
     path: str | None = None
     """Your own model's folder, put first on ``sys.path`` in each process that imports it
     (default: the working directory the config was made in)."""

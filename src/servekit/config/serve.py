@@ -146,6 +146,7 @@ class ServeConfig:
                 for m in self.models
                 if m.versions or m.traffic or m.canary
             ]
+        problems += _cache_problems(self, runtime)
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
 
@@ -291,3 +292,26 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
     return data
+
+
+def _cache_problems(config: ServeConfig, runtime: str) -> list[str]:
+    """What a response cache asked for cannot do here, each naming the model or knob."""
+    cached = [m for m in config.models if m.response_cache]
+    if runtime in ("pytriton", "triton"):
+        out = [f"models.{m.name}: response_cache (served on native and ray so far)" for m in cached]
+        if config.server.cache.active:
+            out.append("[server.cache] (served on native and ray so far)")
+        return out
+    out = []
+    for m in cached:
+        if not config.server.cache.active:
+            out.append(f"models.{m.name}: response_cache needs [server.cache] (local or redis)")
+        if m.sequence_batching is not None:
+            out.append(f"models.{m.name}: response_cache with sequence_batching (a sequence's "
+                       "answer depends on its state, not its request alone)")  # fmt: skip
+        if m.versions or m.traffic or m.canary:
+            out.append(f"models.{m.name}: response_cache with versions or a traffic split "
+                       "(the version answering is chosen per request)")  # fmt: skip
+    if config.store.active and config.server.cache.active:
+        out.append("[server.cache] with a [store] (not yet)")
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..endpoints import Endpoints
@@ -14,7 +14,54 @@ from ..recovery import Recovery
 from ..tables import check_keys
 from .names import MAX_BODY_BYTES
 
-__all__ = ["STORE_LOADS", "RayOptions", "ServerConfig", "StoreConfig"]
+__all__ = ["STORE_LOADS", "CacheConfig", "RayOptions", "ServerConfig", "StoreConfig"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[server] cache``: where the response cache keeps answers, as Triton's
+    ``--cache-config``: ``{ local = { size_mb = 256 } }`` (this process, an LRU bounded in
+    bytes) or ``{ redis = { url = "redis://host:6379/0" } }`` (shared by every replica).
+    A model uses it with ``response_cache = true``."""
+
+    local_size_mb: float = 0.0
+    redis_url: str = ""
+
+    def __post_init__(self) -> None:
+        if self.local_size_mb < 0:
+            raise ValueError(f"[server.cache.local] size_mb must be > 0, got {self.local_size_mb}")
+        if self.local_size_mb and self.redis_url:
+            raise ValueError("[server.cache]: local or redis, not both")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.local_size_mb or self.redis_url)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.redis_url:
+            return {"redis": {"url": self.redis_url}}
+        return {"local": {"size_mb": self.local_size_mb}} if self.local_size_mb else {}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "server.cache") -> CacheConfig:
+        check_keys(section, data, {"local", "redis"})
+        local, redis = data.get("local"), data.get("redis")
+        if local is not None:
+            check_keys(f"{section}.local", local, {"size_mb"})
+            if local.get("size_mb", 0) <= 0:
+                raise ValueError(
+                    f"[{section}.local] size_mb must be > 0, got {local.get('size_mb')}"
+                )
+        if redis is not None:
+            check_keys(f"{section}.redis", redis, {"url"})
+            if not str(redis.get("url", "")).startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(
+                    f"[{section}.redis] url must be redis://host:port/db, got {redis.get('url')!r}"
+                )
+        return cls(
+            local_size_mb=float(local["size_mb"]) if local else 0.0,
+            redis_url=str(redis["url"]) if redis else "",
+        )
 
 
 @dataclass(frozen=True)
@@ -56,6 +103,8 @@ class ServerConfig(Endpoints):
     max_worker_deaths: int = 2
     """A request in flight in this many worker deaths is not sent again: 400, and the same
     input is refused at once from then on (``servekit.recovery``)."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """The response cache's store (``CacheConfig``); none by default."""
 
     def __post_init__(self) -> None:
         for key in ("http_port", "grpc_port", "metrics_port"):
@@ -86,12 +135,19 @@ class ServerConfig(Endpoints):
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out["cache"] = self.cache.to_dict()
+        if not out["cache"]:
+            del out["cache"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "server") -> ServerConfig:
         check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
-        return cls(**data)
+        kwargs = dict(data)
+        if "cache" in data:
+            kwargs["cache"] = CacheConfig.from_dict(data["cache"], f"{section}.cache")
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)

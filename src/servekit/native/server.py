@@ -18,7 +18,7 @@ from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
 from ..protocol.shm import SharedMemory
-from ..runtime.registry import ServedModels
+from ..runtime.registry import ServedModels, response_cache
 from ..store import ModelStore, store_app
 
 __all__ = ["NativeServer"]
@@ -40,6 +40,8 @@ class NativeServer:
         self._ready = False
         self.shared_memory = SharedMemory()
         """The regions clients register (Triton's system shared memory), on HTTP and gRPC."""
+        self.cache = response_cache(self.config)
+        """The response cache (``[server.cache]``) of the models with ``response_cache``."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> NativeServer:
@@ -56,7 +58,7 @@ class NativeServer:
                 return self
             self.models.load()  # a restart keeps the warm runners
             self.app = KServeApp(
-                self.models.batch(),
+                self.models.batch(self.cache),
                 max_body_bytes=c.server.max_body_bytes,
                 ready=lambda: self._ready,
                 inference_token=c.server.inference_token,
@@ -64,6 +66,8 @@ class NativeServer:
                 shared_memory=self.shared_memory,
             )
             self.app.metrics.autoscale.update(c.autoscale_policies())
+            if self.cache is not None:
+                self.app.metrics.collect(self.cache.figures)
             self._listen(self.app)
         except BaseException:
             self._shutdown()
@@ -132,6 +136,11 @@ class NativeServer:
 
     def _shutdown(self) -> None:
         self._ready = False
+        if self.cache is not None and self._threads and self._threads[0].is_alive():
+            closing = asyncio.run_coroutine_threadsafe(
+                self.cache.store.aclose(), self._threads[0].loop
+            )
+            closing.result(10)
         if self.store is not None and self._threads and self._threads[0].is_alive():
             done = asyncio.run_coroutine_threadsafe(self.store.close(), self._threads[0].loop)
             done.result(self.config.server.exit_timeout_s + 30)

@@ -17,6 +17,7 @@ from typing import Any
 from ..autoscale import AutoscalePolicy
 from ..batching import Batcher, BatchingPolicy
 from ..batching.execute import as_error
+from ..cache import ResponseCache
 from ..config import ModelConfig, ServeConfig, image_model_name, version_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
@@ -192,6 +193,25 @@ def _ray_lost(outcome: object) -> Lost | None:
     return Lost.IN_FLIGHT if isinstance(outcome, RayActorError) else None
 
 
+def _cached(models: dict[Key, Any], config: ServeConfig) -> ResponseCache | None:
+    """Put each model with ``response_cache`` behind this ingress replica's cache (its own
+    LRU, or the Redis every replica shares); returns the cache."""
+    from ..protocol.cached import CachedModel
+    from ..protocol.models import BatchedModel
+    from ..runtime.registry import model_identity, response_cache
+
+    cache = response_cache(config)
+    if cache is None:
+        return None
+    for model in config.models:
+        if model.response_cache:
+            found = models[model.name, 1]
+            front = BatchedModel(found) if isinstance(found, Batcher) else found
+            identity = model_identity(model, config)
+            models[model.name, 1] = CachedModel(front, cache, model.name, identity)
+    return cache
+
+
 def _stopping() -> Any:
     """The answer to a request that reaches a replica after its drain has settled."""
     import json
@@ -285,6 +305,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
                 for m in load_models(model, config.cache_dir, config.storage):
                     m.runner.warmup()
                     models[m.name, m.version] = Batcher(m.runner, m.policy, name=m.name)
+            self.cache = _cached(models, config)
             # One Traffic per ingress replica: the split is decided here, for every model.
             self.app = KServeApp(
                 route(_by_name(models), traffic_of(config.models)),
@@ -295,6 +316,8 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             )
             self.app.metrics.autoscale.update(config.autoscale_policies())
             self.app.metrics.collect(recovery.figures)
+            if self.cache is not None:
+                self.app.metrics.collect(self.cache.figures)
 
         async def __call__(self, request: Any) -> Any:
             if not self.gate.enter():

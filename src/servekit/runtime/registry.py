@@ -15,15 +15,17 @@ from typing import Any
 
 from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
-from ..config import ServeConfig, version_model_name
+from ..cache import LocalStore, RedisStore, ResponseCache
+from ..config import ModelConfig, ServeConfig, version_model_name
 from ..errors import ModelNotFound
-from ..protocol.models import DecoupledModel
+from ..protocol.cached import CachedModel, file_identity
+from ..protocol.models import BatchedModel, DecoupledModel
 from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
 from ..runners.versioned import VersionedRunner
 from .base import ServedModel, load_models, reload_models
 
-__all__ = ["ServedModels", "served_name"]
+__all__ = ["ServedModels", "model_identity", "response_cache", "served_name"]
 
 
 def served_name(model: ServedModel) -> str:
@@ -57,6 +59,8 @@ class ServedModels:
         self.batchers: dict[str, Batcher | SequenceBatcher] = {}
         """Served name -> its Batcher, while ``batch`` has them running."""
         self._decoupled: list[DecoupledModel] = []
+        self.cached: dict[str, CachedModel] = {}
+        """Each model served behind the response cache, while ``batch`` has them running."""
 
     def load(self) -> list[ServedModel]:
         """Load every configured model (the first time only) and warm it up."""
@@ -95,10 +99,34 @@ class ServedModels:
                 routes.setdefault(m.name, {})[m.version] = served_name(m)
         return routes
 
-    def batch(self) -> dict[str, Any]:
+    def batch(self, cache: ResponseCache | None = None) -> dict[str, Any]:
         """Start a ``Batcher`` per version (its policy, its instances; a ``SequenceBatcher``
         for a model with ``sequence_batching``, a ``DecoupledModel`` for a decoupled one)
-        and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``, else its Batcher."""
+        and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``,
+        else its Batcher, behind ``cache`` where the model has ``response_cache``."""
+        served = self._batch()
+        self.cached = {}
+        for model in self.config.models if self.config and cache else ():
+            if not model.response_cache:
+                continue
+            found = served[model.name]
+            if not isinstance(found, Batcher):
+                raise ValueError(
+                    f"models.{model.name}: response_cache on a decoupled model (its answers "
+                    "are a stream, not one response)"
+                )
+            assert cache is not None
+            self.cached[model.name] = CachedModel(
+                BatchedModel(found), cache, model.name, self._identity(model)
+            )
+            served[model.name] = self.cached[model.name]
+        return served
+
+    def _identity(self, model: ModelConfig) -> str:
+        assert self.config is not None
+        return model_identity(model, self.config, f"#{self.runner(model.name).version}")
+
+    def _batch(self) -> dict[str, Any]:
         self.close_batchers()
         by_name: dict[str, dict[int, Any]] = {}
         for m in self._models:
@@ -127,10 +155,15 @@ class ServedModels:
         self._decoupled = []
 
     def reload(self) -> list[str]:
-        """Read each configured model's file again and swap it in (``reload_models``)."""
+        """Read each configured model's file again and swap it in (``reload_models``); a
+        cached model's identity follows its file, so its old answers are not found again."""
         if self.config is None:
             raise ValueError("reload needs models loaded from a ServeConfig")
-        return reload_models(self.config, self._models)
+        done = reload_models(self.config, self._models)
+        for model in self.config.models:
+            if model.name in self.cached:
+                self.cached[model.name].identity = self._identity(model)
+        return done
 
     def close(self) -> None:
         """Stop the Batchers and close each runner once; the next ``load`` loads again."""
@@ -141,3 +174,25 @@ class ServedModels:
                 closed.add(id(m.runner))
                 m.runner.close()
         self._models = []
+
+
+def response_cache(config: ServeConfig) -> ResponseCache | None:
+    """The ``[server.cache]`` a config asks for (None: no cache)."""
+    c = config.server.cache
+    if not c.active:
+        return None
+    store = RedisStore(c.redis_url) if c.redis_url else LocalStore(int(c.local_size_mb * 2**20))
+    return ResponseCache(store)
+
+
+def model_identity(model: ModelConfig, config: ServeConfig, tag: str = "") -> str:
+    """What the cache keys ``model``'s answers by: its served file's digest
+    (``file_identity``), or its source and ``tag`` (your own Python model has no file)."""
+    from .. import zoo
+    from ..errors import ServekitError
+
+    try:
+        path = zoo.resolve(model.source, config.cache_dir, config.storage)
+    except (ServekitError, OSError):
+        path = None
+    return file_identity(path, f"{model.source}{tag}")
