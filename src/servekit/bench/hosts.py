@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -128,6 +129,7 @@ class Hosts:
         return self.hosts[index]
 
     def start(self) -> None:
+        _reap_stale()
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -147,10 +149,14 @@ class Hosts:
                 ("route", "add", "default", "via", self.gateway),
             ):
                 _ip("-n", name, *args)
+            # If this process dies without ``close`` (SIGKILL, a test run cut short), the
+            # kernel kills unshare (its parent-death signal), unshare's --kill-child kills
+            # the host's init, and with it every process on the host.
             init = subprocess.Popen(
-                ["ip", "netns", "exec", name, "unshare", "--pid", "--fork", "--mount-proc",
+                ["ip", "netns", "exec", name, "unshare", "--pid", "--kill-child", "--mount-proc",
                  sys.executable, "-c", _REAPER],
                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
             self._inits.append(init)
             temp = self.root / f"h{i + 1}"
@@ -170,6 +176,38 @@ class Hosts:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
         self.hosts, self._inits = [], []
+
+
+def _reap_stale() -> None:
+    """Delete what an earlier run that died left: its hosts' namespaces with no process
+    left in them (their inits died with it), their links, and bridges with no host. (A
+    ``Hosts`` starting at the same moment in another process could lose a namespace it
+    has not yet put its init in: start one at a time.)"""
+    ours = [n for n in _netns() if re.fullmatch(r"sk[0-9a-f]{4}h\d+", n)]
+    for name in ours:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        if not pids.stdout.strip():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    live = {n[2:6] for n in ours if n in _netns()}
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for line in links.splitlines():
+        link = line.split(": ")[1].split("@")[0]
+        match = re.fullmatch(r"sk[bv]([0-9a-f]{4})\d*", link)
+        if match and match[1] not in live:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+def _netns() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _child(pid: int, timeout_s: float = 10.0) -> int:
