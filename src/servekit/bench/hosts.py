@@ -12,6 +12,7 @@ namespace's init is killed, and with it every process in it), also after a failu
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import secrets
@@ -106,7 +107,7 @@ class Hosts:
         self.count = count
         self.tag = secrets.token_hex(2)
         self.bridge = f"skb{self.tag}"
-        self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250) + 1}"
+        self.subnet = _free_subnet()
         self.gateway = f"{self.subnet}.1"
         self.root = root or Path("/tmp") / f"servekit-hosts-{self.tag}"
         self.hosts: list[Host] = []
@@ -176,6 +177,21 @@ class Hosts:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
         self.hosts, self._inits = [], []
+
+
+def _free_subnet() -> str:
+    """A random ``10.X.Y`` /24 that no route of this machine covers (so no real network's
+    traffic is ever sent to the hosts, nor theirs to it)."""
+    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    taken = [
+        ipaddress.ip_network(line.split()[0], strict=False)
+        for line in routes.splitlines()
+        if line and not line.startswith("default")
+    ]
+    while True:
+        subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250) + 1}"
+        if not any(ipaddress.ip_network(f"{subnet}.0/24").overlaps(t) for t in taken):
+            return subnet
 
 
 def _reap_stale() -> None:
