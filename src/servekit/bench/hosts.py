@@ -183,11 +183,11 @@ def _free_subnet() -> str:
     """A random ``10.X.Y`` /24 that no route of this machine covers (so no real network's
     traffic is ever sent to the hosts, nor theirs to it)."""
     routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
-    taken = [
-        ipaddress.ip_network(line.split()[0], strict=False)
-        for line in routes.splitlines()
-        if line and not line.startswith("default")
-    ]
+    taken = []
+    for line in routes.splitlines():
+        for word in line.split()[:2]:  # "10.0.0.0/8 via ..." or "blackhole 10.0.0.0/8"
+            with contextlib.suppress(ValueError):
+                taken.append(ipaddress.ip_network(word, strict=False))
     while True:
         subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250) + 1}"
         if not any(ipaddress.ip_network(f"{subnet}.0/24").overlaps(t) for t in taken):
