@@ -47,39 +47,40 @@ def cluster() -> Iterator[RayCluster]:
         yield RayCluster(hosts, gpus_per_host=1).start()
 
 
-def serve_add_sub(cluster: RayCluster, source: Path, folder: Path) -> ServekitOn:
-    config = folder / "serve.toml"
-    config.write_text(ADD_SUB.format(source=source))
-    s = ServekitOn(cluster, cluster.head, config, folder / "serve.log")
-    try:
-        for host in cluster.hosts.hosts:
-            s.wait_ready(host, "add_sub")
-    except BaseException:
-        s.stop()
-        raise
-    return s
-
-
 @pytest.fixture
 def served(cluster: RayCluster, add_sub_path: Path, tmp_path: Path) -> Iterator[ServekitOn]:
     """servekit serving add_sub on the cluster, stopped after the test (each test's own:
     one servekit app at a time, since stopping one stops Serve)."""
-    s = serve_add_sub(cluster, add_sub_path, tmp_path)
-    yield s
-    s.stop()
+    config = tmp_path / "serve.toml"
+    config.write_text(ADD_SUB.format(source=add_sub_path))
+    s = ServekitOn(cluster, cluster.head, config, tmp_path / "serve.log")
+    try:
+        for host in cluster.hosts.hosts:
+            s.wait_ready(host, "add_sub")
+        yield s
+    finally:
+        s.stop()
 
 
 def addresses(hosts: list[Host]) -> set[str]:
     return {h.address for h in hosts}
 
 
-def test_every_host_has_a_proxy_and_the_replicas_spread_over_the_hosts(served, cluster):
+def test_every_host_serves_the_replicas_spread_and_sigterm_drains_them(served, cluster):
     hosts = cluster.hosts.hosts
     with add_sub_clients(served, hosts) as load:
         load.wait_calls(300)
-    assert load.failed() == []
-    assert {w["address"] for w in cluster.where("add_sub")} == addresses(hosts)
-    assert cluster.replicas() == {"add_sub": 3, "Ingress": 3}
+        # An ingress on each host (at most one a host, so three means all three); Ray
+        # spreads the model's replicas as best it can (the device test's one GPU a host
+        # forces one on each): here at least two hosts run them.
+        assert cluster.replicas() == {"add_sub": 3, "Ingress": 3}
+        assert len({w["address"] for w in cluster.where("add_sub")}) >= 2
+        signalled = time.monotonic()  # SIGTERM with 8 clients on all three hosts' proxies
+        code = served.stop()
+    assert code == 0
+    assert [o for sent, _, o in load.calls if sent < signalled and o is not True] == []
+    after = load.failed(since=signalled)
+    assert all(isinstance(o, ModelNotReady | ServerUnreachable) for o in after), after
 
 
 @pytest.mark.parametrize("how", ["link cut", "raylet killed", "ray stop"])
@@ -117,19 +118,6 @@ def test_a_host_lost_under_load_costs_no_request(served, cluster, how):
         assert np.array_equal(c.infer("add_sub", {"INPUT0": x, "INPUT1": x})["OUTPUT1"], 0 * x)
 
 
-def test_sigterm_to_servekit_drains_the_cluster_and_exits_0(cluster, add_sub_path, tmp_path):
-    h1, h2, _ = cluster.hosts.hosts
-    served = serve_add_sub(cluster, add_sub_path, tmp_path)
-    with add_sub_clients(served, [h1, h2]) as load:
-        load.wait_calls(100)
-        signalled = time.monotonic()
-        code = served.stop()
-    assert code == 0
-    assert [o for sent, _, o in load.calls if sent < signalled and o is not True] == []
-    after = load.failed(since=signalled)
-    assert all(isinstance(o, ModelNotReady | ServerUnreachable) for o in after), after
-
-
 def test_servekit_signal_scales_replicas_out_over_hosts_and_back(cluster, tmp_path):
     model = tmp_path / "device.onnx"
     onnx.save(build_simulated("device", 20_000, 2_500), model)
@@ -143,7 +131,7 @@ def test_servekit_signal_scales_replicas_out_over_hosts_and_back(cluster, tmp_pa
             served.wait_ready(host, "device")
         urls = [served.url(h) for h in hosts[:2]]
         with Clients(urls, "device", lambda k: rows, rate=10) as load:
-            time.sleep(8)
+            time.sleep(5)
             assert cluster.replicas()["device"] == 1  # one device keeps up with 40 rows/s
             load.rate = 150  # 600 rows/s: more than one device's 270
             ramp = time.monotonic()
