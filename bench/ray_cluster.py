@@ -180,13 +180,15 @@ def part_head(folder: Path, fault_tolerant: bool) -> list[dict]:
         redis = None
         if fault_tolerant:
             port = free_port()
-            stack.enter_context(
-                subprocess.Popen(
-                    ["redis-server", "--bind", made.gateway, "--port", str(port), "--save", "",
-                     "--appendonly", "no"],
-                    stdout=subprocess.DEVNULL,
-                )
+            # Bound to the hosts' bridge only, so protected mode (which refuses any client
+            # not on loopback when there is no password) is off.
+            server = subprocess.Popen(
+                ["redis-server", "--bind", made.gateway, "--port", str(port), "--save", "",
+                 "--appendonly", "no", "--protected-mode", "no"],
+                stdout=subprocess.DEVNULL,
             )  # fmt: skip
+            stack.callback(server.wait, 10)
+            stack.callback(server.kill)
             redis = f"{made.gateway}:{port}"
             time.sleep(1)
         cluster = RayCluster(made, gpus_per_host=1, gcs_redis=redis).start()

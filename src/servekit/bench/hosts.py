@@ -89,6 +89,16 @@ class Host:
             raise RuntimeError(f"{self.name}: {' '.join(argv)} exited {done.returncode}: {said}")
         return done.stdout.decode(errors="replace")
 
+    def kill_all(self) -> None:
+        """SIGKILL every process on this host but its init (those in its PID namespace)."""
+        ns = os.readlink(f"/proc/{self.init}/ns/pid")
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == self.init:
+                continue
+            with contextlib.suppress(OSError):
+                if os.readlink(entry / "ns" / "pid") == ns:
+                    os.kill(int(entry.name), signal.SIGKILL)
+
     def cut(self) -> None:
         """Take this host off the network (its link down): a cable pulled."""
         _ip("link", "set", self.link, "down")

@@ -95,7 +95,7 @@ class RayCluster:
 
     def kill_host(self, host: Host) -> None:
         """SIGKILL every process on ``host`` but its init: a machine (or pod) that died."""
-        host.run(["kill", "-KILL", "-1"], timeout_s=30)
+        host.kill_all()
 
     def join(self, host: Host) -> None:
         """Start a Ray worker on ``host`` that joins the head (again, after ``leave``)."""
