@@ -235,7 +235,9 @@ def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConf
     return config.replace(runtime="ray").check()
 
 
-def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
+def build_app(
+    args: Mapping[str, Any] | ServeConfig | None = None, *, drain_id: str | None = None
+) -> Any:
     """The Ray Serve application (``serve run servekit.ray.app:build_app``, or the YAML config).
 
     ``args`` are a ``ServeConfig``'s tables (``models``, or one model's keys at the top
@@ -243,7 +245,9 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
     model is a deployment of ``instances`` replicas running its runner behind a Batcher
     with its own policy; an image classifier also gets preprocess and postprocess
     deployments for ``<name>_image``. Every model loads on the driver first, so a file that
-    does not load fails here, before the cluster is touched.
+    does not load fails here, before the cluster is touched. ``drain_id`` (``RayRuntime``'s,
+    one per run of servekit) is the flag its SIGTERM drains the ingress replicas by
+    (``servekit.ray.drain``); without one, as under ``serve run``, they never drain.
     """
     from ray import serve
 
@@ -283,7 +287,7 @@ def build_app(args: Mapping[str, Any] | ServeConfig | None = None) -> Any:
             from .drain import Gate
 
             replica = ray_serve.get_replica_context().replica_id.unique_id
-            self.gate = Gate(APP_NAME, replica)
+            self.gate = Gate(drain_id, replica)
             self.store: Any = None
             if config.store.active:
                 from ..store import store_app

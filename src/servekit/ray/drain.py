@@ -2,7 +2,8 @@
 
 Ray Serve's own shutdown kills its proxies at once, so a request a proxy holds is cut
 off. servekit stops in three steps instead, through a flag in Ray's GCS key-value store
-(one per application, seen by every ingress replica on every host):
+(one per run of ``RayRuntime``, its ``drain_id``, seen by every ingress replica on every
+host; an app deployed otherwise, or by a later run, never sees an old flag):
 
 1. ``begin``: every ingress replica answers readiness 503 at once (load balancers and
    Kubernetes stop sending), and for ``SETTLE_S`` more still serves what arrives: requests
@@ -35,7 +36,7 @@ def _drained(app: str) -> bytes:
 
 
 def clear(app: str) -> None:
-    """Forget an earlier drain of ``app`` (a servekit that died while stopping left one)."""
+    """Forget the drain of ``app`` (a ``drain_id``): its flag and the replicas' reports."""
     from ray.experimental import internal_kv as kv
 
     kv._internal_kv_del(_draining(app), namespace=NAMESPACE)
@@ -66,15 +67,15 @@ class Gate:
     """One ingress replica's side: counts its requests in flight, watches the flag, and
     once draining has settled refuses new requests and reports when none is left."""
 
-    def __init__(self, app: str, replica: str, poll_s: float = POLL_S) -> None:
+    def __init__(self, app: str | None, replica: str, poll_s: float = POLL_S) -> None:
         self.app, self.replica, self.poll_s = app, replica, poll_s
         self.in_flight = 0
         self.draining = False
         """The flag is up: readiness answers 503."""
         self.refusing = False
         """The flag has been up for ``SETTLE_S``: new requests get 503."""
-        self._thread = threading.Thread(target=self._watch, name="servekit-drain", daemon=True)
-        self._thread.start()
+        if app is not None:  # None: deployed without RayRuntime, nothing will drain it
+            threading.Thread(target=self._watch, name="servekit-drain", daemon=True).start()
 
     def enter(self) -> bool:
         """Admit a request (False: refuse it); call ``leave`` when it is answered."""
@@ -89,6 +90,7 @@ class Gate:
     def _watch(self) -> None:
         from ray.experimental import internal_kv as kv
 
+        assert self.app is not None
         since = 0.0
         while True:
             time.sleep(self.poll_s)

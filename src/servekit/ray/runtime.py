@@ -11,7 +11,9 @@ replicas itself, so there is never a ``problem``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import uuid
 from typing import Any
 
 from ..config import ServeConfig
@@ -34,6 +36,8 @@ class RayRuntime:
         self.num_cpus = num_cpus if self.address == "local" else None
         self._owns_ray = False
         self._origins: dict[str, object] | None = None
+        self.drain_id = f"{APP_NAME}/{uuid.uuid4().hex}"
+        """This run's drain flag (``servekit.ray.drain``): SIGTERM drains its replicas only."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RayRuntime:
@@ -43,13 +47,12 @@ class RayRuntime:
         import ray
         from ray import serve
 
-        app = build_app(self.config)  # fails on the driver before the cluster is touched
+        app = build_app(self.config, drain_id=self.drain_id)  # fails before the cluster is touched
         self._origins = _origins(self.config)
         if not ray.is_initialized():
             ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
             self._owns_ray = True
         s = self.config.server
-        drain.clear(APP_NAME)
         serve.start(http_options={"host": s.host, "port": s.http_port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         return self
@@ -68,7 +71,7 @@ class RayRuntime:
         origins = _origins(self.config)
         if origins is not None and origins == self._origins:
             return [f"{APP_NAME}: unchanged ({', '.join(origins)})"]
-        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(self.config, drain_id=self.drain_id), name=APP_NAME, route_prefix="/")
         self._origins = origins
         return [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
 
@@ -89,9 +92,9 @@ class RayRuntime:
             replicas = self.deployments().get("Ingress", 0)
         except Exception:  # Serve is not running (it never started, or died)
             return 0
-        drain.begin(APP_NAME)
+        drain.begin(self.drain_id)
         timeout_s = max(self.config.server.exit_timeout_s, drain.SETTLE_S + 1.0)
-        return replicas - drain.wait(APP_NAME, replicas, timeout_s)
+        return replicas - drain.wait(self.drain_id, replicas, timeout_s)
 
     def stop(self) -> None:
         """Drain, then stop Serve (and Ray, when this runtime started it)."""
@@ -104,6 +107,8 @@ class RayRuntime:
                 log.warning("%d ingress replica(s) still had requests after %d s", left,
                             self.config.server.exit_timeout_s)  # fmt: skip
             serve.shutdown()
+            with contextlib.suppress(Exception):  # the GCS is gone: nothing to forget
+                drain.clear(self.drain_id)
             if self._owns_ray:
                 ray.shutdown()
                 self._owns_ray = False
