@@ -31,6 +31,7 @@ import tritonclient.http as httpclient
 from servekit.bench.cpu import tree_cpu_s
 from servekit.bench.report import machine
 from servekit.bench.stats import percentile
+from servekit.client import Client
 from servekit.endpoints import free_port
 from servekit.zoo.tiny import build_add_sub
 
@@ -82,17 +83,8 @@ def run(source: Path, store: str, hit: float, requests: int, folder: Path) -> di
     )  # fmt: skip
     try:
         url = f"127.0.0.1:{http}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with httpclient.InferenceServerClient(url) as c:
-                    if c.is_model_ready("add_sub"):
-                        break
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not get ready")
-            time.sleep(0.3)
+        with Client(f"http://{url}") as ready:
+            ready.wait_ready("add_sub", timeout_s=120)
         hot = [np.full((1, 16), 1000 + k, np.float32) for k in range(16)]
 
         def send(c: httpclient.InferenceServerClient, x: np.ndarray) -> None:

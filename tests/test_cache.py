@@ -123,6 +123,19 @@ def test_a_collision_is_a_miss_never_another_requests_answer():
     assert figures["servekit_cache_collisions_total"] == [({"model": "m"}, 1.0)]
 
 
+def test_an_entry_that_does_not_decode_is_a_miss_not_an_error():
+    store = LocalStore(1 << 20)
+    cache = ResponseCache(store)
+    query = variants()["base"]
+
+    async def run() -> None:
+        for junk in (b"", b"\x01", b"\xff" * 8 + b"x", b"\x00" * 7):
+            await store.put(query.key(), junk)
+            assert await cache.lookup(query) is None
+
+    asyncio.run(run())
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 300)), max_size=60))
 def test_the_local_store_stays_within_its_bytes_and_keeps_the_most_recent(puts):

@@ -66,6 +66,7 @@ def test_eight_clients_over_http_and_grpc_are_answered_from_the_cache_and_counts
         # The model ran once per distinct request: the cache answered the rest.
         assert sample(m, "nv_inference_request_success", model="add_sub", version="1") == 8
         assert sample(m, "nv_cache_hit_duration_per_model", model="add_sub") > 0
+        assert sample(m, "nv_inference_pending_request_count", model="add_sub", version="1") == 0
     finally:
         server.stop()
 
@@ -139,6 +140,10 @@ def test_a_cached_model_needs_a_cache_and_no_split_or_sequence():
         CacheConfig(local_size_mb=1, redis_url="redis://127.0.0.1:1/0")
     with pytest.raises(ValueError, match=r"url must be redis://"):
         CacheConfig.from_dict({"redis": {"url": "http://x"}})
+    with pytest.raises(ValueError, match=r"size_mb must be a number > 0, got 'big'"):
+        CacheConfig.from_dict({"local": {"size_mb": "big"}})
+    with pytest.raises(ValueError, match=r"\[server.cache.local\]: expected a table, got 64"):
+        CacheConfig.from_dict({"local": 64})
 
 
 def test_two_servers_share_answers_through_redis_and_a_dead_redis_costs_no_request(
@@ -197,3 +202,4 @@ def test_the_ray_ingress_answers_from_its_cache(request, add_sub_path):
         misses = sample(m, "nv_cache_num_misses_per_model", model="add_sub")
         assert (hits, misses) == (32, 8)
         assert sample(m, "nv_inference_request_success", model="add_sub", version="1") == 8
+        assert sample(m, "nv_inference_pending_request_count", model="add_sub", version="1") == 0

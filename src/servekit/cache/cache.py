@@ -42,7 +42,7 @@ CACHE_METRICS: dict[str, tuple[str, str, Callable[[_Counts], float]]] = {
     ),
     "servekit_cache_collisions_total": (
         "counter",
-        "Lookups whose key matched an entry of another query (answered as a miss)",
+        "Lookups whose key held another query's entry, or one that does not decode (a miss)",
         lambda c: c.collisions,
     ),
 }  # fmt: skip
@@ -68,9 +68,8 @@ class ResponseCache:
         counts = self._of(query.model)
         entry = await self.store.get(query.key())
         if entry is not None:
-            (n,) = struct.unpack_from("<Q", entry)
-            if entry[8 : 8 + n] == query.encode():
-                answer = decode_tensors(entry[8 + n :])
+            answer = _answer_to(query, entry)
+            if answer is not None:
                 counts.hits += 1
                 counts.hit_us += (self._clock() - start) * 1e6
                 return answer
@@ -96,3 +95,15 @@ class ResponseCache:
         rows = sorted(self._counts.items())
         for name, (kind, about, read) in CACHE_METRICS.items():
             yield name, kind, about, [({"model": model}, float(read(c))) for model, c in rows]
+
+
+def _answer_to(query: Query, entry: bytes) -> dict[str, np.ndarray] | None:
+    """The answer ``entry`` keeps for exactly ``query``; None for another query's entry,
+    or one that does not decode (another writer's, in a shared Redis): a miss, not a 500."""
+    try:
+        (n,) = struct.unpack_from("<Q", entry)
+        if entry[8 : 8 + n] != query.encode():
+            return None
+        return decode_tensors(entry[8 + n :])
+    except (struct.error, ValueError, TypeError, IndexError):
+        return None

@@ -84,7 +84,13 @@ class RedisStore:
     PREFIX = "servekit:cache:"
 
     def __init__(self, url: str, timeout_s: float = 0.25, retry_s: float = 1.0) -> None:
-        import redis.asyncio as aioredis
+        try:
+            import redis.asyncio as aioredis
+        except ImportError:
+            raise ValueError(
+                f"[server.cache.redis] {url}: needs the redis package "
+                "(pip install 'servekit[cache]')"
+            ) from None
 
         self.url, self.retry_s = url, retry_s
         self._client: Any = aioredis.Redis.from_url(

@@ -46,12 +46,14 @@ class CacheConfig:
     def from_dict(cls, data: Mapping[str, Any], section: str = "server.cache") -> CacheConfig:
         check_keys(section, data, {"local", "redis"})
         local, redis = data.get("local"), data.get("redis")
+        for name, table in (("local", local), ("redis", redis)):
+            if table is not None and not isinstance(table, Mapping):
+                raise ValueError(f"[{section}.{name}]: expected a table, got {table!r}")
         if local is not None:
             check_keys(f"{section}.local", local, {"size_mb"})
-            if local.get("size_mb", 0) <= 0:
-                raise ValueError(
-                    f"[{section}.local] size_mb must be > 0, got {local.get('size_mb')}"
-                )
+            size = local.get("size_mb")
+            if isinstance(size, bool) or not isinstance(size, int | float) or size <= 0:
+                raise ValueError(f"[{section}.local] size_mb must be a number > 0, got {size!r}")
         if redis is not None:
             check_keys(f"{section}.redis", redis, {"url"})
             if not str(redis.get("url", "")).startswith(("redis://", "rediss://", "unix://")):

@@ -196,19 +196,14 @@ def _ray_lost(outcome: object) -> Lost | None:
 def _cached(models: dict[Key, Any], config: ServeConfig) -> ResponseCache | None:
     """Put each model with ``response_cache`` behind this ingress replica's cache (its own
     LRU, or the Redis every replica shares); returns the cache."""
-    from ..protocol.cached import CachedModel
-    from ..protocol.models import BatchedModel
-    from ..runtime.registry import model_identity, response_cache
+    from ..runtime.registry import behind_cache, response_cache
 
     cache = response_cache(config)
     if cache is None:
         return None
     for model in config.models:
         if model.response_cache:
-            found = models[model.name, 1]
-            front = BatchedModel(found) if isinstance(found, Batcher) else found
-            identity = model_identity(model, config)
-            models[model.name, 1] = CachedModel(front, cache, model.name, identity)
+            models[model.name, 1] = behind_cache(models[model.name, 1], model, config, cache)
     return cache
 
 

@@ -25,7 +25,7 @@ from ..rollout import Traffic
 from ..runners.versioned import VersionedRunner
 from .base import ServedModel, load_models, reload_models
 
-__all__ = ["ServedModels", "model_identity", "response_cache", "served_name"]
+__all__ = ["ServedModels", "behind_cache", "model_identity", "response_cache", "served_name"]
 
 
 def served_name(model: ServedModel) -> str:
@@ -109,22 +109,13 @@ class ServedModels:
         for model in self.config.models if self.config and cache else ():
             if not model.response_cache:
                 continue
-            found = served[model.name]
-            if not isinstance(found, Batcher):
-                raise ValueError(
-                    f"models.{model.name}: response_cache on a decoupled model (its answers "
-                    "are a stream, not one response)"
-                )
-            assert cache is not None
-            self.cached[model.name] = CachedModel(
-                BatchedModel(found), cache, model.name, self._identity(model)
+            assert cache is not None and self.config is not None
+            tag = f"#{self.runner(model.name).version}"
+            self.cached[model.name] = behind_cache(
+                served[model.name], model, self.config, cache, tag
             )
             served[model.name] = self.cached[model.name]
         return served
-
-    def _identity(self, model: ModelConfig) -> str:
-        assert self.config is not None
-        return model_identity(model, self.config, f"#{self.runner(model.name).version}")
 
     def _batch(self) -> dict[str, Any]:
         self.close_batchers()
@@ -162,7 +153,8 @@ class ServedModels:
         done = reload_models(self.config, self._models)
         for model in self.config.models:
             if model.name in self.cached:
-                self.cached[model.name].identity = self._identity(model)
+                tag = f"#{self.runner(model.name).version}"
+                self.cached[model.name].identity = model_identity(model, self.config, tag)
         return done
 
     def close(self) -> None:
@@ -183,6 +175,21 @@ def response_cache(config: ServeConfig) -> ResponseCache | None:
         return None
     store = RedisStore(c.redis_url) if c.redis_url else LocalStore(int(c.local_size_mb * 2**20))
     return ResponseCache(store)
+
+
+def behind_cache(
+    found: Any, model: ModelConfig, config: ServeConfig, cache: ResponseCache, tag: str = ""
+) -> CachedModel:
+    """What a front serves for ``model`` (its Batcher, or a front model) behind ``cache``,
+    keyed by ``model_identity``; a decoupled model is refused by name (native and Ray
+    alike)."""
+    if isinstance(found, DecoupledModel):
+        raise ValueError(
+            f"models.{model.name}: response_cache on a decoupled model (its answers are a "
+            "stream, not one response)"
+        )
+    front = BatchedModel(found) if isinstance(found, Batcher) else found
+    return CachedModel(front, cache, model.name, model_identity(model, config, tag))
 
 
 def model_identity(model: ModelConfig, config: ServeConfig, tag: str = "") -> str:
