@@ -207,17 +207,23 @@ def _cached(models: dict[Key, Any], config: ServeConfig) -> ResponseCache | None
     return cache
 
 
-def _stopping() -> Any:
-    """The answer to a request that reaches a replica after its drain has settled."""
+def _refusal(exc: ServekitError, message: str = "") -> Any:
+    """``exc`` as the ingress answers it outside the app: its status, ``{"error": ...}``."""
     import json
 
     from starlette.responses import Response
 
-    from ..errors import ModelNotReady, http_status
+    from ..errors import http_status
 
-    exc = ModelNotReady("servekit is stopping: this server takes no new requests")
-    body = json.dumps({"error": str(exc)}).encode()
+    body = json.dumps({"error": message or str(exc)}).encode()
     return Response(body, http_status(exc), media_type="application/json")
+
+
+def _stopping() -> Any:
+    """The answer to a request that reaches a replica after its drain has settled."""
+    from ..errors import ModelNotReady
+
+    return _refusal(ModelNotReady("servekit is stopping: this server takes no new requests"))
 
 
 def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConfig:
@@ -331,16 +337,12 @@ def build_app(
 
             if self.store is not None:  # pins (every model, eager) load on the replica's loop
                 import asyncio
-                import json
-
-                from ..errors import http_status
 
                 self._started = self._started or asyncio.ensure_future(self.store.start())
                 try:
                     await asyncio.shield(self._started)
                 except ServekitError as exc:  # every request says why, as the app would
-                    body = json.dumps({"error": f"the store did not start: {exc}"}).encode()
-                    return Response(body, http_status(exc), media_type="application/json")
+                    return _refusal(exc, f"the store did not start: {exc}")
             sent: list[dict[str, Any]] = []
 
             async def send(message: dict[str, Any]) -> None:
