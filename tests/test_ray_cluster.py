@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("ray", reason="needs the ray extra")
 
-from conftest import wait_until
+from conftest import sample, scrape, wait_until
 from servekit.bench.hosts import Host, Hosts, unavailable
 from servekit.bench.raycluster import (
     ADD_SUB,
@@ -102,6 +102,9 @@ def test_a_host_lost_under_load_costs_no_request(served, cluster, how):
                    "add_sub back to 3 replicas", 120)  # fmt: skip
         load.wait_calls(100)
     assert load.failed() == []
+    for host in (h1, h2):  # each host's ingress is idle again once the clients stop
+        m = scrape(f"{served.url(host)}/metrics")
+        assert sample(m, "nv_inference_pending_request_count", model="add_sub", version="1") == 0
     worst = max(answered - sent for sent, answered, _ in load.calls if answered > lost)
     print(f"{how}: {len(load.calls)} requests, none failed, worst latency {worst:.2f} s")
     assert {w["address"] for w in cluster.where("add_sub")} == addresses([h1, h2])
