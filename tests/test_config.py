@@ -192,6 +192,15 @@ def test_a_knob_a_runtime_cannot_honour_is_an_error_naming_both(runtime, server,
         config.replace(runtime=other).check(runtime)
 
 
+def test_a_store_on_ray_keeps_one_ingress_replica_and_says_so_if_asked_for_more(tmp_path):
+    from servekit.config import StoreConfig
+
+    config = ServeConfig(runtime="ray", store=StoreConfig(root=str(tmp_path)))
+    config.check()
+    with pytest.raises(ValueError, match=r"\[ray\] ingress_replicas = 3 with a \[store\]"):
+        config.replace(ray=RayOptions(ingress_replicas=3)).check()
+
+
 def test_rollout_round_trips_and_a_bad_table_is_refused_naming_it(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text(

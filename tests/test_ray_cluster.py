@@ -9,8 +9,11 @@ Without root or ``ip``/``unshare``/``nsenter`` the module skips, naming why.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,3 +178,136 @@ def test_servekit_batch_runs_on_the_cluster_by_address(cluster, tmp_path, tiny_c
         if len(hosts) >= 2:
             break
     assert len(hosts) >= 2, f"every row came from one node: {hosts}"
+
+
+def _call(url: str, method: str, path: str, body: object = None) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url + path, None if body is None else json.dumps(body).encode(), method=method
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+ONE = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}
+                  for n in ("INPUT0", "INPUT1")]}  # fmt: skip
+
+
+def answering(url: str, n: int = 12) -> set[str]:
+    """The versions that answer ``n`` requests through ``url``'s proxy."""
+    versions = set()
+    for _ in range(n):
+        status, answer = _call(url, "POST", "/v2/models/add_sub/infer", ONE)
+        assert status == 200, answer
+        versions.add(answer["model_version"])
+    return versions
+
+
+def test_a_split_set_through_one_host_is_every_host_s_and_fails_no_request(
+    cluster, add_sub_path, tmp_path
+):
+    """Each host's ingress routes with its own Traffic; a split set through host 2's proxy
+    reaches the other two through Ray's KV store (``servekit.ray.shared``)."""
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        ADD_SUB.format(source=add_sub_path)
+        + f'[[models.versions]]\nversion = 2\nsource = "{add_sub_path}"\n'
+        + "[models.traffic]\nsplit = { 1 = 100, 2 = 0 }\n"
+    )
+    served = ServekitOn(cluster, cluster.head, config, tmp_path / "serve.log")
+    hosts = cluster.hosts.hosts
+    urls = [served.url(h) for h in hosts]
+    try:
+        for host in hosts:
+            served.wait_ready(host, "add_sub")
+        assert cluster.replicas()["Ingress"] == 3
+        with add_sub_clients(served, hosts) as load:
+            load.wait_calls(100)
+            assert all(answering(url) == {"1"} for url in urls)
+            status, state = _call(urls[1], "POST", "/v2/models/add_sub/traffic",
+                                  {"split": {"1": 0, "2": 100}})  # fmt: skip
+            assert status == 200 and state["split"] == {"1": 0, "2": 100}, state
+            wait_until(lambda: all(answering(url) == {"2"} for url in urls),
+                       "version 2 answering through every host", 15)  # fmt: skip
+            for url in urls:
+                status, state = _call(url, "GET", "/v2/models/add_sub/traffic")
+                assert state["split"] == {"1": 0, "2": 100}, (url, state)
+            load.wait_calls(100)
+    finally:
+        served.stop()
+    assert load.failed() == []
+
+
+def test_a_store_answers_alike_through_every_proxy(cluster, add_sub_path, tmp_path):
+    """A [store] lives in the one ingress replica: Serve runs a proxy on the head and on
+    each host with a replica, and every one of them reaches that replica, so each sees one
+    index, one budget and one load or unload."""
+    import shutil
+
+    root = tmp_path / "store"
+    root.mkdir()
+    for i in range(6):
+        shutil.copyfile(add_sub_path, root / f"add_{i}.onnx")
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'runtime = "ray"\n[ray]\nmodel_cpus = 0.25\n[store]\nroot = "{root}"\nload = "on_demand"\n'
+    )
+    # The head's one CPU taken, as KubeRay's head often has none (num-cpus 0): the ingress
+    # then runs on another host, and the head's proxy reaches it across the bridge.
+    cluster.python(
+        "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On\n"
+        "@ray.remote(num_cpus=1)\nclass Filler:\n    def ready(self):\n        return True\n"
+        f"head = [n['NodeID'] for n in ray.nodes() if n['Alive'] and "
+        f"n['NodeManagerAddress'] == {cluster.head.address!r}][0]\n"
+        "f = Filler.options(name='filler', namespace='test', lifetime='detached', "
+        "scheduling_strategy=On(head, soft=False)).remote()\n"
+        "out(ray.get(f.ready.remote()))"
+    )
+    served = ServekitOn(cluster, cluster.head, config, tmp_path / "serve.log")
+    try:
+        served.wait_ready(cluster.head, None)  # a stored model is ready once loaded
+        def proxies() -> list[str]:
+            """The head's, and the ingress's host's once its proxy starts."""
+            urls = [served.url(cluster.head)]
+            for host in cluster.hosts.hosts[1:]:
+                with Client(served.url(host), timeout_s=2) as c:
+                    if c.is_ready():
+                        urls.append(served.url(host))
+            return urls
+
+        wait_until(lambda: len(proxies()) == 2, "a proxy on the ingress's host", 60)
+        urls = proxies()
+
+        def inputs(k: int) -> dict[str, np.ndarray]:
+            x = np.full((1, 16), k, np.float32)
+            return {"INPUT0": x, "INPUT1": x}
+
+        def right(k: int, out: dict[str, np.ndarray]) -> bool:
+            return bool(np.array_equal(out["OUTPUT0"], np.full((1, 16), 2 * k, np.float32)))
+
+        loads = [Clients(urls, f"add_{i}", inputs, right, clients=2) for i in range(4)]
+        for load in loads:
+            load.__enter__()
+        try:
+            for load in loads:
+                load.wait_calls(40)
+        finally:
+            for load in loads:
+                load.__exit__()
+        assert [o for load in loads for o in load.failed()] == []
+        index = [
+            {e["name"]: e["state"] for e in _call(u, "POST", "/v2/repository/index")[1]}
+            for u in urls
+        ]
+        assert all(i == index[0] for i in index), index
+        assert {f"add_{i}" for i in range(4)} <= {m for m, s in index[0].items() if s == "READY"}
+        status, _ = _call(urls[-1], "POST", "/v2/repository/models/add_5/load")
+        assert status == 200
+        for url in urls:  # loaded through one proxy, ready through each
+            with Client(url) as c:
+                assert c.is_ready("add_5")
+    finally:
+        served.stop()
+        cluster.python("ray.kill(ray.get_actor('filler', namespace='test')); out(True)")

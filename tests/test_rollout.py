@@ -194,6 +194,57 @@ def test_a_new_split_starts_a_new_judgement():
     assert traffic.events[-1]["event"] == "split"
 
 
+def copies(policy: CanaryPolicy, split: dict[int, int], shadow: int | None = None):
+    """A Traffic and a copy of it (another ingress replica's) that adopts each change."""
+    made = Traffic("m", [1, 2, 3], TrafficPolicy(split, shadow=shadow), policy)
+    copy = Traffic("m", [1, 2, 3], TrafficPolicy(split, shadow=shadow), policy)
+    told: list[dict] = []
+    made.on_change = told.append
+    return made, copy, told
+
+
+def seen(t: Traffic) -> tuple:
+    return t.split, t.shadow, t.state, t.canary, t.baseline
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.set_split({"1": 30, "3": 70}),
+        lambda t: t.set_shadow(3),
+        lambda t: (feed(t, 1, 10, 0.01), feed(t, 2, 10, 0.01)),  # a step
+        lambda t: (feed(t, 1, 10, 0.01), feed(t, 2, 10, 0.5)),  # a rollback
+        lambda t: [(feed(t, 1, 10, 0.01), feed(t, 2, 10, 0.01)) for _ in range(3)],  # promoted
+    ],
+    ids=["split", "shadow", "step", "rollback", "promoted"],
+)
+def test_a_copy_that_adopts_each_change_routes_as_the_traffic_that_made_it(change):
+    made, copy, told = copies(CanaryPolicy(min_requests=10, step=(10, 50, 100)), {1: 95, 2: 5}, 2)
+    change(made)
+    assert told and seen(made) != seen(copy)
+    for shared in told:
+        copy.adopt(shared, "from the other replica")
+    assert seen(copy) == seen(made)
+    assert copy.events[-1]["event"] == "adopted" and len(told) == len(made.events)
+    before = len(told)
+    copy.set_split({"1": 100})  # the copy's own change is told to its own listener only
+    assert len(told) == before
+
+
+def test_an_adopted_judgement_goes_on_in_the_copy_with_a_fresh_window():
+    made, copy, told = copies(CanaryPolicy(min_requests=10, step=(10, 50, 100)), {1: 95, 2: 5})
+    feed(copy, 2, 9, 0.01)  # the copy's window of the old split, about to be dropped
+    feed(made, 1, 10, 0.01)
+    feed(made, 2, 10, 0.01)
+    copy.adopt(told[-1], "step")
+    assert copy.split == {1: 90, 2: 10} and copy.state == "judging"
+    feed(copy, 1, 10, 0.01)
+    feed(copy, 2, 9, 0.01)
+    assert copy.split == {1: 90, 2: 10}  # 9 of the new window: no verdict yet
+    feed(copy, 2, 1, 0.01)
+    assert copy.split == {1: 50, 2: 50}
+
+
 def test_answers_compare_within_their_precision_and_exactly_otherwise():
     a = {"y": np.array([1.0, 2.0], np.float32), "n": np.array([1, 2])}
     assert same_answer(a, {"y": a["y"] + 1e-6, "n": a["n"].copy()})

@@ -203,9 +203,9 @@ class ServekitOn:
         """The proxy on ``host``."""
         return f"http://{host.address}:{self.port}"
 
-    def wait_ready(self, host: Host, model: str, timeout_s: float = 180) -> None:
-        """Wait until ``host``'s proxy says ``model`` is ready (raises, with the log's
-        tail, if servekit exits first or time runs out)."""
+    def wait_ready(self, host: Host, model: str | None, timeout_s: float = 180) -> None:
+        """Wait until ``host``'s proxy says ``model`` (None: the server) is ready (raises,
+        with the log's tail, if servekit exits first or time runs out)."""
         from ..client import Client
         from ..errors import ModelNotReady
 

@@ -146,6 +146,12 @@ class ServeConfig:
                 for m in self.models
                 if m.versions or m.traffic or m.canary
             ]
+        if runtime == "ray" and self.store.active and self.ray.ingress_replicas > 1:
+            problems.append(
+                f"[ray] ingress_replicas = {self.ray.ingress_replicas} with a [store] (the "
+                "store lives in one ingress replica, so that every host sees one index, "
+                "budget and load)"
+            )
         problems += _cache_problems(self, runtime)
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))

@@ -237,7 +237,7 @@ def ray_config(args: Mapping[str, Any] | ServeConfig | None = None) -> ServeConf
 
 
 def build_app(
-    args: Mapping[str, Any] | ServeConfig | None = None, *, drain_id: str | None = None
+    args: Mapping[str, Any] | ServeConfig | None = None, *, run_id: str | None = None
 ) -> Any:
     """The Ray Serve application (``serve run servekit.ray.app:build_app``, or the YAML config).
 
@@ -246,9 +246,11 @@ def build_app(
     model is a deployment of ``instances`` replicas running its runner behind a Batcher
     with its own policy; an image classifier also gets preprocess and postprocess
     deployments for ``<name>_image``. Every model loads on the driver first, so a file that
-    does not load fails here, before the cluster is touched. ``drain_id`` (``RayRuntime``'s,
-    one per run of servekit) is the flag its SIGTERM drains the ingress replicas by
-    (``servekit.ray.drain``); without one, as under ``serve run``, they never drain.
+    does not load fails here, before the cluster is touched. ``run_id`` (``RayRuntime``'s,
+    one per run of servekit) names the run's keys in Ray's KV store: the flag its SIGTERM
+    drains the ingress replicas by (``servekit.ray.drain``) and the traffic every ingress
+    replica shares (``servekit.ray.shared``); without one, as under ``serve run``, they
+    never drain and each ingress replica keeps its own traffic.
     """
     from ray import serve
 
@@ -288,7 +290,7 @@ def build_app(
             from .drain import Gate
 
             replica = ray_serve.get_replica_context().replica_id.unique_id
-            self.gate = Gate(drain_id, replica)
+            self.gate = Gate(run_id, replica)
             self.store: Any = None
             if config.store.active:
                 from ..store import store_app
@@ -311,9 +313,15 @@ def build_app(
                     m.runner.warmup()
                     models[m.name, m.version] = Batcher(m.runner, m.policy, name=m.name)
             self.cache = _cached(models, config)
-            # One Traffic per ingress replica: the split is decided here, for every model.
+            # A Traffic per ingress replica decides each request's version here; a change
+            # made in any replica reaches every other through Ray's KV store (a run's).
+            traffic = traffic_of(config.models)
+            if run_id is not None and traffic:
+                from .shared import SharedTraffic
+
+                SharedTraffic(run_id, traffic, replica)
             self.app = KServeApp(
-                route(_by_name(models), traffic_of(config.models)),
+                route(_by_name(models), traffic),
                 max_body_bytes=config.server.max_body_bytes,
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,

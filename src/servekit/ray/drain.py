@@ -2,7 +2,7 @@
 
 Ray Serve's own shutdown kills its proxies at once, so a request a proxy holds is cut
 off. servekit stops in three steps instead, through a flag in Ray's GCS key-value store
-(one per run of ``RayRuntime``, its ``drain_id``, seen by every ingress replica on every
+(one per run of ``RayRuntime``, its ``run_id``, seen by every ingress replica on every
 host; an app deployed otherwise, or by a later run, never sees an old flag):
 
 1. ``begin``: every ingress replica answers readiness 503 at once (load balancers and
@@ -36,11 +36,11 @@ def _drained(app: str) -> bytes:
 
 
 def clear(app: str) -> None:
-    """Forget the drain of ``app`` (a ``drain_id``): its flag and the replicas' reports."""
+    """Forget every key of ``app`` (a run's ``run_id``): its drain flag, the replicas'
+    reports and its shared traffic (``servekit.ray.shared``)."""
     from ray.experimental import internal_kv as kv
 
-    kv._internal_kv_del(_draining(app), namespace=NAMESPACE)
-    kv._internal_kv_del(_drained(app), del_by_prefix=True, namespace=NAMESPACE)
+    kv._internal_kv_del(f"{app}:".encode(), del_by_prefix=True, namespace=NAMESPACE)
 
 
 def begin(app: str) -> None:

@@ -36,8 +36,9 @@ class RayRuntime:
         self.num_cpus = num_cpus if self.address == "local" else None
         self._owns_ray = False
         self._origins: dict[str, object] | None = None
-        self.drain_id = f"{APP_NAME}/{uuid.uuid4().hex}"
-        """This run's drain flag (``servekit.ray.drain``): SIGTERM drains its replicas only."""
+        self.run_id = f"{APP_NAME}/{uuid.uuid4().hex}"
+        """This run's keys in Ray's KV store: its drain flag (``servekit.ray.drain``: SIGTERM
+        drains its replicas only) and its shared traffic (``servekit.ray.shared``)."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RayRuntime:
@@ -47,7 +48,7 @@ class RayRuntime:
         import ray
         from ray import serve
 
-        app = build_app(self.config, drain_id=self.drain_id)  # fails before the cluster is touched
+        app = build_app(self.config, run_id=self.run_id)  # fails before the cluster is touched
         self._origins = _origins(self.config)
         if not ray.is_initialized():
             ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
@@ -71,7 +72,7 @@ class RayRuntime:
         origins = _origins(self.config)
         if origins is not None and origins == self._origins:
             return [f"{APP_NAME}: unchanged ({', '.join(origins)})"]
-        serve.run(build_app(self.config, drain_id=self.drain_id), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(self.config, run_id=self.run_id), name=APP_NAME, route_prefix="/")
         self._origins = origins
         return [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
 
@@ -92,9 +93,9 @@ class RayRuntime:
             replicas = self.deployments().get("Ingress", 0)
         except Exception:  # Serve is not running (it never started, or died)
             return 0
-        drain.begin(self.drain_id)
+        drain.begin(self.run_id)
         timeout_s = max(self.config.server.exit_timeout_s, drain.SETTLE_S + 1.0)
-        return replicas - drain.wait(self.drain_id, replicas, timeout_s)
+        return replicas - drain.wait(self.run_id, replicas, timeout_s)
 
     def stop(self) -> None:
         """Drain, then stop Serve (and Ray, when this runtime started it)."""
@@ -108,7 +109,7 @@ class RayRuntime:
                             self.config.server.exit_timeout_s)  # fmt: skip
             serve.shutdown()
             with contextlib.suppress(Exception):  # the GCS is gone: nothing to forget
-                drain.clear(self.drain_id)
+                drain.clear(self.run_id)
             if self._owns_ray:
                 ray.shutdown()
                 self._owns_ray = False

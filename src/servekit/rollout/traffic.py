@@ -77,6 +77,9 @@ class Traffic:
         self.last_window: dict[str, Any] = {}
         if canary is not None:
             self._start_canary()
+        self.on_change: Callable[[dict[str, Any]], None] | None = None
+        """Told each change made here (a split, a shadow, a verdict) as ``shared()`` reads
+        it, under this Traffic's lock: it must not block (the Ray ingress shares it)."""
 
     # ------------------------------------------------------------ routing
 
@@ -157,9 +160,9 @@ class Traffic:
         parsed = self._known(parse_split(split, "traffic"))
         with self._lock:
             self._set_split(parsed)
-            self._event("split", why, split=dict(self._split))
             if self.canary_policy is not None:
                 self._start_canary()
+            self._event("split", why, split=dict(self._split))
 
     def parse_shadow(self, shadow: Any) -> int | None:
         """A shadow version as a request names it (a number, or null for none), checked."""
@@ -179,9 +182,9 @@ class Traffic:
         shadow = self.parse_shadow(shadow)
         with self._lock:
             self.shadow = shadow
-            self._event("shadow", why, shadow=shadow)
             if self.canary_policy is not None:
                 self._start_canary()
+            self._event("shadow", why, shadow=shadow)
 
     def follow_file(self, policy: TrafficPolicy) -> str | None:
         """The file's split, re-read (SIGHUP): applied, and the canary judged afresh, only
@@ -193,6 +196,29 @@ class Traffic:
         self.set_split(split, why="the file's split, re-read")
         self.file_split = split
         return f"{self.name}: traffic split {split} from the file"
+
+    def shared(self) -> dict[str, Any]:
+        """What another copy of this Traffic needs to route as this one does (``adopt``)."""
+        return {
+            "split": {str(v): w for v, w in self._split.items()},
+            "shadow": self.shadow,
+            "state": self.state,
+            "canary": self.canary,
+            "baseline": self.baseline,
+        }
+
+    def adopt(self, shared: Mapping[str, Any], why: str) -> None:
+        """Another copy's change (``shared()`` there), applied here as it was made there: a
+        canary still being judged starts a fresh window, a verdict given stays given."""
+        with self._lock:
+            self._set_split(self._known({int(v): int(w) for v, w in shared["split"].items()}))
+            self.shadow = shared["shadow"]
+            if shared["state"] == "judging" and self.canary_policy is not None:
+                self._start_canary()
+            else:
+                self.state, self._windows = shared["state"], {}
+                self.canary, self.baseline = shared["canary"], shared["baseline"]
+            self._event("adopted", why, split=dict(self._split), tell=False)
 
     def state_dict(self) -> dict[str, Any]:
         """What ``GET /v2/models/<m>/traffic`` answers."""
@@ -265,12 +291,12 @@ class Traffic:
             self._set_split({**{v: 0 for v in self._split}, canary: nxt, baseline: 100 - nxt})
             kind = "promoted" if nxt == 100 else "step"
             self.verdicts[(canary, kind)] += 1
-            self._event(kind, f"version {canary} passed a window: share {share} -> {nxt}",
-                        split=dict(self._split), figures=figures)  # fmt: skip
             if nxt == 100:
                 self.state, self._windows = "promoted", {}
             else:
                 self._windows = {canary: Window(), baseline: Window()}
+            self._event(kind, f"version {canary} passed a window: share {share} -> {nxt}",
+                        split=dict(self._split), figures=figures)  # fmt: skip
             return
         self.verdicts[(canary, "fail")] += 1
         why = "; ".join(verdict.reasons)
@@ -286,7 +312,9 @@ class Traffic:
             self._event("hold", f"version {canary} failed: {why}", split=dict(self._split),
                         figures=figures)  # fmt: skip
 
-    def _event(self, kind: str, why: str, **details: Any) -> None:
+    def _event(self, kind: str, why: str, *, tell: bool = True, **details: Any) -> None:
         event = {"time": round(self._clock(), 3), "event": kind, "why": why, **details}
         self.events.append(event)
         log.warning("%s: %s: %s", self.name, kind, why)
+        if tell and self.on_change is not None:
+            self.on_change(self.shared())

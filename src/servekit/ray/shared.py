@@ -1,0 +1,112 @@
+"""One traffic per model for every ingress replica of a run, on every host.
+
+Each ingress replica routes with its own ``Traffic`` (``servekit.rollout``), so without
+this a split set through one host's proxy, or a canary's verdict reached in one replica,
+would change that replica alone. Every change made in a replica (a split or a shadow set
+by request, a verdict) is written to Ray's GCS key-value store under the run's id as a
+new numbered entry (numbers taken with put-if-absent, so two replicas never take one),
+and every replica applies the highest-numbered entry it has not applied yet: whichever
+change was made last is the one every replica routes by. A replica that starts later (a
+host back, a replica replaced) applies it before it has served for long.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..rollout import Traffic
+from .drain import NAMESPACE
+
+__all__ = ["SharedTraffic"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25
+
+
+def _prefix(run_id: str, model: str) -> bytes:
+    return f"{run_id}:traffic:{model}:".encode()
+
+
+class SharedTraffic:
+    """Shares ``traffic`` (name -> Traffic of this replica) with the run's other replicas."""
+
+    def __init__(
+        self, run_id: str, traffic: Mapping[str, Traffic], replica: str, poll_s: float = POLL_S
+    ) -> None:
+        self.run_id, self.traffic, self.replica, self.poll_s = run_id, traffic, replica, poll_s
+        self.applied = {name: 0 for name in traffic}
+        """The number of the newest entry each model routes by here (0: the file's)."""
+        self._made: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._failing = False
+        for name, t in traffic.items():
+            t.on_change = lambda shared, name=name: self._made.put((name, shared))
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="servekit-traffic", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop sharing (a replica's thread otherwise ends with its process)."""
+        self._closed.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        made: list[tuple[str, dict[str, Any]]] = []
+        while not self._closed.is_set():
+            try:
+                made.append(self._made.get(timeout=self.poll_s))
+                while True:  # every change made here goes out before any is followed
+                    made.append(self._made.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                while made:
+                    self._publish(*made[0])
+                    made.pop(0)
+                for name in self.traffic:
+                    self._follow(name)
+            except Exception as exc:  # the GCS briefly unreachable: try again next turn
+                if not self._failing:
+                    log.warning("traffic: cannot reach Ray's key-value store: %s", exc)
+                self._failing = True
+            else:
+                self._failing = False
+
+    def _newest(self, name: str) -> int:
+        from ray.experimental import internal_kv as kv
+
+        prefix = _prefix(self.run_id, name)
+        keys = kv._internal_kv_list(prefix, namespace=NAMESPACE)
+        return max((int(k[len(prefix) :]) for k in keys), default=0)
+
+    def _publish(self, name: str, shared: dict[str, Any]) -> None:
+        from ray.experimental import internal_kv as kv
+
+        value = json.dumps({"by": self.replica, **shared}).encode()
+        while True:
+            number = self._newest(name) + 1
+            key = _prefix(self.run_id, name) + b"%010d" % number
+            if not kv._internal_kv_put(key, value, overwrite=False, namespace=NAMESPACE):
+                self.applied[name] = number  # made here, so already applied here
+                return
+
+    def _follow(self, name: str) -> None:
+        from ray.experimental import internal_kv as kv
+
+        number = self._newest(name)
+        if number <= self.applied[name]:
+            return
+        raw = kv._internal_kv_get(
+            _prefix(self.run_id, name) + b"%010d" % number, namespace=NAMESPACE
+        )
+        if raw is None:  # cleared while reading: the run is over
+            return
+        shared = json.loads(raw)
+        self.applied[name] = number
+        if shared.pop("by") != self.replica:
+            self.traffic[name].adopt(shared, f"change {number}, made by another ingress replica")

@@ -1,0 +1,91 @@
+"""One traffic for every ingress replica of a run (``servekit.ray.shared``), through a real
+Ray's GCS key-value store: each ``SharedTraffic`` here stands for an ingress replica on
+its own host (the cluster test serves it for real across three hosts)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("ray", reason="needs the ray extra")
+
+from conftest import ray_serve, wait_until
+from servekit.rollout import CanaryPolicy, Traffic, TrafficPolicy
+
+
+@pytest.fixture
+def ray() -> Iterator[Callable[..., list[Traffic]]]:
+    """A real Ray, and ``replicas(n, run_id, policy)``: n Traffics, each shared as an
+    ingress replica shares its own; every sharer closed before Ray stops."""
+    from servekit.ray.shared import SharedTraffic
+
+    sharers: list[SharedTraffic] = []
+
+    def replicas(n: int, run_id: str, policy: CanaryPolicy | None = None) -> list[Traffic]:
+        out = []
+        for i in range(n):
+            t = Traffic("m", [1, 2], TrafficPolicy({1: 90, 2: 10}), policy)
+            sharers.append(SharedTraffic(run_id, {"m": t}, f"replica-{i}", poll_s=0.05))
+            out.append(t)
+        return out
+
+    with ray_serve():
+        try:
+            yield replicas
+        finally:
+            for s in sharers:
+                s.close()
+
+
+def same(traffic: list[Traffic]) -> bool:
+    return len({(str(t.split), t.state) for t in traffic}) == 1
+
+
+def test_a_change_in_one_replica_reaches_every_other_and_a_late_one(ray):
+    from servekit.ray import drain
+
+    run = f"test/{uuid.uuid4().hex}"
+    a, b, c = ray(3, run)
+    b.set_split({"1": 0, "2": 100})
+    wait_until(lambda: a.split == c.split == {1: 0, 2: 100}, "the split everywhere", 10)
+    assert a.events[-1]["event"] == "adopted"
+    (late,) = ray(1, run)  # a replica started later (a host back) starts from it
+    wait_until(lambda: late.split == {1: 0, 2: 100}, "the split in a late replica", 10)
+    (other,) = ray(1, f"test/{uuid.uuid4().hex}")  # another run's replica shares nothing
+    drain.clear(run)  # the run is over: a replica of it started now starts from the file
+    (after,) = ray(1, run)
+    time.sleep(0.5)
+    assert other.split == after.split == {1: 90, 2: 10}
+
+
+def test_changes_made_at_once_in_every_replica_end_the_same_everywhere(ray):
+    traffic = ray(4, f"test/{uuid.uuid4().hex}")
+
+    def change(t: Traffic, i: int) -> None:
+        for k in range(10):
+            t.set_split({"1": (7 * i + k) % 101, "2": 100 - (7 * i + k) % 101})
+
+    threads = [threading.Thread(target=change, args=(t, i)) for i, t in enumerate(traffic)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wait_until(lambda: same(traffic), "one split in every replica", 15)
+
+
+def test_a_canary_s_verdict_in_one_replica_is_every_replica_s(ray):
+    a, b = ray(2, f"test/{uuid.uuid4().hex}", CanaryPolicy(min_requests=20, max_p99_ratio=1.5))
+    for _ in range(20):
+        a.record(1, 0.01, True)
+        a.record(2, 0.5, True)  # slow in replica a: rolled back there
+    assert a.state == "rolled back"
+    wait_until(lambda: b.state == "rolled back", "the rollback in replica b", 10)
+    assert b.split == {1: 100, 2: 0} and b.canary == 2
+    for _ in range(20):  # b judges no more: its canary was rolled back
+        b.record(1, 0.01, True)
+        b.record(2, 0.01, True)
+    assert b.split == {1: 100, 2: 0}
