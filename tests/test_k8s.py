@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,6 +174,53 @@ def test_the_ray_service_runs_an_app_servekit_can_build():
     for app in (*config["applications"], *local["applications"]):
         assert app["import_path"] == "servekit.ray.app:build_app"
         ray_config(app["args"])  # raises naming any unknown key or bad value
+
+
+def unknown_keys(model: Any, data: Any, at: str = "") -> list[str]:
+    """Keys of ``data`` that pydantic ``model`` (Ray Serve's schema, which ignores extra
+    keys) has no field for, at any depth of nested models and lists of them."""
+    import typing
+
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            out.append(f"{at}{key}")
+            continue
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        for kind in [k for t in kinds for k in (t, *typing.get_args(t))]:
+            if isinstance(kind, type) and hasattr(kind, "model_fields"):
+                for i, item in enumerate(value if isinstance(value, list) else [value]):
+                    out += unknown_keys(kind, item, f"{at}{key}[{i}].")
+                break
+    return out
+
+
+def test_the_ray_service_s_serve_config_is_one_ray_serve_accepts():
+    """``serveConfigV2`` against Ray Serve's own schema (what ``serve deploy`` and KubeRay's
+    submissions are checked with), from the installed Ray, every key included: a misspelt,
+    misplaced or mistyped setting is refused here, not on the cluster."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
+        from ray.serve.schema import ServeDeploySchema
+    (rs,) = [d for d in render(K8S / "overlays" / "ray") if d["kind"] == "RayService"]
+    local = yaml.safe_load((ROOT / "ray_app" / "config.yaml").read_text())
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    for serve_config in (config, local):
+        ServeDeploySchema.model_validate(serve_config)
+        assert unknown_keys(ServeDeploySchema, serve_config) == []
+    assert ServeDeploySchema.model_validate(config).proxy_location == "EveryNode"
+    with pytest.raises(Exception, match="proxy_location"):
+        ServeDeploySchema.model_validate({**config, "proxy_location": "Everywhere"})
+    app = {**config["applications"][0], "route_prefx": "/"}
+    assert unknown_keys(ServeDeploySchema, {**config, "applications": [app]}) == [
+        "applications[0].route_prefx"
+    ]
 
 
 def dashboard_exprs() -> list[str]:
