@@ -1,5 +1,5 @@
 """A decoupled model (``examples/streaming``: one text in, each of its words out, one
-response each) served on native: over a gRPC stream its responses come in order, flagged
+response each) served on native and on ray (in its ingress replica, over HTTP): over a gRPC stream its responses come in order, flagged
 ``triton_final_response`` false, then an empty final one where the client asks
 (``enable_empty_final_response``); over HTTP they come as Server-Sent Events; a unary
 call is refused as Triton refuses it; a model that fails midway sends what it made, then
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import wait_until
+from conftest import scrape, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
@@ -28,29 +28,50 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 EXAMPLE = Path(__file__).parent.parent / "examples" / "streaming"
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["native", "ray"])
+def served(request):
+    """The models on native, and on ray (in its ingress replica; HTTP only)."""
     from servekit.serving import create_runtime
 
+    if request.param == "ray":
+        pytest.importorskip("ray", reason="needs the ray extra")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
+            from ray import serve  # noqa: F401
     config = ServeConfig(
         (
             ModelConfig("words:Words", "words", path=str(EXAMPLE)),
             ModelConfig("words:Words", "slow", path=str(EXAMPLE), args={"delay_s": 0.05}),
         ),
         ServerConfig(exit_timeout_s=2),
-        runtime="native",
+        runtime=request.param,
     ).on_loopback()
     runtime = create_runtime(config)
     runtime.start()
     try:
-        yield config.server, runtime
+        yield config.server, request.param
     finally:
         runtime.stop()
 
 
-def made(runtime, name: str) -> int:
+def grpc_only(runtime: str) -> None:
+    if runtime == "ray":
+        pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
+
+
+def count(server, what: str, name: str) -> int:
+    """A decoupled model's count on ``/metrics`` (``servekit_decoupled_<what>_total``)."""
+    key = (f"servekit_decoupled_{what}", frozenset({("model", name)}))  # parsed without _total
+    samples = scrape(f"{server.http_url}/metrics")
+    assert key in samples, f"no {key[0]} for {name}"
+    return int(samples[key])
+
+
+def made(server, name: str) -> int:
     """Words the model ``name`` has made so far."""
-    return runtime.models.runner(name).runner.model.made
+    return count(server, "responses", name)
 
 
 def text(module, words: str):
@@ -81,7 +102,8 @@ def stream(server, model: str, words: str, **kw) -> list:
 
 
 def test_a_grpc_stream_brings_each_response_in_order_then_the_final_flag(served):
-    server, _ = served
+    server, runtime = served
+    grpc_only(runtime)
     out = stream(server, "words", "one two three four")
     assert all(error is None for _, error in out)
     *words, final = [r for r, _ in out]
@@ -94,7 +116,8 @@ def test_a_grpc_stream_brings_each_response_in_order_then_the_final_flag(served)
 
 
 def test_a_model_failing_midway_sends_what_it_made_then_its_error(served):
-    server, _ = served
+    server, runtime = served
+    grpc_only(runtime)
     out = stream(server, "words", "one two fail three")
     assert [r.as_numpy("WORD")[0, 0] for r, e in out if e is None] == [b"one", b"two"]
     error = out[-1][1]
@@ -103,7 +126,9 @@ def test_a_model_failing_midway_sends_what_it_made_then_its_error(served):
 
 @pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
 def test_a_unary_call_to_a_decoupled_model_is_refused_naming_it(served, module):
-    server, _ = served
+    server, runtime = served
+    if module is grpcclient:
+        grpc_only(runtime)
     port = server.http_port if module is httpclient else server.grpc_port
     c = module.InferenceServerClient(f"127.0.0.1:{port}")
     try:
@@ -156,25 +181,29 @@ def test_http_streams_the_responses_as_server_sent_events(served):
 def test_a_client_that_leaves_stops_the_model_at_its_next_step(served):
     """A 200-word request on the slow model (50 ms a word): the client takes three words
     and leaves, over gRPC (stop_stream cancelling) and over HTTP (hangs up). The model
-    makes at most one word more."""
+    makes at most a word or two more, read from its own count on ``/metrics``."""
     server, runtime = served
     long = " ".join(f"w{i}" for i in range(200))
+    abandoned = count(server, "abandoned", "slow")
 
-    got: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    c.start_stream(callback=lambda result, error: got.put((result, error)))
-    before = made(runtime, "slow")
-    c.async_stream_infer("slow", [text(grpcclient, long)], request_id="long")
-    for _ in range(3):
-        assert got.get(timeout=30)[1] is None
-    c.stop_stream(cancel_requests=True)
-    c.close()
-    wait_until(lambda: made(runtime, "slow") - before <= 5, "the model was stopped", 5)
-    at_stop = made(runtime, "slow")
-    time.sleep(0.5)  # ten words' time
-    assert made(runtime, "slow") - at_stop <= 1, "the model went on for a client that left"
+    if runtime != "ray":
+        got: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        before = made(server, "slow")
+        c.async_stream_infer("slow", [text(grpcclient, long)], request_id="long")
+        for _ in range(3):
+            assert got.get(timeout=30)[1] is None
+        c.stop_stream(cancel_requests=True)
+        c.close()
+        wait_until(lambda: made(server, "slow") - before <= 5, "the model was stopped", 5)
+        at_stop = made(server, "slow")
+        time.sleep(0.5)  # ten words' time
+        assert made(server, "slow") - at_stop <= 1, "the model went on for a client that left"
+        abandoned += 1
 
-    before = made(runtime, "slow")
+    before = made(server, "slow")
     assert len(events(server, "slow", long, keep=3)) == 3
-    time.sleep(0.5)
-    assert made(runtime, "slow") - before <= 3 + 2, "the model went on after the hang-up"
+    time.sleep(1.0)  # twenty words' time
+    assert made(server, "slow") - before <= 3 + 2, "the model went on after the hang-up"
+    assert count(server, "abandoned", "slow") == abandoned + 1

@@ -268,6 +268,7 @@ def test_a_store_answers_alike_through_every_proxy(cluster, add_sub_path, tmp_pa
     served = ServekitOn(cluster, cluster.head, config, tmp_path / "serve.log")
     try:
         served.wait_ready(cluster.head, None)  # a stored model is ready once loaded
+
         def proxies() -> list[str]:
             """The head's, and the ingress's host's once its proxy starts."""
             urls = [served.url(cluster.head)]

@@ -7,8 +7,9 @@ on the example model that keeps its own state by CORRID (``examples/sequences``)
 served signature hides the controls and the state, ``/config`` shows Triton's
 ``sequence_batching``, and Triton's errors name the sequence. On native servekit's
 sequence batcher schedules; on the triton runtime tritonserver's does, with the servekit
-backend keeping the implicit state and the controls. The pytriton and ray runtimes
-refuse the knob by name until they serve it."""
+backend keeping the implicit state and the controls; on ray servekit's sequence batcher
+runs in the one ingress replica every request of a sequence reaches. The pytriton runtime
+refuses the knob by name until it serves it."""
 
 from __future__ import annotations
 
@@ -48,19 +49,25 @@ def models(strategy: str) -> tuple[ModelConfig, ...]:
     )  # fmt: skip
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("native", "direct"), ("native", "oldest"), ("triton", "direct"), ("triton", "oldest")],
-    ids=["native-direct", "native-oldest", "triton-direct", "triton-oldest"],
-)
+RUNTIMES = [(r, s) for r in ("native", "triton", "ray") for s in ("direct", "oldest")]
+
+
+@pytest.fixture(scope="module", params=RUNTIMES, ids=[f"{r}-{s}" for r, s in RUNTIMES])
 def served(request):
-    """The models on servekit's sequence batcher (native), and on tritonserver's with the
-    servekit backend keeping the implicit state (triton)."""
+    """The models on servekit's sequence batcher (native; ray, in its ingress replica),
+    and on tritonserver's with the servekit backend keeping the implicit state (triton)."""
     from servekit.serving import create_runtime
 
     runtime_name, strategy = request.param
     if runtime_name == "triton":
         pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
+    if runtime_name == "ray":
+        pytest.importorskip("ray", reason="needs the ray extra")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
+            from ray import serve  # noqa: F401
     config = ServeConfig(
         models(strategy), ServerConfig(exit_timeout_s=2), runtime=runtime_name
     ).on_loopback()
@@ -96,11 +103,14 @@ def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_s
                 for sid in ids:
                     value = float(sid % 7 + step)
                     totals[sid] += value
-                    result = c.infer(
-                        "accumulate", [_tensor(httpclient, "INPUT", value, 4)],
-                        sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4,
-                    )  # fmt: skip
+                    flags = dict(sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4)
+                    result = c.infer("accumulate", [_tensor(httpclient, "INPUT", value, 4)],
+                                     **flags)  # fmt: skip
                     assert np.all(result.as_numpy("OUTPUT") == totals[sid]), (sid, step)
+                    result = c.infer("running_mean", [_tensor(httpclient, "VALUE", value, 1)],
+                                     **flags)  # fmt: skip
+                    mean = totals[sid] / (step + 1)
+                    assert np.allclose(result.as_numpy("MEAN"), mean), (sid, step)
         finally:
             c.close()
 
@@ -114,10 +124,12 @@ def test_eight_clients_interleaving_sequences_over_http_each_get_their_running_s
     assert sample(samples, key[0], **labels) == 0
 
 
-def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served):
+def test_sequences_over_grpc_streams_and_a_model_that_keeps_its_own_state(served, runtime):
     """Each of eight clients streams two interleaved sequences to each model, every request
     sent before any answer is read: the answers, matched by id, are the running sums and
     running means a sequential run gives."""
+    if runtime == "ray":
+        pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
 
     def client(k: int) -> None:
         answers: queue.Queue = queue.Queue()
@@ -177,7 +189,9 @@ def test_the_signature_hides_the_controls_and_state_and_the_config_shows_them(se
 
 
 @pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
-def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served, module):
+def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served, runtime, module):
+    if runtime == "ray" and module is grpcclient:
+        pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
     port = served.http_port if module is httpclient else served.grpc_port
     c = module.InferenceServerClient(f"127.0.0.1:{port}")
     x = _tensor(module, "INPUT", 1.0, 4)
@@ -200,22 +214,30 @@ def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served
         c.close()
 
 
-@pytest.mark.parametrize("other", ["pytriton", "ray"])
-def test_other_runtimes_refuse_sequence_batching_by_name(other):
-    config = ServeConfig(models("direct")[:1], runtime=other)
+def test_pytriton_and_several_ray_ingress_replicas_refuse_sequence_batching_by_name():
+    from servekit import RayOptions
+
+    config = ServeConfig(models("direct")[:1], runtime="pytriton")
     with pytest.raises(ValueError, match=r"models\.accumulate: \[models\.sequence_batching\]"):
         config.check()
+    config = ServeConfig(models("direct")[:1], runtime="ray", ray=RayOptions(ingress_replicas=2))
+    with pytest.raises(ValueError, match=r"sequence_batching\] with \[ray\] ingress_replicas = 2"):
+        config.check()
+    config.replace(ray=RayOptions()).check()
 
 
 @pytest.mark.parametrize(
     "protocol, streaming", [("http", False), ("grpc", False), ("grpc", True)],
     ids=["http", "grpc", "grpc-stream"],
 )  # fmt: skip
-def test_the_load_generator_runs_sequences_unary_and_streamed(served, protocol, streaming):
+def test_the_load_generator_runs_sequences_unary_and_streamed(served, runtime, protocol, streaming):
     """``servekit bench --sequence-length 4 [--streaming]``'s targets: eight workers, each
     running sequences of four (a request without its START would be refused, so any
     slip in the flags shows as errors)."""
     import asyncio
+
+    if runtime == "ray" and protocol == "grpc":
+        pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
 
     from servekit.bench import MeasureConfig, closed_loop, open_target
 
@@ -276,14 +298,36 @@ def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
         c.close()
 
 
-def test_tritonservers_own_sequence_batcher_gives_the_same_answers(served, tritons_own):
+def _http_sequences(port: int, k: int) -> dict[str, np.ndarray]:
+    """The same sequences as ``_stream_sequences``, over HTTP, one request at a time."""
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        out = {}
+        for step in range(5):
+            for sid in (100 + 2 * k, 101 + 2 * k):
+                result = c.infer(
+                    "accumulate", [_tensor(httpclient, "INPUT", float(sid * step % 13), 4)],
+                    sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4,
+                )  # fmt: skip
+                out[f"{sid}-{step}"] = result.as_numpy("OUTPUT")
+        return out
+    finally:
+        c.close()
+
+
+def test_tritonservers_own_sequence_batcher_gives_the_same_answers(served, runtime, tritons_own):
     """The same interleaved sequences from eight clients at once, streamed to servekit
-    (native) and to tritonserver's own sequence batcher: identical outputs, request by
-    request, and both the running sums."""
+    (over HTTP to ray, which has no gRPC) and to tritonserver's own sequence batcher:
+    identical outputs, request by request, and both the running sums."""
     from concurrent.futures import ThreadPoolExecutor
 
+    ask, port = (
+        (_http_sequences, served.http_port)
+        if runtime == "ray"
+        else (_stream_sequences, served.grpc_port)
+    )
     with ThreadPoolExecutor(16) as pool:
-        ours = pool.map(_stream_sequences, [served.grpc_port] * 8, range(8))
+        ours = pool.map(ask, [port] * 8, range(8))
         theirs = pool.map(_stream_sequences, [tritons_own.grpc_port] * 8, range(8))
         ours, theirs = list(ours), list(theirs)
     for k, (mine, triton) in enumerate(zip(ours, theirs, strict=True)):

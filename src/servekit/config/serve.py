@@ -126,10 +126,18 @@ class ServeConfig:
             for m in self.models
             if m.version != 1
         ]
-        if runtime in ("pytriton", "ray"):
+        if runtime == "pytriton":
             problems += [
                 f"models.{m.name}: [models.sequence_batching] (sequences are served on the "
-                "native and triton runtimes so far)"
+                "native, triton and ray runtimes so far)"
+                for m in self.models
+                if m.sequence_batching is not None
+            ]
+        if runtime == "ray" and self.ray.ingress_replicas > 1:
+            problems += [
+                f"models.{m.name}: [models.sequence_batching] with [ray] ingress_replicas = "
+                f"{self.ray.ingress_replicas} (a sequence's state lives in one ingress "
+                "replica, which every request of it must reach)"
                 for m in self.models
                 if m.sequence_batching is not None
             ]

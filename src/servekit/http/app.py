@@ -55,6 +55,7 @@ from ..protocol.models import (
     RepositoryControl,
     as_registry,
     conforms,
+    decoupled_figures,
 )
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import RoutedModel, infer_answered
@@ -143,8 +144,11 @@ class KServeApp(Forwarding):
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._routes = [(method, path, getattr(self, name)) for method, path, name in ROUTES]
         self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]] = {}
+        decoupled: dict[str, DecoupledModel] = {}
         for name, model in self.models.loaded().items():
             batchers: dict[str, Batcher | SequenceBatcher]
+            if isinstance(model, DecoupledModel):
+                decoupled[name] = model
             if isinstance(model, RoutedModel):
                 self.metrics.watch_traffic(model.traffic)
                 batchers = model.batchers()
@@ -153,6 +157,8 @@ class KServeApp(Forwarding):
             for version, batcher in batchers.items():
                 if (name, version) not in self.metrics.models:
                     self.metrics.watch(batcher, name, version)
+        if decoupled:
+            self.metrics.collect(lambda: decoupled_figures(decoupled))
 
     async def handle(self, request: HttpRequest) -> Answer:
         """Answer one request; never raises: errors map once through ``http_status``."""

@@ -38,6 +38,7 @@ __all__ = [
     "StaticModels",
     "as_registry",
     "conforms",
+    "decoupled_figures",
 ]
 
 _T = TypeVar("_T")
@@ -249,11 +250,20 @@ class DecoupledModel:
 
     def __init__(self, runner: Runner, instances: int = 1, name: str = "model") -> None:
         import concurrent.futures
+        import threading
 
         self.runner, self.name, self.spec = runner, name, runner.spec
         self._pool = concurrent.futures.ThreadPoolExecutor(
             instances, thread_name_prefix=f"servekit-{name}"
         )
+        self._counting = threading.Lock()
+        self.counts = {"requests": 0, "responses": 0, "abandoned": 0}
+        """Requests taken, responses the model made, and requests whose client left
+        before the model's last response (``decoupled_figures``)."""
+
+    def _count(self, what: str) -> None:
+        with self._counting:
+            self.counts[what] += 1
 
     async def infer(
         self,
@@ -276,6 +286,7 @@ class DecoupledModel:
         import threading
 
         self.spec.validate_inputs(inputs)
+        self._count("requests")
         loop = asyncio.get_running_loop()
         handed: asyncio.Queue[Any] = asyncio.Queue()
         room = threading.Semaphore(self.BUFFERED)
@@ -285,6 +296,7 @@ class DecoupledModel:
             made = self.runner.responses(inputs)  # type: ignore[attr-defined]
             try:
                 for outputs in made:
+                    self._count("responses")
                     while not room.acquire(timeout=0.1):
                         if stop.is_set():
                             return
@@ -298,13 +310,18 @@ class DecoupledModel:
                 loop.call_soon_threadsafe(handed.put_nowait, _DONE)
 
         running = loop.run_in_executor(self._pool, work)
+        finished = False
         try:
             while (item := await handed.get()) is not _DONE:
                 room.release()
                 if isinstance(item, ServekitError):
+                    finished = True
                     raise item
                 yield item
+            finished = True
         finally:
+            if not finished:  # the client left first
+                self._count("abandoned")
             stop.set()
             room.release()
             del running
@@ -315,6 +332,24 @@ class DecoupledModel:
 
 _DONE = object()
 """The end of a decoupled model's responses."""
+
+DECOUPLED_METRICS = {
+    "requests": ("servekit_decoupled_requests_total", "Requests a decoupled model took"),
+    "responses": ("servekit_decoupled_responses_total", "Responses a decoupled model made"),
+    "abandoned": (
+        "servekit_decoupled_abandoned_total",
+        "Requests whose client left before the decoupled model's last response",
+    ),
+}
+
+
+def decoupled_figures(
+    models: Mapping[str, DecoupledModel],
+) -> Iterator[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+    """Each decoupled model's counts as Prometheus families (``Metrics.collect``)."""
+    for key, (name, about) in DECOUPLED_METRICS.items():
+        samples = [({"model": m}, float(d.counts[key])) for m, d in sorted(models.items())]
+        yield name, "counter", about, samples
 
 
 class RunnerModel:

@@ -260,10 +260,9 @@ def build_app(
     @serve.deployment
     class Model(_Batched):
         def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
-            from ..runtime.base import load_model_runner, refuse_decoupled
+            from ..runtime.base import load_model_runner
 
             runner = load_model_runner(model, cache_dir, config.storage)
-            refuse_decoupled(runner, model.name, "ray")
             runner.warmup()
             super().__init__(runner, model.batching, model.name, model.autoscale)
 
@@ -308,10 +307,11 @@ def build_app(
             }  # fmt: skip
             for model in fused:  # every version, each checked against version 1's signature
                 from ..runtime.base import load_models
+                from ..runtime.registry import scheduled
 
                 for m in load_models(model, config.cache_dir, config.storage):
                     m.runner.warmup()
-                    models[m.name, m.version] = Batcher(m.runner, m.policy, name=m.name)
+                    models[m.name, m.version] = scheduled(m)
             self.cache = _cached(models, config)
             # A Traffic per ingress replica decides each request's version here; a change
             # made in any replica reaches every other through Ray's KV store (a run's).
@@ -351,6 +351,8 @@ def build_app(
                     await asyncio.shield(self._started)
                 except ServekitError as exc:  # every request says why, as the app would
                     return _refusal(exc, f"the store did not start: {exc}")
+            if "text/event-stream" in request.headers.get("accept", ""):
+                return await self._streamed(request)
             sent: list[dict[str, Any]] = []
 
             async def send(message: dict[str, Any]) -> None:
@@ -366,6 +368,36 @@ def build_app(
                 },
             )
 
+        async def _streamed(self, request: Any) -> Any:
+            """The app's answer passed on as it is sent (a decoupled model's events): the
+            client's leaving, which Ray turns into this generator's end, stops the model."""
+            import asyncio
+
+            from starlette.responses import StreamingResponse
+
+            sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=16)
+            app = asyncio.ensure_future(self.app(request.scope, request.receive, sent.put))
+            first = asyncio.ensure_future(sent.get())
+            await asyncio.wait({first, app}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():  # the app ended without an answer: its error, as raised
+                first.cancel()
+                app.result()
+            start = first.result()
+
+            async def body() -> Any:
+                try:
+                    while True:
+                        message = await sent.get()
+                        if message.get("body"):
+                            yield message["body"]
+                        if not message.get("more_body"):
+                            return
+                finally:
+                    app.cancel()
+
+            headers = {k.decode(): v.decode() for k, v in start["headers"]}
+            return StreamingResponse(body(), status_code=start["status"], headers=headers)
+
     if config.store.active:  # the store lives in the one ingress replica, as fused models do
         return Ingress.options(  # type: ignore[attr-defined]
             num_replicas=1,
@@ -376,9 +408,15 @@ def build_app(
         return _fused(config, Ingress)
 
     chains: dict[Key, tuple[ModelSpec, tuple[Any, ...], Any]] = {}
+    local: list[ModelConfig] = []
     busiest = 16
     for model in config.models:
         probe = probe_model(model, config.cache_dir, config.storage)
+        if model.sequence_batching is not None or probe.decoupled:
+            # A sequence's state, and a stream of responses, stay in the ingress replica
+            # that holds them: every request of a sequence reaches that one replica.
+            local.append(model)
+            continue
         spec, image_spec, meta = probe.spec, probe.image_spec, probe.metadata
         for version in model.version_numbers[1:]:
             other = probe_model(model.for_version(version), config.cache_dir, config.storage).spec
@@ -430,9 +468,12 @@ def build_app(
             (pre, net, post),
             (model.batching, in_flight),
         )
+    options = {"num_cpus": ray.stage_cpus}
+    if local:  # models run in the ingress replica itself: it asks for a model's resources
+        options = {"num_cpus": max(ray.stage_cpus, ray.model_cpus), "num_gpus": ray.model_gpus}
     return Ingress.options(  # type: ignore[attr-defined]
         num_replicas=ray.ingress_replicas,
         max_replicas_per_node=1 if ray.ingress_replicas > 1 else None,
         max_ongoing_requests=4 * busiest,
-        ray_actor_options={"num_cpus": ray.stage_cpus},
-    ).bind(chains)
+        ray_actor_options=options,
+    ).bind(chains, tuple(local))

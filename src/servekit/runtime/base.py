@@ -82,11 +82,11 @@ class Runtime(Protocol):
 
 def refuse_decoupled(runner: Runner, name: str, runtime: str) -> None:
     """``ValueError`` naming ``runtime`` and the model where ``runner`` is decoupled: its
-    streams are served on the native runtime so far."""
+    streams are served on the native and ray runtimes so far."""
     if getattr(runner, "decoupled", False):
         raise ValueError(
             f"the {runtime} runtime cannot serve model {name!r}: it is decoupled (answers a "
-            "request with any number of responses), served on the native runtime so far"
+            "request with any number of responses), served on the native and ray runtimes so far"
         )
 
 
@@ -248,6 +248,8 @@ class ModelProbe:
     spec: ModelSpec
     metadata: dict[str, str]
     image_spec: ModelSpec | None
+    decoupled: bool = False
+    """Your own model answers a request with any number of responses (``decoupled``)."""
 
 
 def probe_model(
@@ -274,6 +276,6 @@ def probe_model(
             pre, post = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)
             image_spec = ImageClassifier([pre, runner, post]).spec
             pre.close()
-        return ModelProbe(path, spec, meta, image_spec)
+        return ModelProbe(path, spec, meta, image_spec, bool(getattr(runner, "decoupled", False)))
     finally:
         runner.close()

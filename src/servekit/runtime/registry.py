@@ -25,12 +25,32 @@ from ..rollout import Traffic
 from ..runners.versioned import VersionedRunner
 from .base import ServedModel, load_models, reload_models
 
-__all__ = ["ServedModels", "behind_cache", "model_identity", "response_cache", "served_name"]
+__all__ = [
+    "ServedModels",
+    "behind_cache",
+    "model_identity",
+    "response_cache",
+    "scheduled",
+    "served_name",
+]
 
 
 def served_name(model: ServedModel) -> str:
     """The name a version is served under on its own (``version_model_name``)."""
     return model.name if model.version == 1 else version_model_name(model.name, model.version)
+
+
+def scheduled(m: ServedModel) -> Batcher | SequenceBatcher | DecoupledModel:
+    """One loaded version behind its scheduler: Triton's sequence batcher for a model with
+    ``sequence_batching``, a ``DecoupledModel`` for a decoupled one, else the dynamic
+    batcher; each with the model's policy and instances (every in-process runtime)."""
+    if getattr(m.runner, "decoupled", False):
+        return DecoupledModel(m.runner, m.instance_count, m.name)
+    if m.sequence is not None:
+        return SequenceBatcher(
+            m.runner, m.policy, m.sequence, instance_count=m.instance_count, name=m.name
+        )
+    return Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
 
 
 class ServedModels:
@@ -121,20 +141,12 @@ class ServedModels:
         self.close_batchers()
         by_name: dict[str, dict[int, Any]] = {}
         for m in self._models:
-            batcher: Batcher | SequenceBatcher
-            if getattr(m.runner, "decoupled", False):
-                decoupled = DecoupledModel(m.runner, m.instance_count, m.name)
-                self._decoupled.append(decoupled)
-                by_name.setdefault(m.name, {})[m.version] = decoupled
-                continue
-            if m.sequence is not None:
-                batcher = SequenceBatcher(
-                    m.runner, m.policy, m.sequence, instance_count=m.instance_count, name=m.name
-                )
+            served = scheduled(m)
+            if isinstance(served, DecoupledModel):
+                self._decoupled.append(served)
             else:
-                batcher = Batcher(m.runner, m.policy, instance_count=m.instance_count, name=m.name)
-            self.batchers[served_name(m)] = batcher
-            by_name.setdefault(m.name, {})[m.version] = batcher
+                self.batchers[served_name(m)] = served
+            by_name.setdefault(m.name, {})[m.version] = served
         return route(by_name, self.traffic)
 
     def close_batchers(self) -> None:
