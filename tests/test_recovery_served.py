@@ -282,3 +282,148 @@ def test_killed_ray_replicas_cost_no_request_and_every_answer_is_right(add_sub_p
     # Whether a kill catches a batch in flight varies (4 of 10 did in bench/recovery.py's
     # run before servekit.recovery, each a failed request then): deaths are not counted here.
     assert families.get(("servekit_requests_quarantined", add_sub), 0) == 0
+
+
+def _sequence_models() -> tuple[ModelConfig, ...]:
+    from servekit import BatchingPolicy
+    from servekit.batching.sequence import Controls, SequencePolicy, StateSpec
+
+    example = Path(__file__).parent.parent / "examples" / "sequences"
+    return (
+        ModelConfig(
+            "accumulate", batching=BatchingPolicy(max_batch_size=8),
+            sequence_batching=SequencePolicy(
+                "oldest", max_candidate_sequences=8, states=(StateSpec("STATE_IN", "STATE_OUT"),)
+            ),
+        ),
+        ModelConfig(
+            "running_mean:RunningMean", "running_mean", path=str(example),
+            sequence_batching=SequencePolicy(
+                "oldest", max_candidate_sequences=8,
+                controls=Controls(start="START", ready="READY", corrid="CORRID"),
+            ),
+        ),
+    )  # fmt: skip
+
+
+class Sequences:
+    """Clients each running sequences of ``length`` on both models, one after another,
+    over HTTP (half) and gRPC (half), every answer checked against the running sum and
+    mean a sequential run gives; what failed or came back wrong is kept."""
+
+    def __init__(self, config: ServeConfig, clients: int = 8, length: int = 6) -> None:
+        self.config, self.length = config, length
+        self.answered, self.failures, self.wrong = 0, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(clients)]
+
+    def _run(self, k: int) -> None:
+        import tritonclient.grpc as grpcclient
+        import tritonclient.http as httpclient
+
+        module = httpclient if k % 2 else grpcclient
+        port = self.config.server.http_port if k % 2 else self.config.server.grpc_port
+        c = module.InferenceServerClient(f"127.0.0.1:{port}")
+
+        def tensor(name: str, value: float, width: int):
+            t = module.InferInput(name, [1, width], "FP32")
+            t.set_data_from_numpy(np.full((1, width), value, np.float32))
+            return t
+
+        sid = 1000 * (k + 1)
+        try:
+            while not self._stop.is_set():
+                sid += 1
+                total = 0.0
+                for step in range(self.length):
+                    value = float((sid + step) % 11)
+                    total += value
+                    flags = dict(sequence_id=sid, sequence_start=step == 0,
+                                 sequence_end=step == self.length - 1)  # fmt: skip
+                    try:
+                        a = c.infer("accumulate", [tensor("INPUT", value, 4)], **flags)
+                        m = c.infer("running_mean", [tensor("VALUE", value, 1)], **flags)
+                    except Exception as exc:
+                        self.failures.append(f"{sid}/{step}: {exc}")
+                        break
+                    if not np.all(a.as_numpy("OUTPUT") == total) or not np.allclose(
+                        m.as_numpy("MEAN"), total / (step + 1)
+                    ):
+                        self.wrong.append((sid, step))
+                    self.answered += 1
+                    time.sleep(0.01)
+        finally:
+            c.close()
+
+    def __enter__(self) -> Sequences:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def test_a_worker_killed_mid_sequence_costs_no_request_and_no_wrong_answer():
+    """Eight clients run sequences on the ONNX accumulator (state servekit's backend keeps)
+    and on a model that keeps its own state by CORRID; the worker is SIGKILLed twice
+    mid-sequence. The front rebuilds each live sequence on the restarted tritonserver
+    from the requests it kept (``servekit.front.journal``), so every request is answered,
+    every running sum and mean is right, and sequences started after go on as before."""
+    config = ServeConfig(_sequence_models(), runtime="triton").on_loopback()
+    served = create_runtime(config)
+    with supervised(served) as supervisor:
+        wait_until(lambda: Client(config.server.http_url).is_ready("accumulate"), "ready", 120)
+        with Sequences(config) as load:
+            for kill in range(KILLS):
+                seen = load.answered
+                wait_until(lambda seen=seen: load.answered > seen + 60, "answers before", 60)
+                for stub in stubs(served.process._workdir.path):  # type: ignore[attr-defined]
+                    os.kill(stub, signal.SIGKILL)
+                wait_until(
+                    lambda kill=kill: supervisor.events.count("restarted") > kill,  # type: ignore[attr-defined]
+                    "the restart", 60,
+                )  # fmt: skip
+            seen = load.answered
+            wait_until(lambda: load.answered > seen + 60, "answers after the last restart", 60)
+    assert load.failures == [] and load.wrong == []
+    assert supervisor.restarts == KILLS
+
+
+def test_a_sequence_longer_than_the_front_keeps_is_refused_naming_it_after_a_death():
+    """With ``max_sequence_replay = 2`` a sequence that ran three requests cannot be rebuilt
+    after its worker died: its next request gets a 504 naming the sequence and the bound;
+    a sequence started after it is served."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    config = ServeConfig(
+        _sequence_models()[:1], ServerConfig(max_sequence_replay=2), runtime="triton"
+    ).on_loopback()
+    served = create_runtime(config)
+
+    def infer(c, sid: int, value: float, **flags):
+        t = httpclient.InferInput("INPUT", [1, 4], "FP32")
+        t.set_data_from_numpy(np.full((1, 4), value, np.float32))
+        return c.infer("accumulate", [t], sequence_id=sid, **flags).as_numpy("OUTPUT")
+
+    with supervised(served) as supervisor:
+        wait_until(lambda: Client(config.server.http_url).is_ready("accumulate"), "ready", 120)
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{config.server.http_port}")
+        try:
+            infer(c, 7, 1.0, sequence_start=True)
+            infer(c, 8, 1.0, sequence_start=True)  # two kept: rebuilt
+            infer(c, 8, 2.0)
+            for value in (2.0, 3.0):  # three: past the two kept
+                infer(c, 7, value)
+            for stub in stubs(served.process._workdir.path):  # type: ignore[attr-defined]
+                os.kill(stub, signal.SIGKILL)
+            wait_until(lambda: supervisor.events.count("restarted") >= 1, "the restart", 60)  # type: ignore[attr-defined]
+            with pytest.raises(InferenceServerException, match=r"\[504\].*sequence 7 .*2 kept"):
+                infer(c, 7, 4.0)
+            assert np.all(infer(c, 8, 3.0, sequence_end=True) == 6.0)
+            assert np.all(infer(c, 9, 5.0, sequence_start=True, sequence_end=True) == 5.0)
+        finally:
+            c.close()

@@ -93,14 +93,24 @@ class Recovery:
         *,
         timeout_s: float = 30.0,
         max_deaths: int = 2,
+        sequence_replay: int = 100,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if timeout_s <= 0 or max_deaths < 1:
+        if timeout_s <= 0 or max_deaths < 1 or sequence_replay < 0:
             raise ValueError(
-                f"request_timeout_s must be > 0 and max_worker_deaths >= 1, got {timeout_s} "
-                f"and {max_deaths}"
+                f"request_timeout_s must be > 0, max_worker_deaths >= 1 and "
+                f"max_sequence_replay >= 0, got {timeout_s}, {max_deaths} and {sequence_replay}"
             )
         self.timeout_s, self.max_deaths, self._clock = timeout_s, max_deaths, clock
+        self.sequence_replay = sequence_replay
+        """Requests of a live sequence kept to rebuild its state on a new worker
+        (``servekit.front.journal``); 0 keeps none."""
+        self.epoch = 0
+        """Counts the times workers may have lost their state (an outage first seen, a
+        restart): a sequence's state built in an earlier epoch is gone."""
+        self.epoch_since = clock()
+        """When ``epoch`` last moved: idle time counts from here for a sequence kept across
+        an outage, which kept its client waiting."""
         self._models: dict[str, _Model] = {}
         self._poison: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._paused = False
@@ -148,6 +158,7 @@ class Recovery:
         """The runtime started its workers again (any thread): every model's outage is over."""
         for name in list(self._models):
             self.answered(name)
+        self.epoch, self.epoch_since = self.epoch + 1, self._clock()
         self._paused = False
 
     def _lost(self, model: str) -> None:
@@ -155,6 +166,7 @@ class Recovery:
         if m.down_since is None:  # the first request to see a worker gone: one death
             m.deaths += 1
             m.down_since = self._clock()
+            self.epoch, self.epoch_since = self.epoch + 1, m.down_since
 
     async def replay(
         self,

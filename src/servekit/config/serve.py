@@ -32,6 +32,7 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "store": "PyTriton cannot unload a model (pytriton#21)",
         "inference_token": "PyTriton's tritonserver takes one access token, the control_token, "
         "and servekit's front does not check an inference token in front of it",
+        "max_sequence_replay": "the pytriton runtime serves no sequences yet",
     },
     "triton": {
         "ray": "Ray deployment options",
@@ -43,6 +44,7 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "ray": "Ray deployment options",
         "request_timeout_s": _IN_PROCESS,
         "max_worker_deaths": _IN_PROCESS,
+        "max_sequence_replay": _IN_PROCESS,
     },
     "ray": {
         "grpc_port": "Ray's ingress is HTTP only",
@@ -53,6 +55,7 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "max_connections": "Ray's HTTP proxy keeps its own connections",
         "grpc_handshake_timeout_s": "Ray's ingress is HTTP only",
         "grpc_idle_timeout_s": "Ray's ingress is HTTP only",
+        "max_sequence_replay": "a sequence lives in the ingress replica, which replays nothing",
     },
 }
 

@@ -105,6 +105,10 @@ class ServerConfig(Endpoints):
     max_worker_deaths: int = 2
     """A request in flight in this many worker deaths is not sent again: 400, and the same
     input is refused at once from then on (``servekit.recovery``)."""
+    max_sequence_replay: int = 100
+    """Requests of each live sequence the Triton runtimes' front keeps to rebuild its state
+    on a restarted worker (``servekit.front.journal``); a longer sequence whose worker died
+    gets an error naming it. 0 keeps none."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """The response cache's store (``CacheConfig``); none by default."""
 
@@ -126,7 +130,11 @@ class ServerConfig(Endpoints):
 
     def recovery(self) -> Recovery:
         """What re-sends requests a worker death cost and quarantines poison inputs."""
-        return Recovery(timeout_s=self.request_timeout_s, max_deaths=self.max_worker_deaths)
+        return Recovery(
+            timeout_s=self.request_timeout_s,
+            max_deaths=self.max_worker_deaths,
+            sequence_replay=self.max_sequence_replay,
+        )
 
     def grpc_limits(self) -> dict[str, Any]:
         """servekit's gRPC server's connection limits (``GrpcH2Server``'s keywords)."""

@@ -40,12 +40,14 @@ from typing import Any, cast
 import numpy as np
 
 from ..batching import Batcher
+from ..batching.sequence import SequenceFlags
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotReady, ServekitError
 from ..protocol.kserve import HEADER_LENGTH
 from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..spec import ModelSpec
 from .grpc import GrpcForwarder, Status
 from .http import Answer, Done, Dropped, HttpForwarder
+from .journal import SequenceJournal
 
 __all__ = ["ForwardedModel", "TritonVersion", "triton_fetch", "triton_ready"]
 
@@ -73,10 +75,17 @@ class ForwardedModel:
         http_url: str | None = None,
         recovery: Recovery | None = None,
         sequenced: bool = False,
+        sequence_idle_s: float = 1.0,
     ) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
         self.sequenced = sequenced
         """tritonserver runs it with its sequence batcher: a request may name a sequence."""
+        self.journal = (
+            SequenceJournal(name, recovery, sequence_idle_s)
+            if sequenced and recovery is not None
+            else None
+        )
+        """Its live sequences' requests, to rebuild them on a restarted worker."""
         self.http_url, self.recovery = http_url, recovery
         self._client: GrpcForwarder | None = None
         self._http: HttpForwarder | None = None
@@ -124,10 +133,12 @@ class ForwardedModel:
         header_length: int | None,
         version: str,
         timeout_us: int | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> Answer:
         """The checked request to Triton's own HTTP port, the same bytes, on a pooled
         keep-alive loopback connection; Triton's answer as it is (``PassThrough``),
-        re-sent if its worker dies (``recovery``)."""
+        re-sent if its worker dies (``recovery``; a sequence's, after its state is
+        rebuilt on the new worker: ``journal``)."""
         request = self._request(body, header_length, version)
         http = cast(HttpForwarder, self._http)
         recovery = self.recovery
@@ -137,11 +148,17 @@ class ForwardedModel:
             key = functools.partial(fingerprint, self.name, version.encode(), body)
             recovery.refuse_poison(self.name, key)
             live, arrived = recovery.live(self.name), time.monotonic()
-            outcome = await recovery.replay(
-                self.name, functools.partial(http.exchange, request), self._lost,
-                deadline=recovery.deadline(timeout_us, arrived), key=key,
-                first=await http.exchange(request), first_sent_live=live,
-            )  # fmt: skip
+            deadline = recovery.deadline(timeout_us, arrived)
+            send = functools.partial(http.exchange, request)
+            if sequence is not None and self.journal is not None:
+                outcome = await self.journal.run(
+                    sequence, send, self._lost, _http_answered, deadline=deadline, key=key
+                )
+            else:
+                outcome = await recovery.replay(
+                    self.name, send, self._lost, deadline=deadline, key=key,
+                    first=await send(), first_sent_live=live,
+                )  # fmt: skip
         if isinstance(outcome, ServekitError):
             raise outcome
         return outcome
@@ -153,9 +170,16 @@ class ForwardedModel:
         version: str,
         done: Done,
         timeout_us: int | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> None:
         """``forward`` from callbacks: no task, no future (the front's fast path) unless
-        the worker died under the request."""
+        the worker died under the request, or it belongs to a sequence kept in ``journal``."""
+        if sequence is not None and self.journal is not None:
+            call = self.forward(body, header_length, version, timeout_us, sequence)
+            task = asyncio.get_running_loop().create_task(call)
+            self._replays.add(task)
+            task.add_done_callback(functools.partial(self._replayed, done))
+            return
         request = self._request(body, header_length, version)
         http = cast(HttpForwarder, self._http)
         recovery = self.recovery
@@ -225,18 +249,24 @@ class ForwardedModel:
         *,
         timeout_us: int | None = None,
         metadata: tuple[tuple[str, Any], ...] = (),
+        sequence: SequenceFlags | None = None,
     ) -> bytes | Status:
         """A checked ``ModelInferRequest`` message to Triton's gRPC port as its bytes, and
         Triton's answer as it is; re-sent if its worker dies (``recovery``, with ``key``
-        the request's poison fingerprint)."""
+        the request's poison fingerprint; a sequence's through ``journal``)."""
         send = functools.partial(self._grpc().call, "ModelInfer", body, metadata)
         recovery = self.recovery
         if recovery is None:
             return await send()
         recovery.refuse_poison(self.name, key)
         live, arrived = recovery.live(self.name), time.monotonic()
+        deadline = recovery.deadline(timeout_us, arrived)
+        if sequence is not None and self.journal is not None:
+            return await self.journal.run(
+                sequence, send, self._relay_lost, _grpc_answered, deadline=deadline, key=key
+            )
         outcome = await recovery.replay(
-            self.name, send, self._relay_lost, deadline=recovery.deadline(timeout_us, arrived),
+            self.name, send, self._relay_lost, deadline=deadline,
             key=key, first=await send(), first_sent_live=live,
         )  # fmt: skip
         return cast("bytes | Status", outcome)
@@ -290,6 +320,14 @@ _STUB_DEAD = b"is not healthy"
 "Stub process '<instance>' is not healthy." """
 _RELOADING = re.compile(rb"unknown model|is not ready|no available versions|not found")
 """tritonserver's answers for a model it has not loaded (yet)."""
+
+
+def _http_answered(outcome: Answer | ServekitError) -> bool:
+    return not isinstance(outcome, ServekitError) and outcome[0] == 200
+
+
+def _grpc_answered(outcome: bytes | Status) -> bool:
+    return not isinstance(outcome, Status)
 
 
 def _grpc_lost(outcome: dict[str, np.ndarray] | ServekitError) -> Lost | None:

@@ -208,7 +208,9 @@ class TritonModels(Mapping[str, ForwardedModel]):
         quoted = urllib.parse.quote(name, safe="")
         config = self._get(f"/v2/models/{quoted}/config")
         spec = spec_from_config(config)
-        sequenced = bool(config.get("sequence_batching"))
+        sequencing = config.get("sequence_batching") or {}
+        sequenced = bool(sequencing)
+        idle_us = int(sequencing.get("max_sequence_idle_microseconds") or 1_000_000)
         now = time.monotonic()
         cached = self._cache.get(name)
         if cached is not None and cached[1].spec == spec and cached[1].sequenced == sequenced:
@@ -219,6 +221,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
             model = ForwardedModel(
                 name, spec, self.grpc_url, self._token,
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
+                sequence_idle_s=idle_us / 1e6,
             )  # fmt: skip
         self._cache[name] = (now, model)
         return model

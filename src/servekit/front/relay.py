@@ -200,6 +200,7 @@ class GrpcRelay:
                 tensors_key(name, message.model_version, inputs),
                 timeout_us=timeout_us,
                 metadata=self._metadata(context, GRPC_TOKEN_KEY, INFERENCE_TOKEN_HEADER),
+                sequence=sequence,
             )
         except ServekitError as exc:
             await self.service.fail(context, exc)

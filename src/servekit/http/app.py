@@ -67,7 +67,6 @@ from ..protocol.surface import (
     server_metadata,
     statistics,
 )
-from ..spec import ModelSpec
 from .asgi import serve_asgi
 from .events import event_stream
 from .forward import MODEL, Forwarding, whole_body
@@ -143,7 +142,7 @@ class KServeApp(Forwarding):
         self.metrics.ready = self._ready
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._routes = [(method, path, getattr(self, name)) for method, path, name in ROUTES]
-        self._checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]] = {}
+        self._checked = {}  # Forwarding's: requests' headers that passed the check
         decoupled: dict[str, DecoupledModel] = {}
         for name, model in self.models.loaded().items():
             batchers: dict[str, Batcher | SequenceBatcher]
@@ -413,13 +412,13 @@ class KServeApp(Forwarding):
             request = self._decode(name, body, raw)
             return event_stream(name, model, request, http.headers.get("accept", ""))
         if conforms(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
-            body, length, timeout_us = self._pass_through(name, model, body, raw)
-            return await model.forward(body, length, version, timeout_us)
+            c = self._pass_through(name, model, body, raw)
+            return await model.forward(c.body, c.length, version, c.timeout_us, c.sequence)
         if isinstance(model, RoutedModel) and not whole and model.passes_through:
-            body, length, _ = self._pass_through(name, model, body, raw)
+            c = self._pass_through(name, model, body, raw)
             header = model.traffic.sticky
             sticky = http.headers.get(header) if header else None
-            answer, _ = await model.forward_routed(body, length, version, sticky)
+            answer, _ = await model.forward_routed(c.body, c.length, version, sticky)
             return answer
         if whole:  # the whole body is the one input
             spec = model.spec

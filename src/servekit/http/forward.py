@@ -6,8 +6,9 @@ repeats it is not decoded again."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from ..batching.sequence import SequenceFlags
 from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
 from ..metrics import Metrics
 from ..protocol.kserve import (
@@ -36,12 +37,25 @@ _CHECKED_MAX = 256
 _CHECKED_HEADER_BYTES = 4096
 
 
+class Checked(NamedTuple):
+    """A request that passed the front's check, as it goes on (``Forwarding._pass_through``)."""
+
+    body: bytes
+    length: int | None
+    """Its JSON header's length (``Inference-Header-Content-Length``), if binary."""
+    timeout_us: int | None
+    sequence: SequenceFlags | None
+
+
 class Forwarding:
     """Checks and forwards requests for models that pass through (``PassThrough``)."""
 
     metrics: Metrics
     _behind: PassThroughRegistry | None
-    _checked: dict[tuple[str, bytes, int], tuple[ModelSpec, bytes | None, int | None]]
+    _checked: dict[
+        tuple[str, bytes, int],
+        tuple[ModelSpec, bytes | None, int | None, SequenceFlags | None],
+    ]
 
     if TYPE_CHECKING:  # the app's own; declared for the type checker only
 
@@ -86,7 +100,7 @@ class Forwarding:
             return False
         try:
             self._check_token(token)
-            checked, length, timeout_us = self._pass_through(m["name"], model, body, raw)
+            checked = self._pass_through(m["name"], model, body, raw)
         except ServekitError as exc:
             reply(*self._error(exc))
             return True
@@ -94,14 +108,14 @@ class Forwarding:
         def done(answer: tuple[int, bytes, dict[str, str]] | ServekitError) -> None:
             reply(*(self._error(answer) if isinstance(answer, ServekitError) else answer))
 
-        model.send(checked, length, "", done, timeout_us)
+        model.send(checked.body, checked.length, "", done, checked.timeout_us, checked.sequence)
         return True
 
     def _pass_through(
         self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None
-    ) -> tuple[bytes, int | None, int | None]:
-        """Checked as the model would check it; the bytes to send on (``explicit_binary``)
-        and the request's ``timeout`` parameter (microseconds), if any.
+    ) -> Checked:
+        """Checked as the model would check it; the bytes to send on (``explicit_binary``),
+        the request's ``timeout`` parameter (microseconds) and its sequence, if any.
 
         A request with its tensors in binary is judged by its JSON header and its length
         alone (numbers' raw bytes are any bytes): a header that passed is remembered, so
@@ -114,10 +128,10 @@ class Forwarding:
                 key = (name, body[:length], len(body))
                 hit = self._checked.get(key)
                 if hit is not None and hit[0] is spec:
-                    header, timeout_us = hit[1], hit[2]
+                    header, timeout_us, sequence = hit[1], hit[2], hit[3]
                     if header is None:
-                        return body, length, timeout_us
-                    return header + body[length:], len(header), timeout_us
+                        return Checked(body, length, timeout_us, sequence)
+                    return Checked(header + body[length:], len(header), timeout_us, sequence)
         request = self._decode(name, body, raw, DECLARED)  # tritonserver reads the regions
         try:
             timeout_us = scheduling(request.parameters).get("timeout_us")
@@ -134,8 +148,8 @@ class Forwarding:
             if len(self._checked) >= _CHECKED_MAX:
                 self._checked.clear()
             header = None if checked is body else checked[:checked_length]
-            self._checked[key] = (spec, header, timeout_us)
-        return checked, checked_length, timeout_us
+            self._checked[key] = (spec, header, timeout_us, sequence)
+        return Checked(checked, checked_length, timeout_us, sequence)
 
 
 def whole_body(raw: str | None) -> bool:

@@ -93,9 +93,11 @@ class PassThrough(Protocol):
         header_length: int | None,
         version: str,
         timeout_us: int | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> tuple[int, bytes, dict[str, str]]:
         """(status, body, headers) of the other server's answer; ``timeout_us``: the
-        request's own deadline (KServe ``timeout``), for re-sending it if a worker dies."""
+        request's own deadline (KServe ``timeout``), for re-sending it if a worker dies;
+        ``sequence``: the sequence it belongs to, if any."""
         ...
 
     def send(
@@ -105,6 +107,7 @@ class PassThrough(Protocol):
         version: str,
         done: Callable[[tuple[int, bytes, dict[str, str]] | ServekitError], None],
         timeout_us: int | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> None:
         """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop."""
         ...
