@@ -28,11 +28,14 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 EXAMPLE = Path(__file__).parent.parent / "examples" / "streaming"
 
 
-@pytest.fixture(scope="module", params=["native", "ray"])
+@pytest.fixture(scope="module", params=["native", "triton", "ray"])
 def served(request):
-    """The models on native, and on ray (in its ingress replica; HTTP only)."""
+    """The models on native, on triton (the servekit backend in tritonserver's decoupled
+    mode, behind servekit's front) and on ray (in its ingress replica; HTTP only)."""
     from servekit.serving import create_runtime
 
+    if request.param == "triton":
+        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
     if request.param == "ray":
         pytest.importorskip("ray", reason="needs the ray extra")
         import warnings
@@ -61,17 +64,19 @@ def grpc_only(runtime: str) -> None:
         pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
 
 
-def count(server, what: str, name: str) -> int:
-    """A decoupled model's count on ``/metrics`` (``servekit_decoupled_<what>_total``)."""
+def count(served, what: str, name: str) -> int:
+    """A decoupled model's count on ``/metrics`` (``servekit_decoupled_<what>_total``;
+    on triton, tritonserver's metrics port, where the backend counts)."""
+    server, runtime = served
     key = (f"servekit_decoupled_{what}", frozenset({("model", name)}))  # parsed without _total
-    samples = scrape(f"{server.http_url}/metrics")
+    samples = scrape(server.metrics_url if runtime == "triton" else f"{server.http_url}/metrics")
     assert key in samples, f"no {key[0]} for {name}"
     return int(samples[key])
 
 
-def made(server, name: str) -> int:
+def made(served, name: str) -> int:
     """Words the model ``name`` has made so far."""
-    return count(server, "responses", name)
+    return count(served, "responses", name)
 
 
 def text(module, words: str):
@@ -184,26 +189,26 @@ def test_a_client_that_leaves_stops_the_model_at_its_next_step(served):
     makes at most a word or two more, read from its own count on ``/metrics``."""
     server, runtime = served
     long = " ".join(f"w{i}" for i in range(200))
-    abandoned = count(server, "abandoned", "slow")
+    abandoned = count(served, "abandoned", "slow")
 
     if runtime != "ray":
         got: queue.Queue = queue.Queue()
         c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
         c.start_stream(callback=lambda result, error: got.put((result, error)))
-        before = made(server, "slow")
+        before = made(served, "slow")
         c.async_stream_infer("slow", [text(grpcclient, long)], request_id="long")
         for _ in range(3):
             assert got.get(timeout=30)[1] is None
         c.stop_stream(cancel_requests=True)
         c.close()
-        wait_until(lambda: made(server, "slow") - before <= 5, "the model was stopped", 5)
-        at_stop = made(server, "slow")
+        wait_until(lambda: made(served, "slow") - before <= 5, "the model was stopped", 5)
+        at_stop = made(served, "slow")
         time.sleep(0.5)  # ten words' time
-        assert made(server, "slow") - at_stop <= 1, "the model went on for a client that left"
+        assert made(served, "slow") - at_stop <= 1, "the model went on for a client that left"
         abandoned += 1
 
-    before = made(server, "slow")
+    before = made(served, "slow")
     assert len(events(server, "slow", long, keep=3)) == 3
     time.sleep(1.0)  # twenty words' time
-    assert made(server, "slow") - before <= 3 + 2, "the model went on after the hang-up"
-    assert count(server, "abandoned", "slow") == abandoned + 1
+    assert made(served, "slow") - before <= 3 + 2, "the model went on after the hang-up"
+    assert count(served, "abandoned", "slow") == abandoned + 1

@@ -34,18 +34,18 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from ..batching import Batcher
 from ..batching.sequence import SequenceFlags
-from ..errors import INFERENCE_TOKEN_HEADER, ModelNotReady, ServekitError
+from ..errors import INFERENCE_TOKEN_HEADER, ModelNotReady, ServekitError, from_grpc_code
 from ..protocol.kserve import HEADER_LENGTH
 from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..spec import ModelSpec
-from .grpc import GrpcForwarder, Status
+from .grpc import GrpcForwarder, Status, infer_request, response_outputs
 from .http import Answer, Done, Dropped, HttpForwarder
 from .journal import SequenceJournal
 
@@ -76,8 +76,11 @@ class ForwardedModel:
         recovery: Recovery | None = None,
         sequenced: bool = False,
         sequence_idle_s: float = 1.0,
+        decoupled: bool = False,
     ) -> None:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
+        self.decoupled = decoupled
+        """Triton answers each request with 0..N responses (``responses``, ``stream``)."""
         self.sequenced = sequenced
         """tritonserver runs it with its sequence batcher: a request may name a sequence."""
         self.journal = (
@@ -305,6 +308,25 @@ class ForwardedModel:
         if isinstance(outcome, ServekitError):
             raise outcome
         return cast(dict[str, np.ndarray], outcome)
+
+    async def responses(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """A decoupled model's responses to ``inputs`` as tritonserver sends them (over a
+        gRPC stream of their own: Triton serves decoupled models on streams only)."""
+        self.spec.validate_inputs(inputs)
+        async for response in self._grpc().stream(infer_request(self.name, inputs)):
+            if response.error_message:
+                raise from_grpc_code("UNKNOWN", response.error_message)  # a stream's: no code
+            if response.infer_response.outputs:  # not the empty final response
+                yield response_outputs(response.infer_response)
+
+    def stream(
+        self, message: Any, metadata: tuple[tuple[str, Any], ...] = ()
+    ) -> AsyncIterator[Any]:
+        """A checked request (a ``ModelInferRequest``) to a decoupled model: tritonserver's
+        ``ModelStreamInferResponse`` messages as they come (the front's gRPC streams)."""
+        return self._grpc().stream(message, metadata)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -12,7 +12,7 @@ HTTP/2 client (``grpc.h2client``; the front's public gRPC port, ``front.relay``)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,7 +21,7 @@ from ..errors import GRPC_HEADER_PREFIX, ModelNotReady, from_grpc_code
 from ..grpc.h2client import H2Client
 from ..protocol.kserve import tensor_from_raw, tensor_to_raw
 
-__all__ = ["GrpcForwarder", "Status"]
+__all__ = ["GrpcForwarder", "Status", "infer_request", "response_outputs"]
 
 SERVICE = "/inference.GRPCInferenceService/"
 
@@ -38,6 +38,38 @@ def _status_code(number: int) -> Any:
     import grpc
 
     return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
+
+
+def infer_request(
+    model: str,
+    inputs: Mapping[str, np.ndarray],
+    priority: int = 0,
+    timeout_us: int | None = None,
+    version: str = "",
+) -> Any:
+    """A ``ModelInferRequest`` of ``inputs``, each tensor's bytes raw."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+    for name, array in inputs.items():
+        datatype, raw = tensor_to_raw(array)
+        request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+        request.raw_input_contents.append(raw)
+    if priority:
+        request.parameters["priority"].uint64_param = priority
+    if timeout_us is not None:
+        request.parameters["timeout"].int64_param = timeout_us
+    return request
+
+
+def response_outputs(response: Any) -> dict[str, np.ndarray]:
+    """A ``ModelInferResponse``'s outputs as arrays."""
+    return {
+        out.name: tensor_from_raw(
+            out.name, out.datatype, list(out.shape), memoryview(raw), math.prod(out.shape)
+        )
+        for out, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+    }
 
 
 class GrpcForwarder:
@@ -79,31 +111,44 @@ class GrpcForwarder:
     ) -> dict[str, np.ndarray]:
         """The model's outputs, or the servekit error its gRPC status stands for."""
         import grpc
-        from tritonclient.grpc import service_pb2
 
         if self._stub is None:
             self._connect()
-        request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
-        for name, array in inputs.items():
-            datatype, raw = tensor_to_raw(array)
-            request.inputs.add(name=name, datatype=datatype, shape=array.shape)
-            request.raw_input_contents.append(raw)
-        if priority:
-            request.parameters["priority"].uint64_param = priority
-        if timeout_us is not None:
-            request.parameters["timeout"].int64_param = timeout_us
+        request = infer_request(model, inputs, priority, timeout_us, version)
         try:
             response = await self._stub.ModelInfer(request, metadata=self._metadata or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
                 raise ModelNotReady(f"cannot reach {self.url}: {exc.details()}") from None
             raise from_grpc_code(exc.code().name, exc.details() or "") from None
-        return {
-            out.name: tensor_from_raw(
-                out.name, out.datatype, list(out.shape), memoryview(raw), math.prod(out.shape)
-            )
-            for out, raw in zip(response.outputs, response.raw_output_contents, strict=True)
-        }
+        return response_outputs(response)
+
+    async def stream(
+        self, request: Any, metadata: tuple[tuple[str, Any], ...] = ()
+    ) -> AsyncIterator[Any]:
+        """A decoupled model's ``ModelStreamInferResponse`` messages to one request (a
+        ``ModelInferRequest``), over a ``ModelStreamInfer`` stream of its own, until
+        Triton's final flag; leaving early cancels the call, which tritonserver passes on
+        to the model."""
+        import grpc
+
+        if self._stub is None:
+            self._connect()
+        call = self._stub.ModelStreamInfer(metadata=(self._metadata + metadata) or None)
+        try:
+            await call.write(request)
+            await call.done_writing()
+            async for response in call:
+                yield response
+                final = response.infer_response.parameters.get("triton_final_response")
+                if response.error_message or (final is not None and final.bool_param):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise ModelNotReady(f"cannot reach {self.url}: {exc.details()}") from None
+            raise from_grpc_code(exc.code().name, exc.details() or "") from None
+        finally:
+            call.cancel()
 
     async def call(
         self, method: str, body: bytes, metadata: tuple[tuple[str, Any], ...] = ()

@@ -210,10 +210,15 @@ class TritonModels(Mapping[str, ForwardedModel]):
         spec = spec_from_config(config)
         sequencing = config.get("sequence_batching") or {}
         sequenced = bool(sequencing)
+        decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
         idle_us = int(sequencing.get("max_sequence_idle_microseconds") or 1_000_000)
         now = time.monotonic()
         cached = self._cache.get(name)
-        if cached is not None and cached[1].spec == spec and cached[1].sequenced == sequenced:
+        same = (spec, sequenced, decoupled)
+        if (
+            cached is not None
+            and (cached[1].spec, cached[1].sequenced, cached[1].decoupled) == same
+        ):
             model = cached[1]
         else:
             if cached is not None:  # requests may still use it: closed with the registry
@@ -221,7 +226,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
             model = ForwardedModel(
                 name, spec, self.grpc_url, self._token,
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
-                sequence_idle_s=idle_us / 1e6,
+                sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
         self._cache[name] = (now, model)
         return model

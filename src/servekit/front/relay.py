@@ -29,6 +29,7 @@ from ..grpc.calls import Method, Raw, each_answered, once, service_methods
 from ..grpc.service import GRPC_TOKEN_KEY, GrpcService
 from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
 from ..grpc.tensors import decode_inputs, output_refs, request_parameters
+from ..protocol.models import decoupled_refusal
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
 from ..protocol.shm import DECLARED, check_output_room, check_registration
 from ..recovery import tensors_key
@@ -182,19 +183,9 @@ class GrpcRelay:
         if model is None:  # routed (or unknown: servekit names what the registry has)
             return await self.service.ModelInfer(message, context)
         try:
-            self.service.authenticate(context)
-            try:
-                inputs = decode_inputs(message, len(request.data), DECLARED)
-                rows = model.spec.validate_inputs(inputs)
-                check_output_room(model.spec, rows, output_refs(message))
-                parameters = request_parameters(message)
-                timeout_us = scheduling(parameters).get("timeout_us")
-                sequence = sequence_flags(parameters)
-                if sequence is not None and not model.sequenced:
-                    raise unsequenced(name, sequence)
-            except InvalidInput:
-                self._on_failure(name)
-                raise
+            inputs, timeout_us, sequence = self._check(request, context, message, model)
+            if model.decoupled:
+                raise decoupled_refusal(name)
             outcome = await model.relay(
                 request.data,
                 tensors_key(name, message.model_version, inputs),
@@ -206,11 +197,47 @@ class GrpcRelay:
             await self.service.fail(context, exc)
         return await self._answer(context, outcome)
 
+    def _check(
+        self, request: Raw, context: Any, message: Any, model: ForwardedModel
+    ) -> tuple[Any, int | None, Any]:
+        """An infer checked as the HTTP front checks it: its inputs, its timeout and its
+        sequence (refused where the model has no sequence batcher)."""
+        self.service.authenticate(context)
+        name = message.model_name
+        try:
+            inputs = decode_inputs(message, len(request.data), DECLARED)
+            rows = model.spec.validate_inputs(inputs)
+            check_output_room(model.spec, rows, output_refs(message))
+            parameters = request_parameters(message)
+            timeout_us = scheduling(parameters).get("timeout_us")
+            sequence = sequence_flags(parameters)
+            if sequence is not None and not model.sequenced:
+                raise unsequenced(name, sequence)
+        except InvalidInput:
+            self._on_failure(name)
+            raise
+        return inputs, timeout_us, sequence
+
+    async def _answers(self, request: Raw, context: Any, message: Any) -> AsyncIterator[Any]:
+        """One stream request's responses: a decoupled model's as tritonserver sends them
+        (over a stream of their own; a client that leaves cancels it), else the infer's."""
+        model = await self._model(message.model_name)
+        if model is None or not model.decoupled:
+            yield await self._infer(request, context, message)
+            return
+        try:
+            self._check(request, context, message, model)
+        except ServekitError as exc:
+            await self.service.fail(context, exc)
+        metadata = self._metadata(context, GRPC_TOKEN_KEY, INFERENCE_TOKEN_HEADER)
+        async for response in model.stream(message, metadata):
+            yield response
+
     async def _stream(
         self, requests: AsyncIterator[Raw], context: Any
     ) -> AsyncGenerator[Any, None]:
         """Each request of the stream as its own infer (``_infer``), answered as it completes
-        (a sequence's in the order sent)."""
+        (a sequence's in the order sent); a decoupled model's responses as they come."""
         order = SequenceOrder()
 
         def answer(request: Raw) -> AsyncIterator[Any]:
@@ -218,7 +245,7 @@ class GrpcRelay:
                 message = service_pb2.ModelInferRequest.FromString(request.data)
             except DecodeError:
                 return once(self._infer(request, context))  # named there
-            return order.answers(message, lambda: once(self._infer(request, context, message)))
+            return order.answers(message, lambda: self._answers(request, context, message))
 
         answers = each_answered(requests, answer, STREAM_IN_FLIGHT)
         async for request, outcome in answers:
@@ -230,5 +257,7 @@ class GrpcRelay:
                 yield stream_error(message, outcome)
             elif isinstance(outcome, Raw):
                 yield stream_response(outcome.data)
+            elif isinstance(outcome, service_pb2.ModelStreamInferResponse):
+                yield outcome  # a decoupled model's, as tritonserver sent it
             else:  # servekit answered it (a routed model)
                 yield stream_response(outcome.SerializeToString())

@@ -17,7 +17,7 @@ import logging
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
@@ -47,6 +47,7 @@ from ..protocol.kserve import (
     raw_binary_request,
 )
 from ..protocol.models import (
+    Decoupled,
     DecoupledModel,
     FrontModel,
     ModelRegistry,
@@ -408,9 +409,11 @@ class KServeApp(Forwarding):
         body = self._body(http)
         raw = http.headers.get(HEADER_LENGTH)
         whole = whole_body(raw)
-        if isinstance(model, DecoupledModel):
+        if getattr(model, "decoupled", False):
             request = self._decode(name, body, raw)
-            return event_stream(name, model, request, http.headers.get("accept", ""))
+            return event_stream(
+                name, cast(Decoupled, model), request, http.headers.get("accept", "")
+            )
         if conforms(model, PassThrough) and not whole:  # checked; Triton gets the same bytes
             c = self._pass_through(name, model, body, raw)
             return await model.forward(c.body, c.length, version, c.timeout_us, c.sequence)

@@ -10,13 +10,13 @@ import orjson
 
 from ..errors import InvalidInput, ServekitError
 from ..protocol.kserve import DecodedRequest, encode_response
-from ..protocol.models import DecoupledModel
+from ..protocol.models import Decoupled
 from .messages import Answer
 
 __all__ = ["event_stream"]
 
 
-def event_stream(name: str, model: DecoupledModel, request: DecodedRequest, accept: str) -> Answer:
+def event_stream(name: str, model: Decoupled, request: DecodedRequest, accept: str) -> Answer:
     """One KServe JSON response per event as the model makes it, then ``event: end``; an
     error after the first event is sent as ``event: error`` with its message. Without
     ``Accept: text/event-stream`` the request is refused, as Triton refuses a unary call."""

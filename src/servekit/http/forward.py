@@ -86,7 +86,7 @@ class Forwarding:
         if m is None or m["version"] is not None or m["rest"] != "/infer":
             return False
         model = behind.peek(m["name"])
-        if model is None:
+        if model is None or getattr(model, "decoupled", False):
             return False
         raw, token = None, b""
         for key, value in headers:

@@ -26,6 +26,7 @@ from ..spec import ModelSpec
 
 __all__ = [
     "BatchedModel",
+    "Decoupled",
     "DecoupledModel",
     "FrontModel",
     "ModelRegistry",
@@ -39,6 +40,7 @@ __all__ = [
     "as_registry",
     "conforms",
     "decoupled_figures",
+    "decoupled_refusal",
 ]
 
 _T = TypeVar("_T")
@@ -239,6 +241,28 @@ class SequencedModel:
         return await self.batcher.infer(inputs, sequence=sequence)
 
 
+@runtime_checkable
+class Decoupled(Protocol):
+    """A front model answering a request with any number of responses (Triton's decoupled
+    transaction policy): in this process (``DecoupledModel``) or behind tritonserver."""
+
+    decoupled: bool
+    spec: ModelSpec
+
+    def responses(self, inputs: Mapping[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The responses to ``inputs``, as the model makes them."""
+        ...
+
+
+def decoupled_refusal(name: str) -> InvalidInput:
+    """What a unary call to a decoupled model gets, as Triton refuses one."""
+    return InvalidInput(
+        f"model {name!r} is decoupled (it answers a request with any number of "
+        "responses): call it over a gRPC stream (ModelStreamInfer) or over HTTP with "
+        "'Accept: text/event-stream'"
+    )
+
+
 class DecoupledModel:
     """A decoupled model (Triton's decoupled transaction policy): ``responses`` gives any
     number of answers to one request, as the model makes them, each generator running on
@@ -249,6 +273,7 @@ class DecoupledModel:
     versioned = False
     versions: tuple[str, ...] = ("1",)
     batcher: Batcher | None = None
+    decoupled = True
     BUFFERED = 16
 
     def __init__(self, runner: Runner, instances: int = 1, name: str = "model") -> None:
@@ -276,11 +301,7 @@ class DecoupledModel:
         timeout_us: int | None = None,
         version: str = "",
     ) -> dict[str, np.ndarray]:
-        raise InvalidInput(
-            f"model {self.name!r} is decoupled (it answers a request with any number of "
-            "responses): call it over a gRPC stream (ModelStreamInfer) or over HTTP with "
-            "'Accept: text/event-stream'"
-        )
+        raise decoupled_refusal(self.name)
 
     async def responses(
         self, inputs: Mapping[str, np.ndarray]

@@ -32,6 +32,7 @@ from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, spec_from_config
+from .decoupled import DecoupledStreams
 from .pipeline import DEFAULT_DEPTH, Pipeline, send_each
 from .stub_metrics import FailureCounter
 
@@ -123,11 +124,7 @@ def _code_runner(file: Path) -> Runner:
     args = code.get("args") or {}
     if not isinstance(args, dict):
         raise ValueError(f'{file}: "args" must be an object, got {type(args).__name__}')
-    from ..runtime.base import refuse_decoupled
-
-    runner = import_model(source, name=code.get("name", ""), path=code.get("path"), args=args)
-    refuse_decoupled(runner, code.get("name") or source, "triton")
-    return runner
+    return import_model(source, name=code.get("name", ""), path=code.get("path"), args=args)
 
 
 def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
@@ -215,12 +212,19 @@ class TritonPythonModel:
         except Exception as exc:
             raise pb_utils.TritonModelException(f"servekit backend: {self.name}: {exc}") from None
         self.failures = FailureCounter(pb_utils, self.name, str(args["model_version"]))
-        depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
-        self.pipeline = (
-            Pipeline(self._run, self._send, depth) if depth > 1 and self.sequence is None else None
-        )
         self.inputs = [t.name for t in declared.inputs]
         self.outputs = [t.name for t in declared.outputs]
+        self.streams: DecoupledStreams | None = None
+        if getattr(runner, "decoupled", False):
+            if not pb_utils.using_decoupled_model_transaction_policy(config):
+                raise pb_utils.TritonModelException(
+                    f"servekit backend: {self.name}: the model is decoupled; its config.pbtxt "
+                    "needs model_transaction_policy { decoupled: true } (servekit repo build)"
+                )
+            self.streams = DecoupledStreams(pb_utils, runner, self.name, self.outputs)
+        depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
+        plain = self.sequence is None and self.streams is None
+        self.pipeline = Pipeline(self._run, self._send, depth) if depth > 1 and plain else None
         pb_utils.Logger.log_info(
             f"servekit: {self.name} v{args['model_version']} ready "
             f"({parameters.get('kind', 'runner')}, max_batch_size {declared.max_batch_size})"
@@ -230,6 +234,11 @@ class TritonPythonModel:
         if self.sequence is not None:
             return self._sequence(requests)
         pb = self._pb
+        if self.streams is not None:  # decoupled: answered through each request's sender
+            for r in requests:
+                tensors = {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
+                self.streams.answer(r, tensors)
+            return None
         if self.pipeline is None:
             inputs = [
                 {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}

@@ -213,7 +213,7 @@ def _model_folder(
     if model.sequence_batching is not None:
         parameters["sequence"] = json.dumps(model.sequence_batching.to_dict())
         spec = served_spec(probe.spec, model.sequence_batching, model.name)
-    config = model_config(
+    rendered = model_config(
         model.name,
         spec,
         model.batching,
@@ -222,10 +222,12 @@ def _model_folder(
         versions="specific:" + ",".join(map(str, model.version_numbers)) if own else None,
     )
     if model.sequence_batching is not None:
-        _sequence_batching(config, model.sequence_batching, probe.spec)
+        _sequence_batching(rendered, model.sequence_batching, probe.spec)
+    if probe.decoupled:  # answered through each request's response sender, 0..N times
+        rendered.model_transaction_policy.decoupled = True
     return probe, RepositoryModel(
         model.name,
-        config,
+        rendered,
         weights=None if model.is_code else probe.path,
         versions=model.version_numbers if own else versions,
         version_weights={} if model.is_code else own,
