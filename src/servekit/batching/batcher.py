@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import tracing
 from ..errors import (
     DeadlineExceeded,
     ModelNotReady,
@@ -174,10 +175,13 @@ class Batcher:
         request = self._request(inputs, priority, timeout_us, loop.create_future())
         self._admit(request)
         try:
-            return await request.future  # type: ignore[no-any-return,misc]
+            outputs = await request.future  # type: ignore[misc]
         except asyncio.CancelledError:
             self.stats.request_cancelled += 1
             raise
+        if tracing.CURRENT.get() is not None and request.started:
+            tracing.batched(request.arrival, request.started, request.batch_rows, request.instance)
+        return outputs  # type: ignore[no-any-return]
 
     def infer_sync(
         self,

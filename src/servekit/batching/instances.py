@@ -81,7 +81,10 @@ class Instances:
         if not self._threads:
             for i in range(self.count):
                 thread = threading.Thread(
-                    target=self._instance_loop, name=f"servekit-{self.name}-{i}", daemon=True
+                    target=self._instance_loop,
+                    args=(i,),
+                    name=f"servekit-{self.name}-{i}",
+                    daemon=True,
                 )
                 self._threads.append(thread)
                 thread.start()
@@ -95,16 +98,17 @@ class Instances:
             thread.join()
         self._threads.clear()
 
-    def _instance_loop(self) -> None:
+    def _instance_loop(self, index: int) -> None:
         """One model instance: run batches from the work queue until told to stop."""
         while (item := self._work.get()) is not None:
             seq, batch, queue_us = item
-            outcome = self._run(batch)
+            outcome = self._run(batch, index)
             if not self._call_soon(self._complete, seq, batch, queue_us, outcome):
                 for r in batch:  # the loop closed under us: fail the callers directly
                     r.fail(ModelNotReady(f"{self.name}: event loop closed"))
 
-    def _run(self, batch: list[Request]) -> Outcome:
+    def _run(self, batch: list[Request], instance: int = 0) -> Outcome:
+        _started(batch, instance)
         start = time.perf_counter()
         try:
             parts: Any = drive(self._steps(batch), self._fn)
@@ -113,6 +117,7 @@ class Instances:
         return parts, None, (time.perf_counter() - start) * 1e6
 
     async def _run_async(self, seq: int, batch: list[Request], queue_us: tuple[float, ...]) -> None:
+        _started(batch, 0)
         start = time.perf_counter()
         outcome: Outcome
         try:
@@ -121,3 +126,10 @@ class Instances:
         except ServekitError as exc:
             outcome = None, exc, (time.perf_counter() - start) * 1e6
         self._complete(seq, batch, queue_us, outcome)
+
+
+def _started(batch: list[Request], instance: int) -> None:
+    """Stamp each request with when and where its batch began to run (its trace's spans)."""
+    now, rows = time.monotonic(), sum(r.rows for r in batch)
+    for r in batch:
+        r.started, r.batch_rows, r.instance = now, rows, instance

@@ -40,6 +40,10 @@ class Request:
     """Timed out under ``TimeoutAction.DELAY``: now waits behind unexpired requests."""
     taken: bool = False
     """Removed from the queue into a batch (or failed)."""
+    started: float = 0.0
+    """When its batch began to run (``time.monotonic``), on which instance, of how many rows."""
+    instance: int = -1
+    batch_rows: int = 0
 
     def done(self) -> bool:
         return self.future.done()

@@ -45,7 +45,7 @@ from .names import (
     version_model_name,
 )  # fmt: skip
 from .serve import ServeConfig, load_config
-from .server import CacheConfig, RayOptions, ServerConfig, StoreConfig
+from .server import CacheConfig, RayOptions, ServerConfig, StoreConfig, TracingConfig
 
 __all__ = [
     "ENGINES",
@@ -58,6 +58,7 @@ __all__ = [
     "ServeConfig",
     "ServerConfig",
     "StoreConfig",
+    "TracingConfig",
     "image_model_name",
     "load_config",
     "model_name",

@@ -67,6 +67,55 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """``[server.tracing]``: OpenTelemetry traces of requests (``servekit.tracing``), off by
+    default. ``endpoint``: the OTLP/HTTP traces URL (``http://collector:4318/v1/traces``);
+    ``rate``: the fraction of requests traced (Triton's ``trace_rate`` is one in 1/rate);
+    ``level``: ``timestamps`` or ``off`` (changeable at runtime, as Triton's)."""
+
+    endpoint: str = ""
+    rate: float = 0.001
+    level: str = "timestamps"
+
+    def __post_init__(self) -> None:
+        if self.endpoint and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"[server.tracing] endpoint must be an OTLP/HTTP URL, got {self.endpoint!r}"
+            )
+        if isinstance(self.rate, bool) or not isinstance(self.rate, int | float):
+            raise ValueError(f"[server.tracing] rate must be a number in [0, 1], got {self.rate!r}")
+        if not 0 <= self.rate <= 1:
+            raise ValueError(f"[server.tracing] rate must be in [0, 1], got {self.rate}")
+        if self.level.lower() not in ("off", "timestamps"):
+            raise ValueError(
+                f"[server.tracing] level must be 'off' or 'timestamps', got {self.level!r}"
+            )
+
+    @property
+    def active(self) -> bool:
+        return bool(self.endpoint)
+
+    def tracing(self) -> Any:
+        """The server's ``Tracing`` (None without an endpoint)."""
+        if not self.endpoint:
+            return None
+        try:
+            from ..tracing import Tracing
+        except ImportError as exc:
+            raise ValueError(
+                f"[server.tracing] needs OpenTelemetry: pip install 'servekit[tracing]' ({exc})"
+            ) from None
+        return Tracing(self.endpoint, self.rate, self.level)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], section: str = "server.tracing") -> TracingConfig:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"[{section}]: expected a table, got {data!r}")
+        check_keys(section, data, {"endpoint", "rate", "level"})
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class ServerConfig(Endpoints):
     """Where and how a runtime listens; the defaults are Triton's own ports."""
 
@@ -111,6 +160,8 @@ class ServerConfig(Endpoints):
     gets an error naming it. 0 keeps none."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """The response cache's store (``CacheConfig``); none by default."""
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    """OpenTelemetry traces (``TracingConfig``); off by default."""
 
     def __post_init__(self) -> None:
         for key in ("http_port", "grpc_port", "metrics_port"):
@@ -149,6 +200,8 @@ class ServerConfig(Endpoints):
         out["cache"] = self.cache.to_dict()
         if not out["cache"]:
             del out["cache"]
+        if not self.tracing.active:
+            del out["tracing"]
         return out
 
     @classmethod
@@ -157,6 +210,8 @@ class ServerConfig(Endpoints):
         kwargs = dict(data)
         if "cache" in data:
             kwargs["cache"] = CacheConfig.from_dict(data["cache"], f"{section}.cache")
+        if "tracing" in data:
+            kwargs["tracing"] = TracingConfig.from_dict(data["tracing"], f"{section}.tracing")
         return cls(**kwargs)
 
 

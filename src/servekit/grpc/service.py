@@ -48,6 +48,7 @@ from ..protocol.shm import (
     SharedMemory,
 )
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
+from ..tracing import Tracing
 from .calls import Method, each_answered, service_methods
 from .h2 import GrpcH2Server
 from .streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
@@ -79,8 +80,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         control_token: str | None = None,
         on_failure: Callable[[str], None] = lambda _: None,
         shared_memory: SharedMemory | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.models, self._ready = models, ready
+        self.tracing = tracing
         self._shm = shared_memory
         self._token = inference_token.encode() if inference_token else None
         self._control = control_token.encode() if control_token else None
@@ -228,6 +231,45 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             raise Unauthenticated(f"missing or wrong {header} metadata")
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        if self.tracing is None:
+            return await self._infer(request, context)
+        metadata = dict(context.invocation_metadata() or ())
+        with self.tracing.request(request.model_name, "infer", metadata, protocol="grpc"):
+            return await self._infer(request, context)
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        """Triton's trace extension: the settings (the server's, or a model's own), changed
+        first where the request names any (behind the control token; an empty value
+        clears a model's own)."""
+        tracing = self.tracing
+        if tracing is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "tracing is off: configure [server.tracing]"
+            )
+        assert tracing is not None
+        try:
+            if request.model_name:
+                await self.models.lookup(request.model_name)
+            if request.settings:
+                self.check_control(context)
+                changes = {
+                    k: (list(v.value) if k == "trace_level" else v.value[0]) if v.value else None
+                    for k, v in request.settings.items()
+                }
+                try:
+                    setting = tracing.update(request.model_name, changes)
+                except ValueError as exc:
+                    raise InvalidInput(f"trace setting: {exc}") from None
+            else:
+                setting = tracing.setting(request.model_name)
+        except Exception as exc:
+            await self.fail(context, exc)
+        response = service_pb2.TraceSettingResponse()
+        for key, value in setting.to_triton().items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
+    async def _infer(self, request: Any, context: Any) -> Any:
         name = request.model_name
         try:
             self.authenticate(context)

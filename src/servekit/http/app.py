@@ -68,11 +68,13 @@ from ..protocol.surface import (
     server_metadata,
     statistics,
 )
+from ..tracing import Tracing
 from .asgi import serve_asgi
 from .events import event_stream
 from .forward import MODEL, Forwarding, whole_body
 from .messages import Answer, Handler, HttpRequest
 from .sharedmemory import SHARED_MEMORY, shared_memory_answer
+from .trace import TRACE_SETTING, trace_setting
 
 __all__ = ["KServeApp", "metrics_handler"]
 
@@ -89,6 +91,7 @@ ROUTES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("GET", re.compile(r"^/v2/models/stats$"), "_all_stats"),
     ("*", SHARED_MEMORY, "_shared_memory"),
     ("POST", _REPOSITORY_MODEL, "_repository_model"),
+    ("*", TRACE_SETTING, "_trace_setting"),
     ("*", _NOT_SERVED, "_not_served"),
     ("*", MODEL, "_model"),
 )
@@ -131,8 +134,12 @@ class KServeApp(Forwarding):
         inference_token: str | None = None,
         control_token: str | None = None,
         shared_memory: SharedMemory | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.models = as_registry(models)
+        self.tracing = tracing
+        """Traces of requests (``servekit.tracing``; None: none, and the trace extension
+        is not served)."""
         self.shared_memory = shared_memory
         """The server's shared-memory regions (None: it takes none)."""
         self._token = inference_token.encode() if inference_token else None
@@ -242,6 +249,14 @@ class KServeApp(Forwarding):
             return await self._behind.control(request.path, self._body(request), headers)
         return await self._not_served(request, m)
 
+    async def _trace_setting(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        if self.tracing is None:
+            return await self._not_served(request, m)
+        body = lambda: self._body(request)  # noqa: E731
+        return await trace_setting(
+            self.tracing, request, m, body, self._check_control, self.models.lookup
+        )
+
     async def _not_served(self, request: HttpRequest, m: re.Match[str]) -> Answer:
         return self._json(403, {"error": f"{request.method} {request.path} {NOT_SERVED}"})
 
@@ -275,7 +290,10 @@ class KServeApp(Forwarding):
         if rest == "/infer" and method == "POST":
             self._check_token(request.headers.get(INFERENCE_TOKEN_HEADER, "").encode("latin-1"))
             version = version if model.versioned and version else ""
-            return await self._infer(name, model, request, version)
+            if self.tracing is None:
+                return await self._infer(name, model, request, version)
+            with self.tracing.request(name, "infer", request.headers, protocol="http"):
+                return await self._infer(name, model, request, version)
         return self._json(405, {"error": f"{method} not allowed on {request.path}"})
 
     def _traffic(self, name: str, model: FrontModel, request: HttpRequest) -> Answer:

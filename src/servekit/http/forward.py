@@ -20,6 +20,7 @@ from ..protocol.models import FrontModel, PassThrough, PassThroughRegistry
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
 from ..protocol.shm import DECLARED, Regions, check_output_room
 from ..spec import ModelSpec
+from ..tracing import Tracing
 from .messages import Reply
 
 __all__ = ["MODEL", "Forwarding", "whole_body"]
@@ -51,6 +52,7 @@ class Forwarding:
     """Checks and forwards requests for models that pass through (``PassThrough``)."""
 
     metrics: Metrics
+    tracing: Tracing | None
     _behind: PassThroughRegistry | None
     _checked: dict[
         tuple[str, bytes, int],
@@ -81,6 +83,8 @@ class Forwarding:
         up yet) returns False and takes the full path."""
         behind = self._behind
         if behind is None or method != "POST" or not path.endswith("/infer"):
+            return False
+        if self.tracing is not None:  # the full path traces (and passes the trace on)
             return False
         m = MODEL.match(path)
         if m is None or m["version"] is not None or m["rest"] != "/infer":

@@ -42,6 +42,8 @@ class NativeServer:
         """The regions clients register (Triton's system shared memory), on HTTP and gRPC."""
         self.cache = response_cache(self.config)
         """The response cache (``[server.cache]``) of the models with ``response_cache``."""
+        self.tracing = self.config.server.tracing.tracing()
+        """Traces of requests (``[server.tracing]``); its settings outlive a restart."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> NativeServer:
@@ -64,6 +66,7 @@ class NativeServer:
                 inference_token=c.server.inference_token,
                 control_token=c.server.control_token,
                 shared_memory=self.shared_memory,
+                tracing=self.tracing,
             )
             self.app.metrics.autoscale.update(c.autoscale_policies())
             if self.cache is not None:
@@ -86,6 +89,7 @@ class NativeServer:
             control_token=c.server.control_token,
             on_failure=app.metrics.failed,
             shared_memory=app.shared_memory,
+            tracing=app.tracing,
         )
         on_loop = GrpcOnLoop(
             grpc, c.server.host, c.server.grpc_port, c.server.max_body_bytes,
@@ -110,7 +114,7 @@ class NativeServer:
         every model when ``load = "eager"``); ready once those are resident."""
         c = self.config
         self.app, self.store = store_app(
-            c, ready=lambda: self._ready, shared_memory=self.shared_memory
+            c, ready=lambda: self._ready, shared_memory=self.shared_memory, tracing=self.tracing
         )
         server = self._listen(self.app)
         asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
@@ -155,6 +159,8 @@ class NativeServer:
         self._shutdown()
         self.models.close()
         self.shared_memory.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # what is still buffered goes out first
 
     def __enter__(self) -> NativeServer:
         return self.start()

@@ -290,11 +290,14 @@ def build_app(
 
             replica = ray_serve.get_replica_context().replica_id.unique_id
             self.gate = Gate(run_id, replica)
+            self.tracing = config.server.tracing.tracing()  # this replica's spans
             self.store: Any = None
             if config.store.active:
                 from ..store import store_app
 
-                self.app, self.store = store_app(config, ready=lambda: not self.gate.draining)
+                self.app, self.store = store_app(
+                    config, ready=lambda: not self.gate.draining, tracing=self.tracing
+                )
                 self._started: Any = None
                 return
             recovery = config.server.recovery()  # this ingress replica's
@@ -326,6 +329,7 @@ def build_app(
                 inference_token=config.server.inference_token,
                 control_token=config.server.control_token,
                 ready=lambda: not self.gate.draining,
+                tracing=self.tracing,
             )
             self.app.metrics.autoscale.update(config.autoscale_policies())
             self.app.metrics.collect(recovery.figures)

@@ -10,6 +10,7 @@ from ..http.app import KServeApp
 from ..metrics import Metrics
 from ..protocol.routed import traffic_of
 from ..protocol.shm import SharedMemory
+from ..tracing import Tracing
 from .catalog import catalog
 from .meter import Meter
 from .registry import StoreModels
@@ -23,6 +24,7 @@ def store_app(
     *,
     ready: Callable[[], bool] | None = None,
     shared_memory: SharedMemory | None = None,
+    tracing: Tracing | None = None,
 ) -> tuple[KServeApp, ModelStore]:
     """The app serving ``config``'s store (Triton's repository extension included), its
     Batchers' and the store's series on ``/metrics``; start the store on the app's loop."""
@@ -54,5 +56,6 @@ def store_app(
         inference_token=config.server.inference_token,
         control_token=config.server.control_token,
         shared_memory=shared_memory,
+        tracing=tracing,
     )
     return app, store

@@ -1,0 +1,214 @@
+"""OpenTelemetry traces of requests, sampled as Triton's trace settings say.
+
+One ``Tracing`` per server, configured by ``[server.tracing]`` (``endpoint``: the OTLP/HTTP
+traces URL, ``rate``: the sampled fraction, ``level``: ``off`` or ``timestamps``) and
+changed at runtime through Triton's trace extension (``trace_level``, ``trace_rate``: one
+request in N, ``trace_count``: how many more to trace, -1 for no limit), globally or per
+model. Off, a request costs one check of the level.
+
+A traced request's span continues the caller's trace where the request carries a W3C
+``traceparent`` (an HTTP header, gRPC metadata). While it is being served the span is
+``CURRENT`` (a context variable), so the core adds its own children without knowing the
+front: the Batcher its queue wait and the batch the request ran in (``batched``).
+Spans go out through the OpenTelemetry SDK's batching processor and its OTLP/HTTP
+exporter (``servekit[tracing]``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CURRENT", "LEVELS", "TRACEPARENT", "TraceSettings", "Tracing", "batched", "child"]
+
+TRACEPARENT = "traceparent"
+LEVELS = ("OFF", "TIMESTAMPS")
+
+CURRENT: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "servekit_span", default=None
+)
+"""The span of the request being served in this context and its tracer (None: not traced)."""
+
+
+@dataclass
+class TraceSettings:
+    """Triton's trace settings for the server or one model."""
+
+    level: str = "OFF"
+    rate: int = 1000
+    """One request in ``rate`` is traced (Triton's ``trace_rate``); 0 traces none."""
+    count: int = -1
+    """Traces still to take (Triton's ``trace_count``); -1 for no limit."""
+
+    def to_triton(self) -> dict[str, Any]:
+        """As Triton's trace extension answers (every value a string or a list of them)."""
+        return {
+            "trace_level": [self.level],
+            "trace_rate": str(self.rate),
+            "trace_count": str(self.count),
+            "log_frequency": "0",
+            "trace_mode": "opentelemetry",
+        }
+
+
+def rate_of(fraction: float) -> int:
+    """``[server.tracing] rate`` (a fraction) as Triton's one-in-N (0: none)."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"[server.tracing] rate must be in [0, 1], got {fraction}")
+    return 0 if fraction == 0 else max(1, round(1 / fraction))
+
+
+class Tracing:
+    """Sampling, settings and export for one server (thread-safe)."""
+
+    def __init__(self, endpoint: str, rate: float = 0.001, level: str = "timestamps") -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self.endpoint = endpoint
+        self._provider = TracerProvider(resource=Resource({"service.name": "servekit"}))
+        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint)))
+        self.tracer = self._provider.get_tracer("servekit")
+        self._lock = threading.Lock()
+        self.settings: dict[str, TraceSettings] = {"": TraceSettings(level.upper(), rate_of(rate))}
+        """The server's settings ("") and each model's own, where it has any."""
+        self._seen: dict[str, int] = {}
+        self._check_level(level.upper())
+
+    @staticmethod
+    def _check_level(level: str) -> None:
+        if level not in LEVELS:
+            raise ValueError(
+                f"trace level must be one of {[x.lower() for x in LEVELS]}, got {level!r}"
+            )
+
+    # ------------------------------------------------------------ settings
+    def setting(self, model: str = "") -> TraceSettings:
+        with self._lock:
+            return self.settings.get(model) or self.settings[""]
+
+    def update(self, model: str, changes: Mapping[str, Any]) -> TraceSettings:
+        """Triton's ``POST .../trace/setting``: each named setting changed (a null value
+        clears a model's own, which then follows the server's again); ``ValueError``
+        names a bad one, and nothing changes."""
+        with self._lock:
+            base = self.settings.get(model) or self.settings[""]
+            new = TraceSettings(base.level, base.rate, base.count)
+            for key, value in changes.items():
+                if value is None:
+                    if model:
+                        default = self.settings[""]
+                        setattr(new, _FIELDS[key], getattr(default, _FIELDS[key]))
+                    continue
+                if key == "trace_level":
+                    levels = value if isinstance(value, list) else [value]
+                    level = "OFF" if not levels else str(levels[0]).upper()
+                    self._check_level(level)
+                    new.level = level
+                elif key in ("trace_rate", "trace_count"):
+                    try:
+                        number = int(value)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"{key} must be an integer, got {value!r}") from None
+                    if number < (0 if key == "trace_rate" else -1):
+                        raise ValueError(f"{key} out of range: {number}")
+                    setattr(new, _FIELDS[key], number)
+                elif key not in ("log_frequency", "trace_file", "trace_mode", "trace_config"):
+                    raise ValueError(f"unknown trace setting {key!r}")
+            self.settings[model] = new
+            return new
+
+    # ------------------------------------------------------------ spans
+    def sample(self, model: str) -> bool:
+        """Whether this request of ``model`` is traced (one in ``rate``, while ``count`` lasts)."""
+        with self._lock:
+            s = self.settings.get(model) or self.settings[""]
+            if s.level == "OFF" or s.rate == 0 or s.count == 0:
+                return False
+            seen = self._seen.get(model, 0) + 1
+            self._seen[model] = seen
+            if (seen - 1) % s.rate:
+                return False
+            if s.count > 0:
+                s.count -= 1
+            return True
+
+    @contextmanager
+    def request(
+        self, model: str, name: str, carrier: Mapping[str, str], **attributes: Any
+    ) -> Iterator[Any]:
+        """A span for one request of ``model`` while it is served (None where it is not
+        sampled), continuing the trace ``carrier``'s ``traceparent`` names; an exception
+        is recorded on it and raised on."""
+        if not self.sample(model):
+            yield None
+            return
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        span = self.tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes={"model": model, **attributes}
+        )
+        token = CURRENT.set((span, self.tracer))
+        try:
+            yield span
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            CURRENT.reset(token)
+            span.end()
+
+    def shutdown(self) -> None:
+        """Send what is still buffered, then stop the exporter."""
+        self._provider.shutdown()
+
+
+_FIELDS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count"}
+
+
+def traceparent(span: Any) -> str:
+    """The W3C ``traceparent`` of ``span``: what a hop passes on, so the next server's spans
+    are its children."""
+    c = span.get_span_context()
+    return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+
+
+def _epoch_ns(monotonic_s: float) -> int:
+    """A ``time.monotonic`` reading as nanoseconds since the epoch (what spans take)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+def child(name: str, start_s: float, end_s: float, **attributes: Any) -> None:
+    """A finished child of the current request's span (``CURRENT``), from ``start_s`` to
+    ``end_s`` (``time.monotonic``); nothing where the request is not traced."""
+    current = CURRENT.get()
+    if current is None:
+        return
+    from opentelemetry import trace
+
+    span, tracer = current
+    context = trace.set_span_in_context(span)
+    start = _epoch_ns(start_s)
+    s = tracer.start_span(name, context=context, start_time=start, attributes=attributes)
+    s.end(end_time=_epoch_ns(end_s))
+
+
+def batched(arrival_s: float, started_s: float, batch_rows: int, instance: int) -> None:
+    """The request served in this context waited from ``arrival_s`` to ``started_s`` and ran
+    in a batch of ``batch_rows`` rows on ``instance`` until now: two children of its span
+    (``queue``, ``batch``), where it is traced."""
+    if CURRENT.get() is None:
+        return
+    now = time.monotonic()
+    child("queue", arrival_s, started_s)
+    child("batch", started_s, now, batch_rows=batch_rows, instance=instance)
