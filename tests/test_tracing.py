@@ -7,7 +7,6 @@ control token."""
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import secrets
