@@ -142,7 +142,6 @@ def test_configuration_and_statistics_come_from_the_batcher(front):
     [
         ("POST", "/v2/repository/models/add_sub/load"),
         ("POST", "/v2/repository/models/add_sub/unload"),
-        ("GET", "/v2/trace/setting"),
         ("GET", "/v2/logging"),
     ],
 )
@@ -151,6 +150,13 @@ def test_control_endpoints_say_where_they_are_served(front, method, path):
     status, body, _ = call(url, method, path, b"{}" if method == "POST" else None)
     assert status == 403
     assert b"gRPC port of the triton and pytriton runtimes" in body
+
+
+@pytest.mark.parametrize("path", ["/v2/trace/setting", "/v2/models/add_sub/trace/setting"])
+def test_trace_settings_without_tracing_say_how_to_turn_it_on(front, path):
+    url, _ = front
+    status, body, _ = call(url, "GET", path)
+    assert status == 403 and b"[server.tracing]" in body
 
 
 @pytest.mark.parametrize("kind", ["system", "cuda"])

@@ -7,10 +7,13 @@ control token."""
 
 from __future__ import annotations
 
+import base64
+import gzip
 import http.server
 import json
 import secrets
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,9 +29,24 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
+from google.protobuf import json_format  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 TOKEN = "tracing-control"
+
+
+def otlp_json(value):
+    """OTLP/JSON as protobuf's JSON mapping reads it: ids are hex there, base64 here."""
+    if isinstance(value, dict):
+        return {
+            k: base64.b64encode(bytes.fromhex(v)).decode()
+            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str)
+            else otlp_json(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [otlp_json(v) for v in value]
+    return value
 
 
 class Receiver:
@@ -42,7 +60,15 @@ class Receiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                export = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                kind = trace_service_pb2.ExportTraceServiceRequest
+                if "json" in self.headers.get("Content-Type", ""):  # tritonserver's exporter
+                    export = json_format.ParseDict(
+                        otlp_json(json.loads(body)), kind(), ignore_unknown_fields=True
+                    )
+                else:
+                    export = kind.FromString(body)
                 got = [
                     {
                         "trace": s.trace_id.hex(),
@@ -93,11 +119,14 @@ def receiver() -> Iterator[Receiver]:
         r.close()
 
 
-@pytest.fixture(scope="module", params=["native", "ray"])
+@pytest.fixture(scope="module", params=["native", "triton", "pytriton", "ray"])
 def served(request, receiver, add_sub_path):
-    """add_sub with every request traced, on native (HTTP and gRPC) and ray (HTTP)."""
+    """add_sub with every request traced, on native, triton and pytriton (HTTP and gRPC;
+    tritonserver in its OpenTelemetry mode behind servekit's front) and ray (HTTP)."""
     from servekit.serving import create_runtime
 
+    if request.param in ("triton", "pytriton"):
+        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
     if request.param == "ray":
         pytest.importorskip("ray", reason="needs the ray extra")
         import warnings
@@ -169,17 +198,59 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
             call(server, runtime, k, header)
 
     each_client(client)
-    for _, trace_id, caller in sent.values():
-        wait_until(lambda t=trace_id: len(receiver.of(t)) >= 3, f"the spans of {trace_id}", 20)
+    # servekit's queue wait and batch, or, behind the front, tritonserver's own spans
+    # (its request, the model's execution, the compute) under the front's.
+    # PyTriton's model side adds its own spans too (its stub and its proxy), in the same trace.
+    behind = runtime in ("triton", "pytriton")
+    below = ["InferRequest", "add_sub", "compute"] if behind else ["queue", "batch"]
+    extra = (
+        {"python_backend_execute", "proxy_inference_callable"} if runtime == "pytriton" else set()
+    )
+
+    def names(trace_id: str) -> set[str]:
+        return {s["name"] for s in receiver.of(trace_id)}
+
+    # tritonserver 2.51 now and then starts a gRPC request's trace as a root of its own
+    # though the relayed call carries the traceparent (seen 2 of 12 calls at most here):
+    # over gRPC a trace there may lack tritonserver's spans, never hold them elsewhere.
+    joined, want = 0, {"infer", *below, *extra}
+
+    def relayed(key: int) -> bool:  # a gRPC call through the Triton runtimes' front
+        return behind and key // 10 % 2 == 1
+
+    wait_until(
+        lambda: all(names(t) >= ({"infer"} if relayed(k) else want) for k, (_, t, _) in sent.items()),
+        "every trace's spans", 20,
+    )  # fmt: skip
+    if behind:
+        time.sleep(2)  # tritonserver's spans of the relayed calls, sent in the same batches
+    for key, (_, trace_id, caller) in sent.items():
+        grpc = relayed(key)
         by_name = {s["name"]: s for s in receiver.of(trace_id)}
-        assert set(by_name) == {"infer", "queue", "batch"}, by_name
-        infer, queue, batch = by_name["infer"], by_name["queue"], by_name["batch"]
+        if behind and grpc and set(by_name) == {"infer"}:
+            continue
+        assert set(by_name) == want, (trace_id, set(by_name), len(receiver.spans))
+        joined += 1
+        infer = by_name["infer"]
         assert infer["parent"] == caller  # the caller's span is the server span's parent
         assert infer["attributes"]["model"] == "add_sub"
+        if behind:
+            request, model, compute = (by_name[n] for n in below)
+            assert request["parent"] == infer["id"]
+            assert model["parent"] == request["id"] and compute["parent"] == model["id"]
+            assert model["attributes"]["triton.model_name"] == "add_sub"
+            continue
+        queue, batch = by_name["queue"], by_name["batch"]
         assert queue["parent"] == batch["parent"] == infer["id"]
         assert infer["start"] <= queue["start"] <= queue["end"] <= batch["end"] <= infer["end"]
         assert batch["attributes"]["batch_rows"] >= 1
-    protocols = {s["attributes"]["protocol"] for s in receiver.spans if s["name"] == "infer"}
+    assert joined >= len(sent) * 3 // 4, f"{joined} of {len(sent)} traces whole"
+    protocols = {
+        s["attributes"]["protocol"]
+        for _, trace_id, _ in sent.values()
+        for s in receiver.of(trace_id)
+        if s["name"] == "infer"
+    }
     assert protocols == ({"http"} if runtime == "ray" else {"http", "grpc"})
 
 
@@ -213,6 +284,10 @@ def test_sampling_is_set_to_none_and_back_at_runtime_behind_the_control_token(se
         header, trace_id, _ = traceparent()
         call(server, runtime, 0, header)
         traced.append(trace_id)
-    wait_until(lambda: sum(bool(receiver.of(t)) for t in traced) == 3, "one in two traced", 20)
-    assert receiver.of(off) == []
+
+    def ours(trace_id: str) -> bool:  # the front's span (tritonserver samples on its own)
+        return any(s["name"] == "infer" for s in receiver.of(trace_id))
+
+    wait_until(lambda: sum(ours(t) for t in traced) == 3, "one in two traced", 20)
+    assert receiver.of(off) == []  # tritonserver's level followed the front's to OFF
     assert setting(server, {"trace_rate": "1"})[1]["trace_rate"] == "1"

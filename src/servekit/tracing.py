@@ -24,7 +24,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CURRENT", "LEVELS", "TRACEPARENT", "TraceSettings", "Tracing", "batched", "child"]
+__all__ = [
+    "CURRENT",
+    "LEVELS",
+    "PASSED",
+    "TRACEPARENT",
+    "TraceSettings",
+    "Tracing",
+    "batched",
+    "child",
+    "outgoing",
+    "triton_trace_config",
+]
 
 TRACEPARENT = "traceparent"
 LEVELS = ("OFF", "TIMESTAMPS")
@@ -33,6 +44,12 @@ CURRENT: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar
     "servekit_span", default=None
 )
 """The span of the request being served in this context and its tracer (None: not traced)."""
+
+PASSED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "servekit_traceparent", default=None
+)
+"""The caller's ``traceparent`` of a request this server does not trace: passed on as it
+is, so the next server's own spans (tritonserver's) still join the caller's trace."""
 
 
 @dataclass
@@ -74,7 +91,9 @@ class Tracing:
 
         self.endpoint = endpoint
         self._provider = TracerProvider(resource=Resource({"service.name": "servekit"}))
-        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint)))
+        exporter = OTLPSpanExporter(endpoint)
+        # Sent a second after they end (the SDK's default waits five).
+        self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
         self.tracer = self._provider.get_tracer("servekit")
         self._lock = threading.Lock()
         self.settings: dict[str, TraceSettings] = {"": TraceSettings(level.upper(), rate_of(rate))}
@@ -148,7 +167,11 @@ class Tracing:
         sampled), continuing the trace ``carrier``'s ``traceparent`` names; an exception
         is recorded on it and raised on."""
         if not self.sample(model):
-            yield None
+            passed = PASSED.set(carrier.get(TRACEPARENT))
+            try:
+                yield None
+            finally:
+                PASSED.reset(passed)
             return
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -181,6 +204,27 @@ def traceparent(span: Any) -> str:
     are its children."""
     c = span.get_span_context()
     return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+
+
+def outgoing() -> str | None:
+    """The ``traceparent`` a hop from the request served here sends on: its span's where
+    it is traced, else the caller's own (None: neither)."""
+    current = CURRENT.get()
+    return traceparent(current[0]) if current is not None else PASSED.get()
+
+
+def triton_trace_config(endpoint: str, rate: float, level: str) -> list[str]:
+    """tritonserver's ``--trace-config`` values for the same settings: OpenTelemetry mode,
+    exporting to ``endpoint`` (its own spans join a trace through the ``traceparent``
+    the front passes on)."""
+    return [
+        "mode=opentelemetry",
+        f"opentelemetry,url={endpoint}",
+        "opentelemetry,resource=service.name=tritonserver",
+        f"level={level.upper()}",
+        f"rate={rate_of(rate)}",
+        "count=-1",
+    ]
 
 
 def _epoch_ns(monotonic_s: float) -> int:

@@ -39,12 +39,14 @@ from typing import Any, cast
 
 import numpy as np
 
+from .. import tracing
 from ..batching import Batcher
 from ..batching.sequence import SequenceFlags
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotReady, ServekitError, from_grpc_code
 from ..protocol.kserve import HEADER_LENGTH
 from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..spec import ModelSpec
+from ..tracing import TRACEPARENT
 from .grpc import GrpcForwarder, Status, infer_request, response_outputs
 from .http import Answer, Done, Dropped, HttpForwarder
 from .journal import SequenceJournal
@@ -111,7 +113,10 @@ class ForwardedModel:
             if not version
             else self._paths[1].format(urllib.parse.quote(version, safe=""))
         )
-        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
+        extra = {HEADER_LENGTH: str(header_length)} if header_length is not None else {}
+        parent = tracing.outgoing()
+        if parent is not None:  # tritonserver's spans join the request's trace
+            extra[TRACEPARENT] = parent
         return http.request_bytes(path, body, extra)
 
     def _lost(self, outcome: Answer | ServekitError) -> Lost | None:
@@ -257,6 +262,9 @@ class ForwardedModel:
         """A checked ``ModelInferRequest`` message to Triton's gRPC port as its bytes, and
         Triton's answer as it is; re-sent if its worker dies (``recovery``, with ``key``
         the request's poison fingerprint; a sequence's through ``journal``)."""
+        parent = tracing.outgoing()
+        if parent is not None:  # tritonserver's spans join the request's trace, under ours
+            metadata = (*((k, v) for k, v in metadata if k != TRACEPARENT), (TRACEPARENT, parent))
         send = functools.partial(self._grpc().call, "ModelInfer", body, metadata)
         recovery = self.recovery
         if recovery is None:

@@ -106,7 +106,7 @@ class PyTritonModels(StaticModels):
         )
         return 403, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
 
-    async def shared_memory(
+    async def restricted(
         self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
         return await triton_fetch(self.http_url, self.control_headers, method, path, body)
@@ -184,7 +184,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
             self._cache[name] = (float("-inf"), cached[1])
         return answer
 
-    async def shared_memory(
+    async def restricted(
         self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
         """tritonserver's answer (``PassThroughRegistry``)."""

@@ -86,6 +86,8 @@ class GrpcRelay:
             elif "SharedMemory" in method.name:
                 handler = functools.partial(self._shared_memory, method.name)
                 table[path] = Method(method.name, Raw, handler)
+            elif method.name == "TraceSetting" and self.service.tracing is not None:
+                table[path] = Method(method.name, Raw, self._trace_setting)
             elif method.name in _CONTROL and isinstance(self.registry, TritonModels):
                 handler = functools.partial(self._control, method.name)
                 table[path] = Method(method.name, Raw, handler)
@@ -144,6 +146,21 @@ class GrpcRelay:
         outcome = await self.upstream.call(method, request.data, control)
         return await self._answer(context, outcome)
 
+    async def _trace_setting(self, request: Raw, context: Any) -> Any:
+        """The front's trace settings (servekit's service checks the control token and
+        answers); a change goes on to tritonserver with the front's own control metadata,
+        so its sampling and level follow the front's."""
+        message = await self._parse(service_pb2.TraceSettingRequest, request, context)
+        answer = await self.service.TraceSetting(message, context)
+        if message.settings:
+            control = tuple(
+                (GRPC_HEADER_PREFIX + k, v) for k, v in self.registry.control_headers.items()
+            )
+            outcome = await self.upstream.call("TraceSetting", request.data, control)
+            if isinstance(outcome, Status):
+                await context.abort(outcome.code, f"tritonserver: {outcome.details}")
+        return answer
+
     async def _model(self, name: str) -> ForwardedModel | None:
         """The model ``name`` names if tritonserver answers for it as it is; None where
         servekit does (a routed model, or one the registry does not have)."""
@@ -182,6 +199,15 @@ class GrpcRelay:
         model = await self._model(name)
         if model is None:  # routed (or unknown: servekit names what the registry has)
             return await self.service.ModelInfer(message, context)
+        tracer = self.service.tracing
+        if tracer is None:
+            return await self._relayed(request, context, message, model)
+        metadata = dict(context.invocation_metadata() or ())
+        with tracer.request(name, "infer", metadata, protocol="grpc"):
+            return await self._relayed(request, context, message, model)
+
+    async def _relayed(self, request: Raw, context: Any, message: Any, model: Any) -> Any:
+        name = message.model_name
         try:
             inputs, timeout_us, sequence = self._check(request, context, message, model)
             if model.decoupled:

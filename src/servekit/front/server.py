@@ -15,6 +15,7 @@ from ..metrics import Family
 from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import ModelSpec
+from ..tracing import Tracing
 from .forwarded import ForwardedModel
 from .models import PyTritonModels, TritonModels
 from .relay import GrpcRelay
@@ -61,8 +62,9 @@ class Front:
         http_limits: Mapping[str, Any] | None = None,
         grpc_limits: Mapping[str, Any] | None = None,
         recovery: Recovery | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self.recovery = recovery
+        self.recovery, self.tracing = recovery, tracing
         self.registry: TritonModels | PyTritonModels = (
             models
             if isinstance(models, TritonModels)
@@ -90,6 +92,7 @@ class Front:
             ready=ready,
             inference_token=inference_token,
             control_token=control_token,
+            tracing=tracing,
         )
         for t in (traffic or {}).values():
             self.app.metrics.watch_traffic(t)
@@ -105,6 +108,7 @@ class Front:
                     inference_token=inference_token,
                     control_token=control_token,
                     on_failure=self.app.metrics.failed,
+                    tracing=tracing,
                 ),
                 self.registry,
                 grpc_url,
@@ -150,3 +154,5 @@ class Front:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._http.stop(timeout_s)
+        if self.tracing is not None:
+            self.tracing.shutdown()  # what is still buffered goes out first

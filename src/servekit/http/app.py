@@ -250,12 +250,20 @@ class KServeApp(Forwarding):
         return await self._not_served(request, m)
 
     async def _trace_setting(self, request: HttpRequest, m: re.Match[str]) -> Answer:
+        """Triton's trace extension; behind a front, a change goes on to tritonserver too
+        (with the front's control headers), so its own spans follow the same settings."""
         if self.tracing is None:
-            return await self._not_served(request, m)
+            why = "is served once [server.tracing] names an OTLP endpoint (tracing is off)"
+            return self._json(403, {"error": f"{request.method} {request.path} {why}"})
         body = lambda: self._body(request)  # noqa: E731
-        return await trace_setting(
+        answer = await trace_setting(
             self.tracing, request, m, body, self._check_control, self.models.lookup
         )
+        if self._behind is not None and request.method == "POST":
+            status, said, headers = await self._behind.restricted("POST", request.path, body())
+            if status != 200:
+                return status, said, headers
+        return answer
 
     async def _not_served(self, request: HttpRequest, m: re.Match[str]) -> Answer:
         return self._json(403, {"error": f"{request.method} {request.path} {NOT_SERVED}"})

@@ -47,7 +47,7 @@ async def shared_memory_answer(
         check_control(request)
         if action == "register" and kind == "system":  # the client's error, not Triton's 500
             check_registration(*_registration(data, name))
-        return await behind.shared_memory(request.method, request.path, data)
+        return await behind.restricted(request.method, request.path, data)
     if regions is None or kind == "cuda":
         if action == "status" and match["name"] is None:
             return _json(200, [])  # none registered

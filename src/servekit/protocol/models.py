@@ -149,12 +149,12 @@ class PassThroughRegistry(Protocol):
         it cannot take one."""
         ...
 
-    async def shared_memory(
+    async def restricted(
         self, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes, dict[str, str]]:
-        """That server's answer to a shared-memory request (Triton's extension), sent with
-        the front's own control headers once the front checked the client's token: that
-        server maps and reads the regions."""
+        """That server's answer to a request on one of its restricted APIs (shared memory,
+        trace settings), sent with the front's own control headers once the front checked
+        the client's token (for shared memory, that server maps and reads the regions)."""
         ...
 
 

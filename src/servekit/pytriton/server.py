@@ -18,6 +18,7 @@ from ..runners.base import Runner
 from ..runtime.base import ServedModel, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, served_name
+from ..tracing import triton_trace_config
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
@@ -118,6 +119,11 @@ class TritonServer:
                 log_verbose=c.log_verbose,
                 log_file=self._workdir.log_path,
                 exit_timeout_secs=c.exit_timeout_s,
+                trace_config=(
+                    triton_trace_config(c.tracing.endpoint, c.tracing.rate, c.tracing.level)
+                    if c.tracing.active
+                    else None
+                ),
             ),
         )
         try:
@@ -162,6 +168,7 @@ class TritonServer:
                         self.config.autoscale_policies() if self.config else {},
                     ),
                     recovery=c.recovery(),
+                    tracing=c.tracing.tracing(),
                 ).start()
         except BaseException:
             if self._front is not None and not self.restarting:

@@ -28,6 +28,7 @@ from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
 from ..runtime.processes import processes
+from ..tracing import triton_trace_config
 from .env import (
     TritonEnvironment,
     TritonSetupError,
@@ -166,6 +167,9 @@ class TritonProcess:
                 cmd.append(f"--grpc-restricted-protocol={apis}:{header}={token}")
         if o.model_control_mode == "poll":
             cmd.append(f"--repository-poll-secs={o.repository_poll_secs}")
+        t = s.tracing
+        if t.active:  # tritonserver's own spans, in the trace the front passes on
+            cmd += [f"--trace-config={c}" for c in triton_trace_config(t.endpoint, t.rate, t.level)]
         cmd += [f"--load-model={m}" for m in o.load_models]
         return cmd + list(o.extra_args)
 
@@ -235,6 +239,7 @@ class TritonProcess:
             grpc_limits=s.grpc_limits(),
             demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
             recovery=recovery,
+            tracing=s.tracing.tracing(),
         ).start()
 
     def _http_ok(self, path: str) -> bool:
