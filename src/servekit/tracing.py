@@ -33,6 +33,8 @@ __all__ = [
     "Tracing",
     "batched",
     "child",
+    "finish",
+    "hop",
     "outgoing",
     "triton_trace_config",
 ]
@@ -159,37 +161,44 @@ class Tracing:
                 s.count -= 1
             return True
 
+    def start(self, model: str, name: str, carrier: Mapping[str, str], **attributes: Any) -> Any:
+        """A span for one request of ``model``, started (None where it is not sampled),
+        continuing the trace ``carrier``'s ``traceparent`` names; ``finish`` ends it."""
+        if not self.sample(model):
+            return None
+        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        return self.tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes={"model": model, **attributes}
+        )
+
     @contextmanager
     def request(
         self, model: str, name: str, carrier: Mapping[str, str], **attributes: Any
     ) -> Iterator[Any]:
-        """A span for one request of ``model`` while it is served (None where it is not
-        sampled), continuing the trace ``carrier``'s ``traceparent`` names; an exception
-        is recorded on it and raised on."""
-        if not self.sample(model):
+        """``start`` for the request served in this context: its span is ``CURRENT`` (or,
+        not sampled, its caller's ``traceparent`` is ``PASSED``) until it is answered; an
+        exception is recorded on the span and raised on."""
+        span = self.start(model, name, carrier, **attributes)
+        if span is None:
             passed = PASSED.set(carrier.get(TRACEPARENT))
             try:
                 yield None
             finally:
                 PASSED.reset(passed)
             return
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        parent = TraceContextTextMapPropagator().extract(carrier)
-        span = self.tracer.start_span(
-            name, context=parent, kind=SpanKind.SERVER, attributes={"model": model, **attributes}
-        )
         token = CURRENT.set((span, self.tracer))
         try:
             yield span
         except BaseException as exc:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            finish(span, exc)
             raise
+        else:
+            finish(span)
         finally:
             CURRENT.reset(token)
-            span.end()
 
     def shutdown(self) -> None:
         """Send what is still buffered, then stop the exporter."""
@@ -197,6 +206,31 @@ class Tracing:
 
 
 _FIELDS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count"}
+
+
+def finish(span: Any, error: BaseException | None = None) -> None:
+    """End ``span``, with ``error`` recorded on it (its status then ERROR)."""
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.end()
+
+
+@contextmanager
+def hop(span: Any, tracer: Any, passed: str | None) -> Iterator[None]:
+    """While it lasts, a hop made from here (``outgoing``) carries ``span``'s traceparent,
+    or ``passed`` where there is no span: for callbacks that build a hop's request at once,
+    outside any context of the request's own (the Triton front's fast path)."""
+    token = CURRENT.set((span, tracer)) if span is not None else None
+    passed_token = PASSED.set(passed)
+    try:
+        yield
+    finally:
+        PASSED.reset(passed_token)
+        if token is not None:
+            CURRENT.reset(token)
 
 
 def traceparent(span: Any) -> str:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import tracing
 from ..batching.sequence import SequenceFlags
-from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, ServekitError
+from ..errors import INFERENCE_TOKEN_HEADER, InvalidInput, RunnerError, ServekitError
 from ..metrics import Metrics
 from ..protocol.kserve import (
     HEADER_LENGTH,
@@ -84,8 +85,6 @@ class Forwarding:
         behind = self._behind
         if behind is None or method != "POST" or not path.endswith("/infer"):
             return False
-        if self.tracing is not None:  # the full path traces (and passes the trace on)
-            return False
         m = MODEL.match(path)
         if m is None or m["version"] is not None or m["rest"] != "/infer":
             return False
@@ -102,17 +101,30 @@ class Forwarding:
                 return False
         if whole_body(raw):
             return False
+        tracer, span, passed = self.tracing, None, None
+        if tracer is not None:  # a span started now, ended with the answer: no task here
+            carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+            span = tracer.start(m["name"], "infer", carrier, protocol="http")
+            passed = carrier.get(tracing.TRACEPARENT)
         try:
             self._check_token(token)
             checked = self._pass_through(m["name"], model, body, raw)
         except ServekitError as exc:
+            if span is not None:
+                tracing.finish(span, exc)
             reply(*self._error(exc))
             return True
 
         def done(answer: tuple[int, bytes, dict[str, str]] | ServekitError) -> None:
+            if span is not None:
+                failed = isinstance(answer, ServekitError) or answer[0] >= 400
+                why = answer if isinstance(answer, ServekitError) else RunnerError(f"{answer[0]}")
+                tracing.finish(span, why if failed else None)
             reply(*(self._error(answer) if isinstance(answer, ServekitError) else answer))
 
-        model.send(checked.body, checked.length, "", done, checked.timeout_us, checked.sequence)
+        c = checked
+        with tracing.hop(span, tracer.tracer if tracer else None, passed):
+            model.send(c.body, c.length, "", done, c.timeout_us, c.sequence)
         return True
 
     def _pass_through(
