@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,8 +28,7 @@ import tritonclient.http as httpclient
 
 from servekit.bench.cpu import tree_cpu_s
 from servekit.bench.report import machine
-from servekit.bench.stats import percentile
-from servekit.client import Client
+from servekit.bench.served import clients, cost_row, serve_process
 from servekit.endpoints import free_port
 from servekit.zoo.tiny import build_add_sub
 
@@ -77,71 +74,49 @@ def run(source: Path, store: str, hit: float, requests: int, folder: Path) -> di
     config = folder / f"{store}-{hit}.toml"
     config.write_text(CONFIG.format(http=http, grpc=grpc, metrics=metrics, cache=cache,
                                     source=source, cached=str(store != "none").lower()))  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "servekit", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    url = f"127.0.0.1:{http}"
     try:
-        url = f"127.0.0.1:{http}"
-        with Client(f"http://{url}") as ready:
-            ready.wait_ready("add_sub", timeout_s=120)
-        hot = [np.full((1, 16), 1000 + k, np.float32) for k in range(16)]
+        with serve_process(config, f"http://{url}", "add_sub") as server:
+            hot = [np.full((1, 16), 1000 + k, np.float32) for k in range(16)]
 
-        def send(c: httpclient.InferenceServerClient, x: np.ndarray) -> None:
-            inputs = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
-            for i in inputs:
-                i.set_data_from_numpy(x)
-            c.infer("add_sub", inputs)
+            def send(c: httpclient.InferenceServerClient, x: np.ndarray) -> None:
+                inputs = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+                for i in inputs:
+                    i.set_data_from_numpy(x)
+                c.infer("add_sub", inputs)
 
-        with httpclient.InferenceServerClient(url) as c:
-            for x in hot:
-                send(c, x)  # primed: each hot input answered once
-        latencies: list[float] = []
-        lock = threading.Lock()
-
-        def client(k: int) -> None:
-            rng = np.random.default_rng(k)
-            mine: list[float] = []
             with httpclient.InferenceServerClient(url) as c:
-                for i in range(requests):
-                    if rng.random() < hit:
-                        x = hot[int(rng.integers(16))]
-                    else:
-                        x = np.full((1, 16), -(k * requests + i + 1), np.float32)  # never sent
-                    start = time.perf_counter()
-                    send(c, x)
-                    mine.append(time.perf_counter() - start)
-            with lock:
-                latencies.extend(mine)
+                for x in hot:
+                    send(c, x)  # primed: each hot input answered once
 
-        pids = [server.pid] + ([redis.pid] if redis else [])
-        before = sum(tree_cpu_s(p) for p in pids)
-        began = time.monotonic()
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.monotonic() - began
-        cpu = sum(tree_cpu_s(p) for p in pids) - before
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
+            def client(k: int) -> list[float]:
+                rng = np.random.default_rng(k)
+                mine: list[float] = []
+                with httpclient.InferenceServerClient(url) as c:
+                    for i in range(requests):
+                        if rng.random() < hit:
+                            x = hot[int(rng.integers(16))]
+                        else:
+                            x = np.full((1, 16), -(k * requests + i + 1), np.float32)  # never sent
+                        start = time.perf_counter()
+                        send(c, x)
+                        mine.append(time.perf_counter() - start)
+                return mine
+
+            pids = [server.pid] + ([redis.pid] if redis else [])
+            before = sum(tree_cpu_s(p) for p in pids)
+            latencies, wall = clients(8, client)
+            cpu = sum(tree_cpu_s(p) for p in pids) - before
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
         hits = metric(text, "nv_cache_num_hits_per_model")
         misses = metric(text, "nv_cache_num_misses_per_model")
-        n = len(latencies)
-        latencies.sort()
         return {
             "store": store,
             "hit_share_asked": hit,
             "hit_share_seen": round(hits / (hits + misses), 3) if hits + misses else None,
-            "requests": n,
-            "server_cpu_us_per_request": round(cpu / n * 1e6, 1),
-            "requests_per_s": round(n / wall, 1),
-            "p50_ms": round(percentile(latencies, 50) * 1e3, 2),
-            "p99_ms": round(percentile(latencies, 99) * 1e3, 2),
+            **cost_row(latencies, wall, cpu),
         }
     finally:
-        server.terminate()
-        server.wait(60)
         if redis is not None:
             redis.kill()
             redis.wait(10)

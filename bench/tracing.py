@@ -19,7 +19,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,8 +29,7 @@ import tritonclient.http as httpclient
 
 from servekit.bench.cpu import tree_cpu_s
 from servekit.bench.report import machine
-from servekit.bench.stats import percentile
-from servekit.client import Client
+from servekit.bench.served import clients, cost_row, serve_process
 from servekit.endpoints import free_port
 from servekit.zoo.tiny import build_add_sub
 
@@ -83,19 +81,11 @@ def run(
     config = folder / f"{runtime}-{rate}.toml"
     config.write_text(CONFIG.format(runtime=runtime, http=http, grpc=grpc, metrics=metrics,
                                     tracing=tracing, source=source))  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "servekit", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        url = f"127.0.0.1:{http}"
-        with Client(f"http://{url}") as ready:
-            ready.wait_ready("add_sub", timeout_s=120)
+    url = f"127.0.0.1:{http}"
+    with serve_process(config, f"http://{url}", "add_sub") as server:
         x = np.ones((1, 16), np.float32)
-        latencies: list[float] = []
-        lock = threading.Lock()
 
-        def client(k: int) -> None:
+        def client(k: int) -> list[float]:
             mine: list[float] = []
             with httpclient.InferenceServerClient(url) as c:
                 inputs = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
@@ -106,35 +96,18 @@ def run(
                     start = time.perf_counter()
                     c.infer("add_sub", inputs, headers={"traceparent": header})
                     mine.append(time.perf_counter() - start)
-            with lock:
-                latencies.extend(mine)
+            return mine
 
         for _ in range(2):  # warm: the first requests of a new server cost more
             client(0)
-        latencies.clear()
         before = tree_cpu_s(server.pid)
-        began = time.monotonic()
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.monotonic() - began
+        latencies, wall = clients(8, client)
         cpu = tree_cpu_s(server.pid) - before
-        n = len(latencies)
-        latencies.sort()
-        return {
-            "runtime": runtime,
-            "traced": "off" if rate is None else f"{rate:.0%}",
-            "requests": n,
-            "server_cpu_us_per_request": round(cpu / n * 1e6, 1),
-            "requests_per_s": round(n / wall, 1),
-            "p50_ms": round(percentile(latencies, 50) * 1e3, 2),
-            "p99_ms": round(percentile(latencies, 99) * 1e3, 2),
-        }
-    finally:
-        server.terminate()
-        server.wait(60)
+    return {
+        "runtime": runtime,
+        "traced": "off" if rate is None else f"{rate:.0%}",
+        **cost_row(latencies, wall, cpu),
+    }
 
 
 def main() -> None:

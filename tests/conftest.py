@@ -322,6 +322,31 @@ def on_ray(url: str, model: Any, store: Any = None, **server: Any) -> Iterator[S
         serve.delete("servekit")
 
 
+@contextlib.contextmanager
+def started(config: Any) -> Iterator[Any]:
+    """``config``'s runtime (``create_runtime``) started, and always stopped."""
+    from servekit.serving import create_runtime
+
+    runtime = create_runtime(config)
+    runtime.start()
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+
+
+def needs_runtime(runtime: str) -> None:
+    """Skip, naming the extra, where ``runtime`` is not installed; Ray Serve imported once
+    with its own import warnings (pydantic's) silenced, as they are not ours."""
+    if runtime in ("pytriton", "triton"):
+        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
+    if runtime == "ray":
+        pytest.importorskip("ray", reason="needs the ray extra")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from ray import serve  # noqa: F401
+
+
 def serve_on_runtime(request: Any, runtime: str) -> Any:
     """``serve(model, **server)`` on servekit's runtime ``runtime``, a context manager that
     yields ``Served`` (Ray: on the module's ``ray_url``)."""

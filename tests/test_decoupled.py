@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import scrape, wait_until
+from conftest import needs_runtime, scrape, started, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
@@ -32,17 +32,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "streaming"
 def served(request):
     """The models on native, on triton (the servekit backend in tritonserver's decoupled
     mode, behind servekit's front) and on ray (in its ingress replica; HTTP only)."""
-    from servekit.serving import create_runtime
-
-    if request.param == "triton":
-        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
-    if request.param == "ray":
-        pytest.importorskip("ray", reason="needs the ray extra")
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
-            from ray import serve  # noqa: F401
+    needs_runtime(request.param)
     config = ServeConfig(
         (
             ModelConfig("words:Words", "words", path=str(EXAMPLE)),
@@ -51,12 +41,8 @@ def served(request):
         ServerConfig(exit_timeout_s=2),
         runtime=request.param,
     ).on_loopback()
-    runtime = create_runtime(config)
-    runtime.start()
-    try:
+    with started(config):
         yield config.server, request.param
-    finally:
-        runtime.stop()
 
 
 def grpc_only(runtime: str) -> None:

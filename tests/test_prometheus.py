@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import free_port, scrape, terminate, wait_until
+from conftest import free_port, needs_runtime, scrape, terminate, wait_until
 from servekit import Client, InvalidInput, ModelConfig, ServeConfig, ServerConfig
 
 INSTALL = "apt-get install -y prometheus"
@@ -194,14 +194,8 @@ RUNTIMES = ["native", "pytriton", "triton", "ray"]
 def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runtime(
     runtime, add_sub_path, tmp_path
 ):
-    if runtime == "ray":
-        pytest.importorskip("ray", reason="needs the ray extra")
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
-            from ray import serve  # noqa: F401
-    elif runtime != "native":
+    needs_runtime(runtime)
+    if runtime != "native":
         pytest.importorskip("tritonclient.http")
     from servekit.serving import create_runtime
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import each_client, sample, scrape
+from conftest import each_client, needs_runtime, sample, scrape, started
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
 from servekit.batching.sequence import Controls, SequencePolicy, StateSpec
 
@@ -56,27 +56,13 @@ RUNTIMES = [(r, s) for r in ("native", "triton", "ray") for s in ("direct", "old
 def served(request):
     """The models on servekit's sequence batcher (native; ray, in its ingress replica),
     and on tritonserver's with the servekit backend keeping the implicit state (triton)."""
-    from servekit.serving import create_runtime
-
     runtime_name, strategy = request.param
-    if runtime_name == "triton":
-        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
-    if runtime_name == "ray":
-        pytest.importorskip("ray", reason="needs the ray extra")
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
-            from ray import serve  # noqa: F401
+    needs_runtime(runtime_name)
     config = ServeConfig(
         models(strategy), ServerConfig(exit_timeout_s=2), runtime=runtime_name
     ).on_loopback()
-    runtime = create_runtime(config)
-    runtime.start()
-    try:
+    with started(config):
         yield config.server
-    finally:
-        runtime.stop()
 
 
 @pytest.fixture

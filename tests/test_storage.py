@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Load, free_port, wait_until
+from conftest import Load, free_port, needs_runtime, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import StoreConfig, model_name
 from servekit.errors import FetchFailed, ModelNotFound
@@ -315,13 +315,7 @@ def test_a_store_root_in_a_bucket_is_listed_loaded_on_demand_and_reloaded_when_c
 @pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
 def test_every_runtime_serves_a_model_from_the_store(s3_url, tmp_path, runtime):
     pytest.importorskip("tritonclient.http")
-    if runtime == "ray":
-        pytest.importorskip("ray", reason="needs the ray extra")
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
-            from ray import serve  # noqa: F401
+    needs_runtime(runtime)
     from servekit import Client
     from servekit.serving import create_runtime
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from conftest import each_client, free_port, wait_until
+from conftest import each_client, free_port, needs_runtime, started, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import TracingConfig
 
@@ -123,29 +123,15 @@ def receiver() -> Iterator[Receiver]:
 def served(request, receiver, add_sub_path):
     """add_sub with every request traced, on native, triton and pytriton (HTTP and gRPC;
     tritonserver in its OpenTelemetry mode behind servekit's front) and ray (HTTP)."""
-    from servekit.serving import create_runtime
-
-    if request.param in ("triton", "pytriton"):
-        pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
-    if request.param == "ray":
-        pytest.importorskip("ray", reason="needs the ray extra")
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Serve's own import warns (pydantic)
-            from ray import serve  # noqa: F401
+    needs_runtime(request.param)
     server = ServerConfig(
         control_token=TOKEN, tracing=TracingConfig(endpoint=receiver.url, rate=1.0)
     )
     config = ServeConfig(
         (ModelConfig(str(add_sub_path), "add_sub"),), server, runtime=request.param
     ).on_loopback()
-    runtime = create_runtime(config)
-    runtime.start()
-    try:
+    with started(config):
         yield config.server, request.param
-    finally:
-        runtime.stop()
 
 
 def traceparent() -> tuple[str, str, str]:
