@@ -1,5 +1,7 @@
-"""The response cache's cost and gain: server CPU per request on the native runtime with
-no cache, and with the cache (local, or a real redis-server) at 0 %, 50 % and 99 % hits.
+"""The response cache's cost and gain: server CPU per request with no cache, and with the
+cache at 0 %, 50 % and 99 % hits: on native (local, or a real redis-server), and on the
+triton runtime, servekit's cache in its front against tritonserver's own
+(``response_cache { enable: true }``, ``--cache-config local``) on the same model.
 
     python bench/cache.py --out bench/results/cache.json
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -33,7 +36,7 @@ from servekit.endpoints import free_port
 from servekit.zoo.tiny import build_add_sub
 
 CONFIG = """
-runtime = "native"
+runtime = "{runtime}"
 [server]
 host = "127.0.0.1"
 http_port = {http}
@@ -58,7 +61,9 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
-def run(source: Path, store: str, hit: float, requests: int, folder: Path) -> dict:
+def run(source: Path, runtime: str, store: str, hit: float, requests: int, folder: Path) -> dict:
+    """One point. ``store``: none, local, redis (servekit's cache), or tritons
+    (tritonserver's own, behind servekit's front, which then keeps nothing)."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     redis = None
     cache = ""
@@ -71,12 +76,27 @@ def run(source: Path, store: str, hit: float, requests: int, folder: Path) -> di
         cache = f'cache = {{ redis = {{ url = "redis://127.0.0.1:{port}/0" }} }}'
     elif store == "local":
         cache = "cache = { local = { size_mb = 256 } }"
-    config = folder / f"{store}-{hit}.toml"
-    config.write_text(CONFIG.format(http=http, grpc=grpc, metrics=metrics, cache=cache,
-                                    source=source, cached=str(store != "none").lower()))  # fmt: skip
+    config = folder / f"{runtime}-{store}-{hit}.toml"
+    ours = store in ("local", "redis")
+    config.write_text(CONFIG.format(runtime=runtime, http=http, grpc=grpc, metrics=metrics,
+                                    cache=cache, source=source,
+                                    cached=str(ours).lower()))  # fmt: skip
+    command: tuple[str, ...] = ("serve",)
+    if store == "tritons":  # servekit's repository, with tritonserver's cache turned on
+        repo = folder / f"repo-{hit}"
+        subprocess.run([sys.executable, "-m", "servekit", "repo", "build", str(repo),
+                        "--config", str(config)], check=True, capture_output=True)  # fmt: skip
+        pbtxt = repo / "add_sub" / "config.pbtxt"
+        pbtxt.write_text(pbtxt.read_text() + "\nresponse_cache { enable: true }\n")
+        import pytriton
+
+        caches = Path(pytriton.__file__).parent / "tritonserver" / "caches"
+        command = ("triton", "--model-repository", str(repo), "--",
+                   f"--cache-config=local,size={256 * 2**20}",
+                   f"--cache-directory={caches}")  # fmt: skip
     url = f"127.0.0.1:{http}"
     try:
-        with serve_process(config, f"http://{url}", "add_sub") as server:
+        with serve_process(config, f"http://{url}", "add_sub", command=command) as server:
             hot = [np.full((1, 16), 1000 + k, np.float32) for k in range(16)]
 
             def send(c: httpclient.InferenceServerClient, x: np.ndarray) -> None:
@@ -107,10 +127,14 @@ def run(source: Path, store: str, hit: float, requests: int, folder: Path) -> di
             before = sum(tree_cpu_s(p) for p in pids)
             latencies, wall = clients(8, client)
             cpu = sum(tree_cpu_s(p) for p in pids) - before
-            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
+            text = "".join(  # the front's (servekit's cache) and the metrics port's
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+                for port in (http, metrics)
+            )
         hits = metric(text, "nv_cache_num_hits_per_model")
         misses = metric(text, "nv_cache_num_misses_per_model")
         return {
+            "runtime": runtime,
             "store": store,
             "hit_share_asked": hit,
             "hit_share_seen": round(hits / (hits + misses), 3) if hits + misses else None,
@@ -126,6 +150,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=250, help="per client")
     p.add_argument("--heavy", type=int, default=2)
+    p.add_argument("--runtimes", default="native,triton")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     points = []
@@ -133,9 +158,13 @@ def main() -> None:
         folder = Path(tmp)
         source = folder / "add_sub_heavy.onnx"
         onnx.save(build_add_sub(heavy=a.heavy), source)
-        cases = [("none", 0.0)] + [(s, h) for s in ("local", "redis") for h in (0.0, 0.5, 0.99)]
-        for store, hit in cases:
-            point = run(source, store, hit, a.requests, folder)
+        hits = (0.0, 0.5, 0.99)
+        cases = {
+            "native": [("none", 0.0)] + [(s, h) for s in ("local", "redis") for h in hits],
+            "triton": [("none", 0.0)] + [(s, h) for s in ("local", "tritons") for h in hits],
+        }
+        for runtime, store, hit in [(r, *c) for r in a.runtimes.split(",") for c in cases[r]]:
+            point = run(source, runtime, store, hit, a.requests, folder)
             print(point, flush=True)
             points.append(point)
     if a.out:

@@ -1,7 +1,7 @@
 """The response cache served (``response_cache = true``, ``[server.cache]``): eight clients
 over HTTP and gRPC (tritonclient) get the model's answers, a repeated request is answered
 without running the model, the counts add up, a reload is never answered from before it,
-and the runtimes that do not serve it yet refuse it by name."""
+on native, Ray and (in servekit's front) the Triton runtimes."""
 
 from __future__ import annotations
 
@@ -112,14 +112,52 @@ def test_a_bad_request_is_refused_every_time_and_never_kept(add_sub_path):
 
 
 @pytest.mark.parametrize("runtime", ["pytriton", "triton"])
-def test_the_triton_runtimes_refuse_the_cache_by_name(runtime, add_sub_path):
+def test_the_triton_runtimes_keep_tritonservers_answers_in_the_front(runtime, tmp_path):
+    """On the Triton runtimes servekit's front keeps tritonserver's answer to a request's
+    exact bytes: eight clients, each a request three times over HTTP and twice over gRPC,
+    make tritonserver run the model twice per client (one miss per protocol: the front
+    never decodes an answer to share it); a changed model file, reloaded, is never answered
+    from before it; with ``front = false`` the cache is refused by name."""
+    pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
+    path = tmp_path / "add_sub.onnx"
+    onnx.save(build_add_sub(), path)
     config = ServeConfig(
-        (ModelConfig(str(add_sub_path), "add_sub", response_cache=True),),
-        ServerConfig(cache=CacheConfig(local_size_mb=8)),
+        (ModelConfig(str(path), "add_sub", response_cache=True),),
+        ServerConfig(exit_timeout_s=2, cache=CacheConfig(local_size_mb=8)),
         runtime=runtime,
-    )
-    with pytest.raises(ValueError, match=r"models.add_sub: response_cache \(served on native"):
-        config.check()
+    ).on_loopback()
+    s = config.server
+    server = create_runtime(config)
+    server.start()
+    try:
+
+        def client(k: int) -> None:
+            x = np.full((1, 16), k, np.float32)
+            with tritonclient_http.InferenceServerClient(f"127.0.0.1:{s.http_port}") as h:
+                for _ in range(3):
+                    assert np.array_equal(infer(h, tritonclient_http, x)["OUTPUT0"], 2 * x)
+            g = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+            for _ in range(2):
+                assert np.array_equal(infer(g, tritonclient_grpc, x)["OUTPUT1"], 0 * x)
+            g.close()
+
+        each_client(client, clients=8)
+        front = scrape(f"{s.http_url}/metrics")
+        assert sample(front, "nv_cache_num_hits_per_model", model="add_sub") == 8 * 3
+        assert sample(front, "nv_cache_num_misses_per_model", model="add_sub") == 8 * 2
+        triton = scrape(s.metrics_url)  # tritonserver ran the model for the misses only
+        assert sample(triton, "nv_inference_request_success", model="add_sub", version="1") == 16
+        if runtime == "pytriton":  # the triton runtime reloads only in poll or explicit mode
+            x = np.ones((1, 16), np.float32)
+            with tritonclient_http.InferenceServerClient(f"127.0.0.1:{s.http_port}") as h:
+                assert infer(h, tritonclient_http, x)["OUTPUT0"][0, 0] == 2.0
+                onnx.save(build_add_sub(offset=10.0), path)  # a new file, other answers
+                server.reload()
+                assert infer(h, tritonclient_http, x)["OUTPUT0"][0, 0] == 12.0
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match=r"response_cache with server.front = false"):
+        config.replace(server=ServerConfig(front=False, cache=s.cache)).check()
 
 
 def test_a_cached_model_needs_a_cache_and_no_split_or_sequence():

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from .stats import percentile
@@ -19,15 +19,19 @@ __all__ = ["clients", "cost_row", "serve_process"]
 
 @contextlib.contextmanager
 def serve_process(
-    config: Path, url: str, model: str, timeout_s: float = 120
+    config: Path,
+    url: str,
+    model: str,
+    timeout_s: float = 120,
+    command: Sequence[str] = ("serve",),
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """``servekit serve --config config``, yielded once ``model`` is ready at ``url``."""
+    """``servekit serve --config config`` (or another ``command`` with the config, such as
+    ``("triton", "--model-repository", ...)``), yielded once ``model`` is ready at ``url``."""
     from ..client import Client
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "servekit", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    head, *rest = command
+    argv = [sys.executable, "-m", "servekit", head, "--config", str(config), *rest]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         with Client(url) as ready:
             ready.wait_ready(model, timeout_s=timeout_s)

@@ -314,12 +314,10 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _cache_problems(config: ServeConfig, runtime: str) -> list[str]:
     """What a response cache asked for cannot do here, each naming the model or knob."""
     cached = [m for m in config.models if m.response_cache]
-    if runtime in ("pytriton", "triton"):
-        out = [f"models.{m.name}: response_cache (served on native and ray so far)" for m in cached]
-        if config.server.cache.active:
-            out.append("[server.cache] (served on native and ray so far)")
-        return out
     out = []
+    if runtime in ("pytriton", "triton") and not config.server.front and cached:
+        out.append("response_cache with server.front = false (the Triton runtimes keep answers "
+                   "in servekit's front)")  # fmt: skip
     for m in cached:
         if not config.server.cache.active:
             out.append(f"models.{m.name}: response_cache needs [server.cache] (local or redis)")

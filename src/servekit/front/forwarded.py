@@ -47,6 +47,7 @@ from ..protocol.kserve import HEADER_LENGTH
 from ..recovery import Lost, Recovery, fingerprint, tensors_key
 from ..spec import ModelSpec
 from ..tracing import TRACEPARENT
+from .cached import FrontCache
 from .grpc import GrpcForwarder, Status, infer_request, response_outputs
 from .http import Answer, Done, Dropped, HttpForwarder
 from .journal import SequenceJournal
@@ -83,6 +84,8 @@ class ForwardedModel:
         self.name, self.spec, self.url, self._token = name, spec, grpc_url, token
         self.decoupled = decoupled
         """Triton answers each request with 0..N responses (``responses``, ``stream``)."""
+        self.cache: FrontCache | None = None
+        """Its answers kept (``response_cache``), where the runtime set one."""
         self.sequenced = sequenced
         """tritonserver runs it with its sequence batcher: a request may name a sequence."""
         self.journal = (
@@ -146,7 +149,21 @@ class ForwardedModel:
         """The checked request to Triton's own HTTP port, the same bytes, on a pooled
         keep-alive loopback connection; Triton's answer as it is (``PassThrough``),
         re-sent if its worker dies (``recovery``; a sequence's, after its state is
-        rebuilt on the new worker: ``journal``)."""
+        rebuilt on the new worker: ``journal``); answered from ``cache`` where it holds
+        the same request's answer."""
+        if self.cache is not None and sequence is None:
+            sent = functools.partial(self._forward, body, header_length, version, timeout_us)
+            return await self.cache.http(version, body, header_length, sent)
+        return await self._forward(body, header_length, version, timeout_us, sequence)
+
+    async def _forward(
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        timeout_us: int | None = None,
+        sequence: SequenceFlags | None = None,
+    ) -> Answer:
         request = self._request(body, header_length, version)
         http = cast(HttpForwarder, self._http)
         recovery = self.recovery
@@ -182,7 +199,7 @@ class ForwardedModel:
     ) -> None:
         """``forward`` from callbacks: no task, no future (the front's fast path) unless
         the worker died under the request, or it belongs to a sequence kept in ``journal``."""
-        if sequence is not None and self.journal is not None:
+        if (sequence is not None and self.journal is not None) or self.cache is not None:
             call = self.forward(body, header_length, version, timeout_us, sequence)
             task = asyncio.get_running_loop().create_task(call)
             self._replays.add(task)
@@ -261,7 +278,21 @@ class ForwardedModel:
     ) -> bytes | Status:
         """A checked ``ModelInferRequest`` message to Triton's gRPC port as its bytes, and
         Triton's answer as it is; re-sent if its worker dies (``recovery``, with ``key``
-        the request's poison fingerprint; a sequence's through ``journal``)."""
+        the request's poison fingerprint; a sequence's through ``journal``); answered
+        from ``cache`` where it holds the same request's answer."""
+        if self.cache is not None and sequence is None:
+            sent = functools.partial(self._relay, body, key, timeout_us, metadata, None)
+            return cast("bytes | Status", await self.cache.grpc("", body, sent))
+        return await self._relay(body, key, timeout_us, metadata, sequence)
+
+    async def _relay(
+        self,
+        body: bytes,
+        key: Callable[[], bytes],
+        timeout_us: int | None,
+        metadata: tuple[tuple[str, Any], ...],
+        sequence: SequenceFlags | None,
+    ) -> bytes | Status:
         parent = tracing.outgoing()
         if parent is not None:  # tritonserver's spans join the request's trace, under ours
             metadata = (*((k, v) for k, v in metadata if k != TRACEPARENT), (TRACEPARENT, parent))

@@ -13,9 +13,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
+from ..cache import ResponseCache
 from ..errors import ModelNotFound, ModelNotReady
 from ..protocol.models import FrontModel, StaticModels
 from ..protocol.routed import RoutedModel
@@ -23,6 +24,7 @@ from ..protocol.surface import repository_index
 from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import spec_from_config
+from .cached import FrontCache
 from .forwarded import ForwardedModel, TritonVersion, triton_fetch, triton_ready
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
@@ -135,8 +137,12 @@ class TritonModels(Mapping[str, ForwardedModel]):
         traffic: Mapping[str, Traffic] | None = None,
         recovery: Recovery | None = None,
         control_mode: str = "explicit",
+        cached: Mapping[str, Callable[[], str]] | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.http_url, self.grpc_url = http_url, grpc_url
+        self.cached, self.response_cache = dict(cached or {}), cache
+        """Models with ``response_cache`` (name -> the identity of what it serves)."""
         if ttl_s is None:  # only poll mode changes a model behind the front's back
             ttl_s = POLL_TTL_S if control_mode == "poll" else math.inf
         self.ttl_s = ttl_s
@@ -228,6 +234,8 @@ class TritonModels(Mapping[str, ForwardedModel]):
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
                 sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
+        if self.response_cache is not None and name in self.cached and model.cache is None:
+            model.cache = FrontCache(self.response_cache, name, self.cached[name])
         self._cache[name] = (now, model)
         return model
 

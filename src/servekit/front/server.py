@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..cache import ResponseCache
 from ..config import MAX_BODY_BYTES
 from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp
@@ -16,6 +17,7 @@ from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import ModelSpec
 from ..tracing import Tracing
+from .cached import FrontCache
 from .forwarded import ForwardedModel
 from .models import PyTritonModels, TritonModels
 from .relay import GrpcRelay
@@ -63,8 +65,10 @@ class Front:
         grpc_limits: Mapping[str, Any] | None = None,
         recovery: Recovery | None = None,
         tracing: Tracing | None = None,
+        cached: Mapping[str, Callable[[], str]] | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
-        self.recovery, self.tracing = recovery, tracing
+        self.recovery, self.tracing, self.cache = recovery, tracing, cache
         self.registry: TritonModels | PyTritonModels = (
             models
             if isinstance(models, TritonModels)
@@ -86,6 +90,9 @@ class Front:
                 traffic=traffic,
             )
         )
+        if isinstance(self.registry, PyTritonModels) and cache is not None:
+            for name, identity in (cached or {}).items():
+                self.registry.forwarded[name].cache = FrontCache(cache, name, identity)
         self.app = KServeApp(
             self.registry,
             max_body_bytes=max_body_bytes,
@@ -100,6 +107,8 @@ class Front:
             self.app.metrics.collect(demand)
         if recovery is not None:
             self.app.metrics.collect(recovery.figures)
+        if cache is not None:
+            self.app.metrics.collect(cache.figures)
         self._relay = (
             GrpcRelay(
                 GrpcService(
@@ -151,6 +160,8 @@ class Front:
         if self._relay is not None:
             await self._relay.aclose()
         await self.registry.aclose()
+        if self.cache is not None:
+            await self.cache.store.aclose()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._http.stop(timeout_s)

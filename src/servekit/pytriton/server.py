@@ -17,7 +17,7 @@ from ..endpoints import free_port
 from ..runners.base import Runner
 from ..runtime.base import ServedModel, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
-from ..runtime.registry import ServedModels, served_name
+from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
 from ..tracing import triton_trace_config
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
@@ -169,6 +169,13 @@ class TritonServer:
                     ),
                     recovery=c.recovery(),
                     tracing=c.tracing.tracing(),
+                    cached={
+                        m.name: watched_identity(m, config)
+                        for config in ([self.config] if self.config else [])
+                        for m in config.models
+                        if m.response_cache
+                    },
+                    cache=response_cache(c),
                 ).start()
         except BaseException:
             if self._front is not None and not self.restarting:

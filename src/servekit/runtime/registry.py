@@ -10,13 +10,14 @@ of their own beside it; the ``[store]`` keeps residency, over the same ``Traffic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..batching import Batcher
 from ..batching.sequencer import SequenceBatcher
 from ..cache import LocalStore, RedisStore, ResponseCache
-from ..config import ModelConfig, ServeConfig, version_model_name
+from ..config import ModelConfig, ServeConfig, ServerConfig, version_model_name
 from ..errors import ModelNotFound
 from ..protocol.cached import CachedModel, file_identity
 from ..protocol.models import BatchedModel, DecoupledModel
@@ -32,6 +33,7 @@ __all__ = [
     "response_cache",
     "scheduled",
     "served_name",
+    "watched_identity",
 ]
 
 
@@ -180,9 +182,9 @@ class ServedModels:
         self._models = []
 
 
-def response_cache(config: ServeConfig) -> ResponseCache | None:
+def response_cache(config: ServeConfig | ServerConfig) -> ResponseCache | None:
     """The ``[server.cache]`` a config asks for (None: no cache)."""
-    c = config.server.cache
+    c = (config.server if isinstance(config, ServeConfig) else config).cache
     if not c.active:
         return None
     store = RedisStore(c.redis_url) if c.redis_url else LocalStore(int(c.local_size_mb * 2**20))
@@ -202,6 +204,32 @@ def behind_cache(
         )
     front = BatchedModel(found) if isinstance(found, Batcher) else found
     return CachedModel(front, cache, model.name, model_identity(model, config, tag))
+
+
+def watched_identity(model: ModelConfig, config: ServeConfig) -> Callable[[], str]:
+    """``model_identity``, read again only when the served file's size or modification time
+    changed (cheap enough to ask per request): a reload of a changed file is a new one."""
+    from .. import zoo
+    from ..errors import ServekitError
+
+    try:
+        path: Path | None = zoo.resolve(model.source, config.cache_dir, config.storage)
+    except (ServekitError, OSError):
+        path = None
+    known: dict[object, str] = {}
+
+    def identity() -> str:
+        try:
+            st = path.stat() if path is not None else None
+            stamp: object = (st.st_size, st.st_mtime_ns) if st is not None else None
+        except OSError:
+            stamp = None
+        if stamp not in known:
+            known.clear()
+            known[stamp] = model_identity(model, config)
+        return known[stamp]
+
+    return identity
 
 
 def model_identity(model: ModelConfig, config: ServeConfig, tag: str = "") -> str:

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
 from ..runtime.processes import processes
+from ..runtime.registry import response_cache
 from ..tracing import triton_trace_config
 from .env import (
     TritonEnvironment,
@@ -111,9 +112,13 @@ class TritonProcess:
         *,
         traffic: Mapping[str, Traffic] | None = None,
         autoscale: Mapping[str, AutoscalePolicy] | None = None,
+        cached: Mapping[str, Callable[[], str]] | None = None,
     ) -> None:
         self.options = options
         self.traffic = dict(traffic or {})
+        self.cached = dict(cached or {})
+        """Models with ``response_cache`` (their answers kept in the front, ``[server]
+        cache``): name -> the identity of what it serves."""
         self.autoscale = dict(autoscale or {})
         """Model name -> the targets of its autoscaling signal (the front computes it)."""
         if self.traffic and not options.server.front:
@@ -213,6 +218,7 @@ class TritonProcess:
 
         s = self.options.server
         recovery = s.recovery()
+        cache = response_cache(s) if self.cached else None
         registry = TritonModels(
             self.triton_http_url,
             self.triton_grpc_url,
@@ -221,6 +227,8 @@ class TritonProcess:
             traffic=self.traffic,
             recovery=recovery,
             control_mode=self.options.model_control_mode,
+            cached=self.cached,
+            cache=cache,
         )
         self._front = Front(
             registry,
@@ -240,6 +248,7 @@ class TritonProcess:
             demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
             recovery=recovery,
             tracing=s.tracing.tracing(),
+            cache=cache,
         ).start()
 
     def _http_ok(self, path: str) -> bool:

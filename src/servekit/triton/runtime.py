@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import ServeConfig
 from ..protocol.routed import traffic_of
+from ..runtime.registry import watched_identity
 from .launcher import TritonOptions, TritonProcess
 from .repo import build_repository, model_repository
 
@@ -48,6 +49,11 @@ class TritonRuntime:
                 TritonOptions(self._root, self.config.server),
                 traffic=self.traffic,
                 autoscale=self.config.autoscale_policies(),
+                cached={
+                    m.name: watched_identity(m, self.config)
+                    for m in self.config.models
+                    if m.response_cache
+                },
             ).start()
             self.process.wait_ready(
                 [m.name for m in models]
