@@ -277,7 +277,11 @@ def test_a_remembered_binary_header_is_checked_again_when_the_signature_changes(
     header = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}}]}'
     body = header + np.ones(2, np.float32).tobytes()
     for _ in range(2):
-        assert app._pass_through("m", model, body, str(len(header))) == (body, len(header), None)
+        assert app._pass_through("m", model, body, str(len(header)))[:3] == (
+            body,
+            len(header),
+            None,
+        )
     model.spec = ModelSpec(
         (TensorSpec("x", np.float32, [3]),), (TensorSpec("y", np.float32, [3]),), 8
     )
