@@ -17,10 +17,16 @@ from conftest import ray_serve, wait_until
 from servekit.rollout import CanaryPolicy, Traffic, TrafficPolicy
 
 
+@pytest.fixture(scope="module")
+def real_ray() -> Iterator[None]:
+    with ray_serve():
+        yield
+
+
 @pytest.fixture
-def ray() -> Iterator[Callable[..., list[Traffic]]]:
+def ray(real_ray: None) -> Iterator[Callable[..., list[Traffic]]]:
     """A real Ray, and ``replicas(n, run_id, policy)``: n Traffics, each shared as an
-    ingress replica shares its own; every sharer closed before Ray stops."""
+    ingress replica shares its own; every sharer closed after the test."""
     from servekit.ray.shared import SharedTraffic
 
     sharers: list[SharedTraffic] = []
@@ -33,12 +39,11 @@ def ray() -> Iterator[Callable[..., list[Traffic]]]:
             out.append(t)
         return out
 
-    with ray_serve():
-        try:
-            yield replicas
-        finally:
-            for s in sharers:
-                s.close()
+    try:
+        yield replicas
+    finally:
+        for s in sharers:
+            s.close()
 
 
 def same(traffic: list[Traffic]) -> bool:

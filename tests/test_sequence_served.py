@@ -49,7 +49,10 @@ def models(strategy: str) -> tuple[ModelConfig, ...]:
     )  # fmt: skip
 
 
-RUNTIMES = [(r, s) for r in ("native", "triton", "ray") for s in ("direct", "oldest")]
+RUNTIMES = [(r, s) for r in ("native", "triton") for s in ("direct", "oldest")] + [
+    ("ray", "oldest")
+]
+"""Ray runs servekit's own sequence batcher, both strategies of which native runs here."""
 
 
 @pytest.fixture(scope="module", params=RUNTIMES, ids=[f"{r}-{s}" for r, s in RUNTIMES])
