@@ -8,6 +8,7 @@ every request batched with it is answered and the server stays up."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -82,7 +83,16 @@ def add_sub_config(path: Path, runtime: str) -> ServeConfig:
 
 @pytest.mark.parametrize("runtime", ["triton", "pytriton"])
 def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_sub_path):
+    """... and, every request traced, a replayed request's trace shows what the death cost
+    it (a ``replay`` span: from the loss to the answer, the deaths it saw)."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the tracing extra")
+    from otlp import Receiver
+    from servekit.config import TracingConfig
+
+    receiver = Receiver()
     config = add_sub_config(add_sub_path, runtime).on_loopback()
+    traced = TracingConfig(endpoint=receiver.url, rate=1.0)
+    config = config.replace(server=dataclasses.replace(config.server, tracing=traced))
     served = create_runtime(config)
     url = config.server.http_url
 
@@ -117,6 +127,19 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
     assert families[("servekit_requests_replayed", add_sub)] >= 1
     assert families[("servekit_requests_quarantined", add_sub)] == 0
     assert families[("servekit_no_live_worker_seconds", add_sub)] > 0
+    try:
+
+        def replayed() -> list[tuple[dict, dict]]:  # (replay, its parent), where both came
+            ids = {s["id"]: s for s in receiver.spans}
+            return [(s, ids[s["parent"]]) for s in receiver.spans
+                    if s["name"] == "replay" and s["parent"] in ids]  # fmt: skip
+
+        wait_until(lambda: replayed(), "a replay span under its request's", 20)
+        replay, parent = replayed()[0]
+        assert parent["name"] == "infer" and replay["end"] > replay["start"]
+        assert replay["attributes"]["deaths"] >= 0
+    finally:
+        receiver.close()
 
 
 def _inputs() -> dict[str, np.ndarray]:

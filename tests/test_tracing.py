@@ -7,12 +7,8 @@ control token."""
 
 from __future__ import annotations
 
-import base64
-import gzip
-import http.server
 import json
 import secrets
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from conftest import each_client, free_port, needs_runtime, started, wait_until
+from conftest import each_client, needs_runtime, started, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import TracingConfig
 
@@ -29,85 +25,10 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-from google.protobuf import json_format  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+
+from otlp import Receiver  # noqa: E402
 
 TOKEN = "tracing-control"
-
-
-def otlp_json(value):
-    """OTLP/JSON as protobuf's JSON mapping reads it: ids are hex there, base64 here."""
-    if isinstance(value, dict):
-        return {
-            k: base64.b64encode(bytes.fromhex(v)).decode()
-            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str)
-            else otlp_json(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [otlp_json(v) for v in value]
-    return value
-
-
-class Receiver:
-    """An OTLP/HTTP traces endpoint on loopback: every span it is sent, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-        spans, lock = self.spans, self.lock
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                kind = trace_service_pb2.ExportTraceServiceRequest
-                if "json" in self.headers.get("Content-Type", ""):  # tritonserver's exporter
-                    export = json_format.ParseDict(
-                        otlp_json(json.loads(body)), kind(), ignore_unknown_fields=True
-                    )
-                else:
-                    export = kind.FromString(body)
-                got = [
-                    {
-                        "trace": s.trace_id.hex(),
-                        "id": s.span_id.hex(),
-                        "parent": s.parent_span_id.hex(),
-                        "name": s.name,
-                        "start": s.start_time_unix_nano,
-                        "end": s.end_time_unix_nano,
-                        "attributes": {
-                            a.key: getattr(a.value, a.value.WhichOneof("value"))
-                            for a in s.attributes
-                        },
-                        "error": s.status.code == 2,
-                    }
-                    for r in export.resource_spans
-                    for scope in r.scope_spans
-                    for s in scope.spans
-                ]
-                with lock:
-                    spans.extend(got)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-                self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def of(self, trace_id: str) -> list[dict]:
-        with self.lock:
-            return [s for s in self.spans if s["trace"] == trace_id]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +198,30 @@ def test_sampling_is_set_to_none_and_back_at_runtime_behind_the_control_token(se
     wait_until(lambda: sum(ours(t) for t in traced) == 3, "one in two traced", 20)
     assert receiver.of(off) == []  # tritonserver's level followed the front's to OFF
     assert setting(server, {"trace_rate": "1"})[1]["trace_rate"] == "1"
+
+
+def test_a_routed_request_shows_its_version_and_its_shadow_run(receiver, add_sub_path):
+    """A model in two versions with a shadow (native): the request's trace holds the
+    version that answered (under ``infer``, with the queue wait and batch under it) and
+    the shadow's run beside it, with whether its answer was the same."""
+    from servekit.rollout import ModelVersion, TrafficPolicy
+
+    model = ModelConfig(
+        str(add_sub_path), "add_sub", versions=(ModelVersion(2, str(add_sub_path)),),
+        traffic=TrafficPolicy({1: 100, 2: 0}, shadow=2),
+    )  # fmt: skip
+    server = ServerConfig(tracing=TracingConfig(endpoint=receiver.url, rate=1.0))
+    config = ServeConfig((model,), server, runtime="native").on_loopback()
+    header, trace_id, _ = traceparent()
+    with started(config):
+        call(config.server, "native", 0, header)
+        want = {"infer", "version", "shadow", "queue", "batch"}
+        wait_until(lambda: {s["name"] for s in receiver.of(trace_id)} >= want, "the spans", 20)
+    by_name: dict[str, list[dict]] = {}
+    for s in receiver.of(trace_id):
+        by_name.setdefault(s["name"], []).append(s)
+    (infer,), (version,), (shadow,) = by_name["infer"], by_name["version"], by_name["shadow"]
+    assert version["parent"] == shadow["parent"] == infer["id"]
+    assert version["attributes"]["version"] == 1 and version["attributes"]["ok"] is True
+    assert shadow["attributes"]["version"] == 2 and shadow["attributes"]["same"] is True
+    assert len(by_name["batch"]) == 2  # the answer's batch and the shadow's

@@ -28,6 +28,7 @@ from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
+from . import tracing
 from .errors import PoisonInput, WorkerDied
 
 __all__ = ["Lost", "Recovery", "RECOVERY_METRICS", "fingerprint", "tensors_key"]
@@ -186,12 +187,17 @@ class Recovery:
         m = self._model(model)
         deaths, wait, resent = 0, _BACKOFF_S[0], False
         outcome, sent_up = first, first_sent_live
+        lost_at: float | None = None
         while True:
             if outcome is not None:
                 why = lost(outcome)
                 if why is None:
                     self.answered(model)
+                    if lost_at is not None:  # the request's trace shows what the loss cost
+                        tracing.child("replay", lost_at, time.monotonic(), deaths=deaths)
                     return outcome
+                if lost_at is None:
+                    lost_at = time.monotonic()
                 if why is Lost.DEAD and not sent_up:
                     why = Lost.UNREACHABLE  # sent to a worker already known dead
                 self._lost(model)

@@ -27,6 +27,7 @@ The server itself (``Front``: HTTP and gRPC on one loop) is in ``server``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import re
@@ -218,6 +219,7 @@ class ForwardedModel:
             done(exc)
             return
         live, arrived = recovery.live(self.name), time.monotonic()
+        context = contextvars.copy_context()  # the request's (its span), for a replay
 
         def first(outcome: Answer | ServekitError) -> None:
             if self._lost(outcome) is None:
@@ -230,7 +232,7 @@ class ForwardedModel:
                 deadline=recovery.deadline(timeout_us, arrived), key=key,
                 first=outcome, first_sent_live=live,
             )  # fmt: skip
-            task = asyncio.get_running_loop().create_task(replay)
+            task = asyncio.get_running_loop().create_task(replay, context=context)
             self._replays.add(task)
             task.add_done_callback(functools.partial(self._replayed, done))
 

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .. import tracing
 from ..batching import Batcher
 from ..batching.sequence import SequenceFlags
 from ..batching.sequencer import SequenceBatcher
@@ -121,8 +122,11 @@ class RoutedModel:
         """The answer and the version that gave it."""
         traffic = self.traffic
         chosen = traffic.route(version, sticky)
+        began = time.monotonic()
         outputs, ok, took = await self._timed(self.by_version[chosen], inputs, priority, timeout_us)
         traffic.record(chosen, took, ok)
+        tracing.child("version", began, time.monotonic(), version=chosen,
+                      canary=chosen == traffic.canary, ok=ok)  # fmt: skip
         if not ok:
             raise cast(BaseException, outputs)
         shadow = traffic.shadow_of(chosen)
@@ -164,19 +168,23 @@ class RoutedModel:
     async def _shadow(
         self, version: int, inputs: Mapping[str, np.ndarray], answer: Mapping[str, np.ndarray]
     ) -> None:
-        """Run the copy, compare, record; whatever happens, the client has its answer already."""
-        start = time.perf_counter()
+        """Run the copy, compare, record; whatever happens, the client has its answer already
+        (the request's trace, where it has one, gets a ``shadow`` span after it ended)."""
+        start, began = time.perf_counter(), time.monotonic()
         try:
             outputs, ok, took = await self._timed(self.by_version[version], inputs, 0, None)
         except InvalidInput as exc:  # the answer's version took it: the shadow's own fault
             outputs, ok, took = exc, False, time.perf_counter() - start
         self.traffic.record(version, took, ok, shadow=True)
         if not ok:
+            tracing.child("shadow", began, time.monotonic(), version=version, ok=False)
             log.debug(
                 "%s: shadow run on version %d failed: %s", self.traffic.name, version, outputs
             )
             return
-        self.traffic.compared(version, same_answer(answer, outputs))
+        same = same_answer(answer, outputs)
+        tracing.child("shadow", began, time.monotonic(), version=version, ok=True, same=same)
+        self.traffic.compared(version, same)
 
 
 async def infer_answered(
