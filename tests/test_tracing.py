@@ -106,8 +106,9 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
 
     each_client(client)
     # servekit's queue wait and batch, or, behind the front, tritonserver's own spans
-    # (its request, the model's execution, the compute) under the front's.
-    # PyTriton's model side adds its own spans too (its stub and its proxy), in the same trace.
+    # (its request, the model's execution, the compute) under the front's. PyTriton's model
+    # side may add its own (its stub's and its proxy's, exported by PyTriton on its own
+    # schedule), in the same trace: allowed, not required.
     behind = runtime in ("triton", "pytriton")
     below = ["InferRequest", "add_sub", "compute"] if behind else ["queue", "batch"]
     extra = (
@@ -120,7 +121,7 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
     # tritonserver 2.51 now and then starts a gRPC request's trace as a root of its own
     # though the relayed call carries the traceparent (seen 2 of 12 calls at most here):
     # over gRPC a trace there may lack tritonserver's spans, never hold them elsewhere.
-    joined, want = 0, {"infer", *below, *extra}
+    joined, want = 0, {"infer", *below}
 
     def relayed(key: int) -> bool:  # a gRPC call through the Triton runtimes' front
         return behind and key // 10 % 2 == 1
@@ -136,7 +137,7 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
         by_name = {s["name"]: s for s in receiver.of(trace_id)}
         if behind and grpc and set(by_name) == {"infer"}:
             continue
-        assert set(by_name) == want, (trace_id, set(by_name), len(receiver.spans))
+        assert want <= set(by_name) <= want | extra, (trace_id, set(by_name), len(receiver.spans))
         joined += 1
         infer = by_name["infer"]
         assert infer["parent"] == caller  # the caller's span is the server span's parent
