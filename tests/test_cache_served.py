@@ -147,6 +147,9 @@ def test_the_triton_runtimes_keep_tritonservers_answers_in_the_front(runtime, tm
         assert sample(front, "nv_cache_num_misses_per_model", model="add_sub") == 8 * 2
         triton = scrape(s.metrics_url)  # tritonserver ran the model for the misses only
         assert sample(triton, "nv_inference_request_success", model="add_sub", version="1") == 16
+        pending = ("nv_inference_pending_request_count",
+                   frozenset({("model", "add_sub"), ("version", "1")}))  # fmt: skip
+        assert triton.get(pending) == 0  # idle again once the clients stop
         if runtime == "pytriton":  # the triton runtime reloads only in poll or explicit mode
             x = np.ones((1, 16), np.float32)
             with tritonclient_http.InferenceServerClient(f"127.0.0.1:{s.http_port}") as h:

@@ -411,6 +411,13 @@ def test_a_worker_killed_mid_sequence_costs_no_request_and_no_wrong_answer():
                 )  # fmt: skip
             seen = load.answered
             wait_until(lambda: load.answered > seen + 60, "answers after the last restart", 60)
+        # Idle again once the clients stop: nothing queued in tritonserver, no sequence
+        # held in the front's journal past its end.
+        triton = scrape(config.server.metrics_url)
+        for model in ("accumulate", "running_mean"):
+            key = ("nv_inference_pending_request_count",
+                   frozenset({("model", model), ("version", "1")}))  # fmt: skip
+            assert triton.get(key) == 0, (model, triton.get(key))
     assert load.failures == [] and load.wrong == []
     assert supervisor.restarts == KILLS
 

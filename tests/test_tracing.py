@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from conftest import each_client, needs_runtime, started, wait_until
+from conftest import each_client, needs_runtime, scrape, started, wait_until
 from servekit import ModelConfig, ServeConfig, ServerConfig
 from servekit.config import TracingConfig
 
@@ -105,11 +105,16 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
             call(server, runtime, k, header)
 
     each_client(client)
+    # Idle again once the clients stop (tritonserver's gauge behind the front).
+    behind = runtime in ("triton", "pytriton")
+    metrics = scrape(server.metrics_url if behind else f"{server.http_url}/metrics")
+    pending = ("nv_inference_pending_request_count",
+               frozenset({("model", "add_sub"), ("version", "1")}))  # fmt: skip
+    assert metrics.get(pending) == 0, metrics.get(pending)
     # servekit's queue wait and batch, or, behind the front, tritonserver's own spans
     # (its request, the model's execution, the compute) under the front's. PyTriton's model
     # side may add its own (its stub's and its proxy's, exported by PyTriton on its own
     # schedule), in the same trace: allowed, not required.
-    behind = runtime in ("triton", "pytriton")
     below = ["InferRequest", "add_sub", "compute"] if behind else ["queue", "batch"]
     extra = (
         {"python_backend_execute", "proxy_inference_callable"} if runtime == "pytriton" else set()
