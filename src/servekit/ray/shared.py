@@ -106,7 +106,11 @@ class SharedTraffic:
         )
         if raw is None:  # cleared while reading: the run is over
             return
-        shared = json.loads(raw)
-        self.applied[name] = number
-        if shared.pop("by") != self.replica:
-            self.traffic[name].adopt(shared, f"change {number}, made by another ingress replica")
+        self.applied[name] = number  # taken once, whatever it holds
+        try:
+            shared = json.loads(raw)
+            if shared.pop("by") != self.replica:
+                self.traffic[name].adopt(shared, f"change {number}, made by another replica")
+        except (ValueError, KeyError, TypeError) as exc:  # not one this run's replicas wrote
+            log.error("traffic: %s: change %d not applied: %s: %s",
+                      name, number, type(exc).__name__, exc)  # fmt: skip
