@@ -1,5 +1,6 @@
 """A decoupled model (``examples/streaming``: one text in, each of its words out, one
-response each) served on native and on ray (in its ingress replica, over HTTP): over a gRPC stream its responses come in order, flagged
+response each) served on native, triton, pytriton (in servekit's front: PyTriton cannot
+stop a model for a client that left) and ray (in its ingress replica, over HTTP): over a gRPC stream its responses come in order, flagged
 ``triton_final_response`` false, then an empty final one where the client asks
 (``enable_empty_final_response``); over HTTP they come as Server-Sent Events; a unary
 call is refused as Triton refuses it; a model that fails midway sends what it made, then
@@ -28,10 +29,11 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 EXAMPLE = Path(__file__).parent.parent / "examples" / "streaming"
 
 
-@pytest.fixture(scope="module", params=["native", "triton", "ray"])
+@pytest.fixture(scope="module", params=["native", "triton", "pytriton", "ray"])
 def served(request):
     """The models on native, on triton (the servekit backend in tritonserver's decoupled
-    mode, behind servekit's front) and on ray (in its ingress replica; HTTP only)."""
+    mode, behind servekit's front), on pytriton (in the front) and on ray (in its ingress
+    replica; HTTP only)."""
     needs_runtime(request.param)
     config = ServeConfig(
         (

@@ -8,8 +8,8 @@ served signature hides the controls and the state, ``/config`` shows Triton's
 ``sequence_batching``, and Triton's errors name the sequence. On native servekit's
 sequence batcher schedules; on the triton runtime tritonserver's does, with the servekit
 backend keeping the implicit state and the controls; on ray servekit's sequence batcher
-runs in the one ingress replica every request of a sequence reaches. The pytriton runtime
-refuses the knob by name until it serves it."""
+runs in the one ingress replica every request of a sequence reaches; on pytriton (which
+has no sequence batcher) it runs in servekit's front, beside PyTriton's other models."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def models(strategy: str) -> tuple[ModelConfig, ...]:
 
 
 RUNTIMES = [(r, s) for r in ("native", "triton") for s in ("direct", "oldest")] + [
-    ("ray", "oldest")
+    ("pytriton", "direct"),
+    ("ray", "oldest"),
 ]
-"""Ray runs servekit's own sequence batcher, both strategies of which native runs here."""
+"""PyTriton's front and Ray run servekit's own sequence batcher, both strategies of which
+native runs here."""
 
 
 @pytest.fixture(scope="module", params=RUNTIMES, ids=[f"{r}-{s}" for r, s in RUNTIMES])
@@ -203,11 +205,13 @@ def test_tritons_sequence_errors_name_the_sequence_and_the_server_goes_on(served
         c.close()
 
 
-def test_pytriton_and_several_ray_ingress_replicas_refuse_sequence_batching_by_name():
+def test_pytriton_without_its_front_and_several_ray_ingress_replicas_refuse_sequences():
     from servekit import RayOptions
 
     config = ServeConfig(models("direct")[:1], runtime="pytriton")
-    with pytest.raises(ValueError, match=r"models\.accumulate: \[models\.sequence_batching\]"):
+    config.check()
+    config = config.replace(server=ServerConfig(front=False))
+    with pytest.raises(ValueError, match=r"sequence_batching\] with server\.front = false"):
         config.check()
     config = ServeConfig(models("direct")[:1], runtime="ray", ray=RayOptions(ingress_replicas=2))
     with pytest.raises(ValueError, match=r"sequence_batching\] with \[ray\] ingress_replicas = 2"):
@@ -326,3 +330,28 @@ def test_tritonservers_own_sequence_batcher_gives_the_same_answers(served, runti
             sid, step = map(int, rid.split("-"))
             want = sum(float(sid * s % 13) for s in range(step + 1))
             assert np.all(mine[rid] == want), (rid, mine[rid], want)
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_a_sequence_models_statistics_and_config_come_from_where_it_is_served(
+    served, runtime, module
+):
+    """On pytriton the front serves the sequence model itself: its statistics and config
+    are servekit's, not tritonserver's (which has no such model), on both protocols."""
+    if runtime == "ray" and module is grpcclient:
+        pytest.skip("the ray runtime serves HTTP only (Ray Serve's proxy)")
+    port = served.http_port if module is httpclient else served.grpc_port
+    c = module.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        x = _tensor(module, "INPUT", 1.0, 4)
+        c.infer("accumulate", [x], sequence_id=90, sequence_start=True, sequence_end=True)
+        as_json = {"as_json": True} if module is grpcclient else {}
+        stats = c.get_inference_statistics("accumulate", **as_json)
+        (entry,) = stats["model_stats"]
+        assert entry["name"] == "accumulate"
+        assert int(entry["inference_stats"]["success"]["count"]) >= 1
+        config = c.get_model_config("accumulate", **as_json)
+        config = config.get("config", config)  # gRPC wraps it
+        assert config["name"] == "accumulate" and "sequence_batching" in config
+    finally:
+        c.close()

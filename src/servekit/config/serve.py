@@ -32,7 +32,7 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
         "store": "PyTriton cannot unload a model (pytriton#21)",
         "inference_token": "PyTriton's tritonserver takes one access token, the control_token, "
         "and servekit's front does not check an inference token in front of it",
-        "max_sequence_replay": "the pytriton runtime serves no sequences yet",
+        "max_sequence_replay": "a sequence lives in servekit's front, which replays nothing",
     },
     "triton": {
         "ray": "Ray deployment options",
@@ -129,10 +129,10 @@ class ServeConfig:
             for m in self.models
             if m.version != 1
         ]
-        if runtime == "pytriton":
+        if runtime == "pytriton" and not self.server.front:
             problems += [
-                f"models.{m.name}: [models.sequence_batching] (sequences are served on the "
-                "native, triton and ray runtimes so far)"
+                f"models.{m.name}: [models.sequence_batching] with server.front = false "
+                "(PyTriton has no sequence batcher: servekit's front runs it)"
                 for m in self.models
                 if m.sequence_batching is not None
             ]

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from ..cache import ResponseCache
 from ..errors import ModelNotFound, ModelNotReady
-from ..protocol.models import FrontModel, StaticModels
+from ..protocol.models import FrontModel, StaticModels, as_front_model
 from ..protocol.routed import RoutedModel
 from ..protocol.surface import repository_index
 from ..recovery import Recovery
@@ -57,6 +57,8 @@ class PyTritonModels(StaticModels):
 
     ``routes``: name -> version -> the Triton model serving it (PyTriton binds one version
     per Triton model); those Triton models are not served under their own names.
+    ``local``: models the front serves itself, in servekit's process (sequence and
+    decoupled models, which PyTriton cannot schedule): name -> a Batcher or front model.
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class PyTritonModels(StaticModels):
         *,
         routes: Mapping[str, Mapping[int, str]] | None = None,
         traffic: Mapping[str, Traffic] | None = None,
+        local: Mapping[str, Any] | None = None,
     ) -> None:
-        served: dict[str, FrontModel] = dict(models)
+        self.local = {name: as_front_model(m) for name, m in (local or {}).items()}
+        served: dict[str, FrontModel] = {**models, **self.local}
         for name, targets in (routes or {}).items():
             for target in targets.values():
                 served.pop(target, None)
@@ -82,6 +86,8 @@ class PyTritonModels(StaticModels):
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         model = self._models.get(name)
+        if name in self.local:
+            return await super().is_ready(name, version)
         if isinstance(model, RoutedModel):
             return await version_ready(model, version, self.http_url)
         return model is not None and await triton_ready(self.http_url, name, version)
@@ -89,6 +95,9 @@ class PyTritonModels(StaticModels):
     def peek(self, name: str) -> ForwardedModel | None:
         model = self._models.get(name)  # only these are listed; a routed one takes the full path
         return model if isinstance(model, ForwardedModel) else None
+
+    def serves(self, name: str) -> bool:
+        return name not in self.local
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         if path == "/v2/repository/index":  # PyTriton's models are in no repository Triton indexes
@@ -259,6 +268,9 @@ class TritonModels(Mapping[str, ForwardedModel]):
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         return await triton_ready(self.http_url, name, version)
+
+    def serves(self, name: str) -> bool:
+        return True
 
     def peek(self, name: str) -> ForwardedModel | None:
         cached = self._cache.get(name)

@@ -45,8 +45,10 @@ _BY_MODEL = {
     "ModelReady": service_pb2.ModelReadyRequest,
     "ModelMetadata": service_pb2.ModelMetadataRequest,
     "ModelConfig": service_pb2.ModelConfigRequest,
+    "ModelStatistics": service_pb2.ModelStatisticsRequest,
 }
-"""Calls about one model (``name``): servekit answers them for a routed or unknown model."""
+"""Calls about one model (``name``): servekit answers them for a routed or unknown model
+(statistics: only for a model the front serves itself; tritonserver has the others')."""
 _CONTROL = ("RepositoryModelLoad", "RepositoryModelUnload")
 
 
@@ -152,7 +154,7 @@ class GrpcRelay:
         so its sampling and level follow the front's."""
         message = await self._parse(service_pb2.TraceSettingRequest, request, context)
         answer = await self.service.TraceSetting(message, context)
-        if message.settings:
+        if message.settings and self.registry.serves(message.model_name):
             control = tuple(
                 (GRPC_HEADER_PREFIX + k, v) for k, v in self.registry.control_headers.items()
             )
@@ -188,7 +190,9 @@ class GrpcRelay:
         context: Any,
     ) -> Any:
         message = await self._parse(_BY_MODEL[method], request, context)
-        if await self._model(message.name) is None:
+        if not self.registry.serves(message.name) or (
+            method != "ModelStatistics" and await self._model(message.name) is None
+        ):
             return await own(message, context)
         return await self._pass(method, request, context)
 
@@ -248,7 +252,11 @@ class GrpcRelay:
         """One stream request's responses: a decoupled model's as tritonserver sends them
         (over a stream of their own; a client that leaves cancels it), else the infer's."""
         model = await self._model(message.model_name)
-        if model is None or not model.decoupled:
+        if model is None:  # servekit answers it (a routed model; one the front serves itself)
+            async for response in self.service.stream_answers(message, context):
+                yield response
+            return
+        if not model.decoupled:
             yield await self._infer(request, context, message)
             return
         try:

@@ -40,7 +40,8 @@ class Front:
     signal's source (``TritonDemand``), exported on the front's ``/metrics``;
     ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
     ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
-    registry's models share it.
+    registry's models share it. ``local`` (PyTriton): models the front serves itself from
+    servekit's core (``PyTritonModels``).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class Front:
         tracing: Tracing | None = None,
         cached: Mapping[str, Callable[[], str]] | None = None,
         cache: ResponseCache | None = None,
+        local: Mapping[str, Any] | None = None,
     ) -> None:
         self.recovery, self.tracing, self.cache = recovery, tracing, cache
         self.registry: TritonModels | PyTritonModels = (
@@ -88,6 +90,7 @@ class Front:
                 control_headers or {},
                 routes=routes,
                 traffic=traffic,
+                local=local,
             )
         )
         if isinstance(self.registry, PyTritonModels) and cache is not None:

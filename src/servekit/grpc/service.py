@@ -316,7 +316,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         order = SequenceOrder()
         answers = each_answered(
             requests,
-            lambda request: order.answers(request, lambda: self._answers(request, context)),
+            lambda request: order.answers(request, lambda: self.stream_answers(request, context)),
             STREAM_IN_FLIGHT,
         )
         async for request, outcome in answers:
@@ -325,7 +325,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             else:
                 yield stream_response(outcome.SerializeToString())
 
-    async def _answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def stream_answers(self, request: Any, context: Any) -> AsyncIterator[Any]:
         """One stream request's responses: a decoupled model's, as it makes them (each
         flagged ``triton_final_response`` false, then an empty final one where the request
         sets ``triton_enable_empty_final_response``), any other model's one answer."""

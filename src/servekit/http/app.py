@@ -259,8 +259,9 @@ class KServeApp(Forwarding):
         answer = await trace_setting(
             self.tracing, request, m, body, self._check_control, self.models.lookup
         )
-        if self._behind is not None and request.method == "POST":
-            status, said, headers = await self._behind.restricted("POST", request.path, body())
+        behind = self._behind
+        if behind is not None and request.method == "POST" and behind.serves(m["name"] or ""):
+            status, said, headers = await behind.restricted("POST", request.path, body())
             if status != 200:
                 return status, said, headers
         return answer
@@ -276,7 +277,7 @@ class KServeApp(Forwarding):
             raise ModelNotFound(
                 f"model {name!r} has no version {version!r}; it has {list(model.versions)}"
             )
-        behind = self._behind
+        behind = self._behind if self._behind is not None and self._behind.serves(name) else None
         if rest == "/traffic":
             return self._traffic(name, model, request)
         if rest in ("/config", "/stats") and method == "GET":

@@ -141,6 +141,11 @@ class PassThroughRegistry(Protocol):
         fast path); None sends the request down the full path, which looks it up."""
         ...
 
+    def serves(self, name: str) -> bool:
+        """Whether that server answers for model ``name`` (its configuration, statistics,
+        metadata and trace settings); False for a model the front serves itself."""
+        ...
+
     async def control(
         self, path: str, body: bytes, headers: Mapping[str, str]
     ) -> tuple[int, bytes, dict[str, str]]:

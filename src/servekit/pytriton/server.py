@@ -15,7 +15,7 @@ from typing import Any
 from ..config import ServeConfig, ServerConfig
 from ..endpoints import free_port
 from ..runners.base import Runner
-from ..runtime.base import ServedModel, refuse_decoupled
+from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
 from ..tracing import triton_trace_config
@@ -84,11 +84,15 @@ class TritonServer:
         )
 
         # Loaded here, so a signal can interrupt it (``Supervisor``). Triton's model for
-        # each: PyTriton binds one version per Triton model.
-        bound = {m: served_name(m) for m in self.models.load()}
-        for m in bound:
-            refuse_decoupled(m.runner, m.name, "pytriton")
+        # each: PyTriton binds one version per Triton model. PyTriton schedules neither
+        # sequences nor a decoupled model's cancellation: the front serves those itself.
         c = self.server
+        loaded = self.models.load()
+        local = {m.name for m in loaded if m.sequence is not None or is_decoupled(m.runner)}
+        if not c.front:
+            for m in loaded:
+                refuse_decoupled(m.runner, m.name, "pytriton with server.front = false")
+        bound = {m: served_name(m) for m in loaded if m.name not in local}
         security = TritonSecurityConfig(
             access_token=c.control_token, restricted_endpoints=list(CONTROL_ENDPOINTS)
         )
@@ -127,7 +131,7 @@ class TritonServer:
             ),
         )
         try:
-            for m in self.models:
+            for m in bound:
                 install_error_shim(bound[m])
                 spec = m.runner.spec
                 triton.bind(
@@ -147,7 +151,7 @@ class TritonServer:
                 from ..front.demand import TritonDemand
 
                 self._front = Front(
-                    {bound[m]: m.runner.spec for m in self.models},
+                    {bound[m]: m.runner.spec for m in bound},
                     f"grpc://127.0.0.1:{triton_grpc_port}",
                     host=c.host,
                     port=c.http_port,
@@ -156,7 +160,8 @@ class TritonServer:
                     http_url=f"http://127.0.0.1:{triton_http_port}",
                     control_headers={"triton-access-token": security.access_token or ""},
                     traffic=self.models.traffic,
-                    routes=self.models.routes(),
+                    routes=self.models.routes(local),
+                    local=self.models.batch(only=local) if local else None,
                     grpc_port=c.grpc_port,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
@@ -189,7 +194,7 @@ class TritonServer:
         self.access_token = security.access_token
         # Each model instance runs in a Python backend stub, named <model>_<n>_<device> in
         # its argv.
-        names = "|".join(re.escape(bound[m]) for m in self.models)
+        names = "|".join(re.escape(name) for name in bound.values()) or "(?!)"
         instance = re.compile(rf"^(?:{names})_\d+_\d+$")
         self._stubs = {
             pid: next((a for a in argv if instance.match(a)), argv[0])

@@ -80,13 +80,18 @@ class Runtime(Protocol):
         ...
 
 
+def is_decoupled(runner: Runner) -> bool:
+    """Whether ``runner`` answers a request with any number of responses (``decoupled``)."""
+    return bool(getattr(runner, "decoupled", False))
+
+
 def refuse_decoupled(runner: Runner, name: str, runtime: str) -> None:
-    """``ValueError`` naming ``runtime`` and the model where ``runner`` is decoupled: its
-    streams are served on the native and ray runtimes so far."""
-    if getattr(runner, "decoupled", False):
+    """``ValueError`` naming ``runtime`` and the model where ``runner`` is decoupled (the
+    runtime cannot stream its responses)."""
+    if is_decoupled(runner):
         raise ValueError(
             f"the {runtime} runtime cannot serve model {name!r}: it is decoupled (answers a "
-            "request with any number of responses), served on the native and ray runtimes so far"
+            "request with any number of responses), which servekit's front streams"
         )
 
 
@@ -276,6 +281,6 @@ def probe_model(
             pre, post = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)
             image_spec = ImageClassifier([pre, runner, post]).spec
             pre.close()
-        return ModelProbe(path, spec, meta, image_spec, bool(getattr(runner, "decoupled", False)))
+        return ModelProbe(path, spec, meta, image_spec, is_decoupled(runner))
     finally:
         runner.close()

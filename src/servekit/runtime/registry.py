@@ -10,7 +10,7 @@ of their own beside it; the ``[store]`` keeps residency, over the same ``Traffic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,24 +112,27 @@ class ServedModels:
     def names(self) -> list[str]:
         return [served_name(m) for m in self._models]
 
-    def routes(self) -> dict[str, dict[int, str]]:
+    def routes(self, served: Collection[str] = ()) -> dict[str, dict[int, str]]:
         """Name -> version -> served name, for each model with a ``Traffic`` (the front
-        routes these)."""
+        routes these) but those ``served`` in process (``batch(only=)`` routes them)."""
         routes: dict[str, dict[int, str]] = {}
         for m in self._models:
-            if m.name in self.traffic:
+            if m.name in self.traffic and m.name not in served:
                 routes.setdefault(m.name, {})[m.version] = served_name(m)
         return routes
 
-    def batch(self, cache: ResponseCache | None = None) -> dict[str, Any]:
+    def batch(
+        self, cache: ResponseCache | None = None, *, only: Collection[str] | None = None
+    ) -> dict[str, Any]:
         """Start a ``Batcher`` per version (its policy, its instances; a ``SequenceBatcher``
         for a model with ``sequence_batching``, a ``DecoupledModel`` for a decoupled one)
         and return what a front serves: one ``RoutedModel`` per model with a ``Traffic``,
-        else its Batcher, behind ``cache`` where the model has ``response_cache``."""
-        served = self._batch()
+        else its Batcher, behind ``cache`` where the model has ``response_cache``.
+        ``only``: the models (by name) to start, where another server serves the rest."""
+        served = self._batch(only)
         self.cached = {}
         for model in self.config.models if self.config and cache else ():
-            if not model.response_cache:
+            if not model.response_cache or model.name not in served:
                 continue
             assert cache is not None and self.config is not None
             tag = f"#{self.runner(model.name).version}"
@@ -139,10 +142,12 @@ class ServedModels:
             served[model.name] = self.cached[model.name]
         return served
 
-    def _batch(self) -> dict[str, Any]:
+    def _batch(self, only: Collection[str] | None = None) -> dict[str, Any]:
         self.close_batchers()
         by_name: dict[str, dict[int, Any]] = {}
         for m in self._models:
+            if only is not None and m.name not in only:
+                continue
             served = scheduled(m)
             if isinstance(served, DecoupledModel):
                 self._decoupled.append(served)
