@@ -231,3 +231,56 @@ def test_a_routed_request_shows_its_version_and_its_shadow_run(receiver, add_sub
     assert version["attributes"]["version"] == 1 and version["attributes"]["ok"] is True
     assert shadow["attributes"]["version"] == 2 and shadow["attributes"]["same"] is True
     assert len(by_name["batch"]) == 2  # the answer's batch and the shadow's
+
+
+DOUBLE = """
+import numpy as np
+
+import servekit
+
+
+class Double(servekit.Model):
+    inputs = [("OUTPUT0", "FP32", [16])]
+    outputs = [("DOUBLED", "FP32", [16])]
+    max_batch_size = 8
+
+    def infer(self, batch):
+        return {"DOUBLED": batch["OUTPUT0"] * 2}
+"""
+
+
+@pytest.mark.parametrize("runtime", ["native", "pytriton"])
+def test_each_step_of_a_pipeline_is_a_span_of_the_batch_it_ran_in(
+    receiver, add_sub_path, tmp_path, runtime
+):
+    """A pipeline (add_sub's ONNX, then your own model): one span per step, in order,
+    inside the batch that ran it (native: servekit's ``batch``; pytriton: PyTriton's
+    span of the call to the model, ``proxy_inference_callable``)."""
+    needs_runtime(runtime)
+    (tmp_path / "double.py").write_text(DOUBLE)
+    model = ModelConfig(
+        name="chain",
+        steps=(
+            {"name": "add_sub", "source": str(add_sub_path)},
+            {"name": "double", "source": "double:Double", "path": str(tmp_path)},
+        ),
+    )
+    server = ServerConfig(tracing=TracingConfig(endpoint=receiver.url, rate=1.0))
+    config = ServeConfig((model,), server, runtime=runtime).on_loopback()
+    header, trace_id, _ = traceparent()
+    batch_span = "batch" if runtime == "native" else "proxy_inference_callable"
+    with started(config):
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{config.server.http_port}")
+        try:
+            result = c.infer("chain", pair(httpclient), headers={"traceparent": header})
+            assert np.all(result.as_numpy("DOUBLED") == 4.0)
+        finally:
+            c.close()
+        want = {"infer", batch_span, "step add_sub", "step double"}
+        wait_until(lambda: {s["name"] for s in receiver.of(trace_id)} >= want, "the spans", 20)
+    by_name = {s["name"]: s for s in receiver.of(trace_id)}
+    batch, first, second = by_name[batch_span], by_name["step add_sub"], by_name["step double"]
+    assert first["parent"] == second["parent"] == batch["id"]
+    assert (first["attributes"]["step"], second["attributes"]["step"]) == (0, 1)
+    assert batch["start"] <= first["start"] <= first["end"] <= second["start"]
+    assert second["end"] <= batch["end"]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import zoo
+from . import tracing, zoo
 from .runners.base import Arrays, BaseRunner, Runner
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
@@ -49,7 +50,7 @@ class Pipeline(BaseRunner):
             produces with another dtype or shape, or when batching differs between steps.
     """
 
-    def __init__(self, steps: Sequence[Runner]) -> None:
+    def __init__(self, steps: Sequence[Runner], names: Sequence[str] = ()) -> None:
         if not steps:
             raise ValueError("a Pipeline needs at least one step")
         batched = {s.spec.batched for s in steps}
@@ -71,6 +72,8 @@ class Pipeline(BaseRunner):
                     )
             produced.update({t.name: t for t in step.spec.outputs})
         self.steps = tuple(steps)
+        self.step_names = tuple(names) or tuple(type(s).__name__ for s in steps)
+        """Each step's name in a traced batch's spans (``step <name>``)."""
         self._spec = ModelSpec(
             tuple(inputs),
             steps[-1].spec.outputs,
@@ -80,8 +83,12 @@ class Pipeline(BaseRunner):
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         tensors = dict(inputs)
-        for step in self.steps:
+        traced = tracing.BATCH.get()  # a traced request's batch: each step's time is a span
+        for name, step in zip(self.step_names, self.steps, strict=True):
+            start = time.monotonic()
             tensors.update(step.infer({t.name: tensors[t.name] for t in step.spec.inputs}))
+            if traced is not None:
+                traced.steps.append((name, start, time.monotonic()))
         return {t.name: tensors[t.name] for t in self._spec.outputs}
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
@@ -148,7 +155,7 @@ def image_classifier(
     pre, post = image_stages(
         runner.spec, getattr(runner, "metadata", None), top_k=top_k, labels=labels
     )
-    return ImageClassifier([pre, runner, post])
+    return ImageClassifier([pre, runner, post], ["preprocess", "model", "postprocess"])
 
 
 def image_stages(

@@ -21,14 +21,16 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BATCH",
     "CURRENT",
     "LEVELS",
     "PASSED",
     "TRACEPARENT",
+    "BatchTrace",
     "TraceSettings",
     "Tracing",
     "batched",
@@ -36,6 +38,8 @@ __all__ = [
     "finish",
     "hop",
     "outgoing",
+    "step_spans",
+    "traced",
     "triton_trace_config",
 ]
 
@@ -46,6 +50,22 @@ CURRENT: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar
     "servekit_span", default=None
 )
 """The span of the request being served in this context and its tracer (None: not traced)."""
+
+
+@dataclass
+class BatchTrace:
+    """What the batch running in this context records for its traced requests: their
+    spans' ``traceparent``s (a hop the batch makes carries them: Ray's model replica)
+    and each pipeline step's run (``step``, ``start_s``, ``end_s`` by ``time.monotonic``)."""
+
+    parents: list[str]
+    steps: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+BATCH: contextvars.ContextVar[BatchTrace | None] = contextvars.ContextVar(
+    "servekit_batch", default=None
+)
+"""The batch running in this context, where any of its requests is traced (None: none is)."""
 
 PASSED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "servekit_traceparent", default=None
@@ -240,6 +260,12 @@ def traceparent(span: Any) -> str:
     return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
 
 
+def traced() -> str | None:
+    """The ``traceparent`` of the request traced in this context (None: it is not traced)."""
+    current = CURRENT.get()
+    return traceparent(current[0]) if current is not None else None
+
+
 def outgoing() -> str | None:
     """The ``traceparent`` a hop from the request served here sends on: its span's where
     it is traced, else the caller's own (None: neither)."""
@@ -266,27 +292,54 @@ def _epoch_ns(monotonic_s: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
-def child(name: str, start_s: float, end_s: float, **attributes: Any) -> None:
-    """A finished child of the current request's span (``CURRENT``), from ``start_s`` to
-    ``end_s`` (``time.monotonic``); nothing where the request is not traced."""
+def child(
+    name: str, start_s: float, end_s: float | None, parent: Any = None, **attributes: Any
+) -> Any:
+    """A child of the current request's span (``CURRENT``; or of ``parent``), from
+    ``start_s`` to ``end_s`` (``time.monotonic``; None: left open, the caller ends it);
+    nothing where the request is not traced."""
     current = CURRENT.get()
     if current is None:
-        return
+        return None
     from opentelemetry import trace
 
     span, tracer = current
-    context = trace.set_span_in_context(span)
+    context = trace.set_span_in_context(parent if parent is not None else span)
     start = _epoch_ns(start_s)
     s = tracer.start_span(name, context=context, start_time=start, attributes=attributes)
-    s.end(end_time=_epoch_ns(end_s))
+    if end_s is not None:
+        s.end(end_time=_epoch_ns(end_s))
+    return s
 
 
-def batched(arrival_s: float, started_s: float, batch_rows: int, instance: int) -> None:
+def batched(
+    arrival_s: float,
+    started_s: float,
+    batch_rows: int,
+    instance: int,
+    steps: list[tuple[str, float, float]] | None = None,
+) -> None:
     """The request served in this context waited from ``arrival_s`` to ``started_s`` and ran
     in a batch of ``batch_rows`` rows on ``instance`` until now: two children of its span
-    (``queue``, ``batch``), where it is traced."""
-    if CURRENT.get() is None:
+    (``queue``, ``batch``), where it is traced; a pipeline's ``steps`` as the batch's."""
+    current = CURRENT.get()
+    if current is None:
         return
     now = time.monotonic()
     child("queue", arrival_s, started_s)
-    child("batch", started_s, now, batch_rows=batch_rows, instance=instance)
+    batch = child("batch", started_s, None, batch_rows=batch_rows, instance=instance)
+    step_spans(batch, current[1], steps or [])
+    batch.end(end_time=_epoch_ns(now))
+
+
+def step_spans(parent: Any, tracer: Any, steps: list[tuple[str, float, float]]) -> None:
+    """A pipeline's ``steps`` (``BatchTrace.steps``) as finished children of ``parent``."""
+    from opentelemetry import trace
+
+    context = trace.set_span_in_context(parent)
+    for index, (name, start_s, end_s) in enumerate(steps):
+        s = tracer.start_span(
+            f"step {name}", context=context, start_time=_epoch_ns(start_s),
+            attributes={"step": index},
+        )  # fmt: skip
+        s.end(end_time=_epoch_ns(end_s))

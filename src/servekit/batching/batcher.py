@@ -180,7 +180,10 @@ class Batcher:
             self.stats.request_cancelled += 1
             raise
         if tracing.CURRENT.get() is not None and request.started:
-            tracing.batched(request.arrival, request.started, request.batch_rows, request.instance)
+            tracing.batched(
+                request.arrival, request.started, request.batch_rows, request.instance,
+                request.steps,
+            )  # fmt: skip
         return outputs  # type: ignore[no-any-return]
 
     def infer_sync(

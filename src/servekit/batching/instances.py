@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import tracing
 from ..errors import ModelNotReady, ServekitError
 from .execute import BatchFn, Steps, drive, drive_async
 from .request import Request
@@ -108,16 +109,19 @@ class Instances:
                     r.fail(ModelNotReady(f"{self.name}: event loop closed"))
 
     def _run(self, batch: list[Request], instance: int = 0) -> Outcome:
-        _started(batch, instance)
+        token = _started(batch, instance)
         start = time.perf_counter()
         try:
             parts: Any = drive(self._steps(batch), self._fn)
         except ServekitError as exc:
             return None, exc, (time.perf_counter() - start) * 1e6
+        finally:
+            if token is not None:
+                tracing.BATCH.reset(token)
         return parts, None, (time.perf_counter() - start) * 1e6
 
     async def _run_async(self, seq: int, batch: list[Request], queue_us: tuple[float, ...]) -> None:
-        _started(batch, 0)
+        token = _started(batch, 0)
         start = time.perf_counter()
         outcome: Outcome
         try:
@@ -125,11 +129,25 @@ class Instances:
             outcome = parts, None, (time.perf_counter() - start) * 1e6
         except ServekitError as exc:
             outcome = None, exc, (time.perf_counter() - start) * 1e6
+        finally:
+            if token is not None:
+                tracing.BATCH.reset(token)
         self._complete(seq, batch, queue_us, outcome)
 
 
-def _started(batch: list[Request], instance: int) -> None:
-    """Stamp each request with when and where its batch began to run (its trace's spans)."""
+def _started(batch: list[Request], instance: int) -> Any:
+    """Stamp each request with when and where its batch began to run (its trace's spans);
+    where any is traced, the batch's ``tracing.BATCH`` is set (the token resets it)."""
     now, rows = time.monotonic(), sum(r.rows for r in batch)
+    parents: list[str] = []
     for r in batch:
         r.started, r.batch_rows, r.instance = now, rows, instance
+        if r.parent is not None:
+            parents.append(r.parent)
+    if not parents:
+        return None
+    trace = tracing.BatchTrace(parents)
+    for r in batch:
+        if r.parent is not None:
+            r.steps = trace.steps
+    return tracing.BATCH.set(trace)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..spec import ModelSpec
+from ..tracing import CURRENT, traced
 from .policy import BatchingPolicy
 from .stats import BatcherStats
 
@@ -44,6 +45,10 @@ class Request:
     """When its batch began to run (``time.monotonic``), on which instance, of how many rows."""
     instance: int = -1
     batch_rows: int = 0
+    parent: str | None = None
+    """Its span's ``traceparent`` where it is traced (``servekit.tracing``)."""
+    steps: list[tuple[str, float, float]] | None = None
+    """Its batch's pipeline steps (name, start, end), where it is traced."""
 
     def done(self) -> bool:
         return self.future.done()
@@ -126,4 +131,7 @@ class Admission:
         deadline = now + timeout / 1e6 if timeout else math.inf
         with self._lock:
             self._stats.request_admitted += 1
-        return Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)
+        request = Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)
+        if CURRENT.get() is not None:
+            request.parent = traced()
+        return request

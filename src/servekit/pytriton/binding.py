@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import tracing
 from ..batching.execute import run_requests
 from ..errors import ServekitError, triton_code
 from ..spec import TensorSpec
@@ -61,9 +62,23 @@ def infer_callable(runner: Any, model: str) -> Callable[[list[Any]], list[dict[s
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
         inputs = [dict(r.data) for r in requests]
+        # PyTriton's span of each traced request: a pipeline's steps become its children.
+        spans = [span for r in requests if (span := getattr(r, "span", None)) is not None]
+        trace = tracing.BatchTrace([]) if spans else None
+        token = tracing.BATCH.set(trace) if trace is not None else None
+        try:
+            results = run_requests(runner, inputs, spec)
+        finally:
+            if token is not None:
+                tracing.BATCH.reset(token)
+        if trace is not None and trace.steps:
+            from pytriton.proxy.telemetry import get_telemetry_tracer
+
+            for span in spans:
+                tracing.step_spans(span, get_telemetry_tracer(), trace.steps)
         return [
             error_response(result, model) if isinstance(result, ServekitError) else result
-            for result in run_requests(runner, inputs, spec)
+            for result in results
         ]
 
     return infer

@@ -146,7 +146,7 @@ def _pipeline(model: ModelConfig, cache_dir: str | None, storage: StorageConfig 
         for step in model.steps:
             batched = dataclasses.replace(step, batching=model.batching)
             runners.append(load_model_runner(batched, cache_dir, storage))
-        return Pipeline(runners)
+        return Pipeline(runners, [step.name for step in model.steps])
     except BaseException as exc:
         for runner in runners:  # the steps loaded so far: nothing half-built stays open
             runner.close()
