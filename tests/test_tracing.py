@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import each_client, needs_runtime, scrape, started, wait_until
-from servekit import ModelConfig, ServeConfig, ServerConfig
+from servekit import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.config import TracingConfig
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the tracing extra")
@@ -31,6 +31,22 @@ from otlp import Receiver  # noqa: E402
 TOKEN = "tracing-control"
 
 
+DOUBLE = """
+import numpy as np
+
+import servekit
+
+
+class Double(servekit.Model):
+    inputs = [("OUTPUT0", "FP32", [16])]
+    outputs = [("DOUBLED", "FP32", [16])]
+    max_batch_size = 8
+
+    def infer(self, batch):
+        return {"DOUBLED": batch["OUTPUT0"] * 2}
+"""
+
+
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
@@ -41,16 +57,29 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module", params=["native", "triton", "pytriton", "ray"])
-def served(request, receiver, add_sub_path):
-    """add_sub with every request traced, on native, triton and pytriton (HTTP and gRPC;
-    tritonserver in its OpenTelemetry mode behind servekit's front) and ray (HTTP)."""
+def served(request, receiver, add_sub_path, tmp_path_factory):
+    """add_sub, and a pipeline of it and your own model (``chain``), with every request
+    traced, on native, triton and pytriton (HTTP and gRPC; tritonserver in its
+    OpenTelemetry mode behind servekit's front) and ray (HTTP)."""
     needs_runtime(request.param)
     server = ServerConfig(
         control_token=TOKEN, tracing=TracingConfig(endpoint=receiver.url, rate=1.0)
     )
+    folder = tmp_path_factory.mktemp("double")
+    (folder / "double.py").write_text(DOUBLE)
+    chain = ModelConfig(
+        name="chain",
+        steps=(
+            {"name": "add_sub", "source": str(add_sub_path)},
+            {"name": "double", "source": "double:Double", "path": str(folder)},
+        ),
+    )
     config = ServeConfig(
-        (ModelConfig(str(add_sub_path), "add_sub"),), server, runtime=request.param
-    ).on_loopback()
+        (ModelConfig(str(add_sub_path), "add_sub"), chain), server, runtime=request.param
+    )
+    if request.param == "ray":  # two model replicas and the ingress on two CPUs
+        config = config.replace(ray=RayOptions(model_cpus=0.5))
+    config = config.on_loopback()
     with started(config):
         yield config.server, request.param
 
@@ -116,6 +145,10 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
     # side may add its own (its stub's and its proxy's, exported by PyTriton on its own
     # schedule), in the same trace: allowed, not required.
     below = ["InferRequest", "add_sub", "compute"] if behind else ["queue", "batch"]
+    if runtime == "triton":  # the servekit backend's own, inside tritonserver's stub
+        below.append("servekit backend")
+    if runtime == "ray":  # the model replica's, continuing the trace from the ingress
+        below.append("replica add_sub")
     extra = (
         {"python_backend_execute", "proxy_inference_callable"} if runtime == "pytriton" else set()
     )
@@ -148,15 +181,29 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
         assert infer["parent"] == caller  # the caller's span is the server span's parent
         assert infer["attributes"]["model"] == "add_sub"
         if behind:
-            request, model, compute = (by_name[n] for n in below)
+            request, model, compute = (by_name[n] for n in below[:3])
             assert request["parent"] == infer["id"]
             assert model["parent"] == request["id"] and compute["parent"] == model["id"]
             assert model["attributes"]["triton.model_name"] == "add_sub"
+            if runtime == "triton":
+                backend = by_name["servekit backend"]
+                assert backend["parent"] == model["id"], (backend, model, compute)
+                assert backend["attributes"]["batch_rows"] >= 1
+                assert compute["start"] <= backend["start"] <= backend["end"] <= compute["end"]
             continue
-        queue, batch = by_name["queue"], by_name["batch"]
-        assert queue["parent"] == batch["parent"] == infer["id"]
+        spans = receiver.of(trace_id)
+        queue, batch = (
+            next(s for s in spans if s["name"] == n and s["parent"] == infer["id"])
+            for n in ("queue", "batch")
+        )
         assert infer["start"] <= queue["start"] <= queue["end"] <= batch["end"] <= infer["end"]
         assert batch["attributes"]["batch_rows"] >= 1
+        if runtime == "ray":  # the model replica's work, with its own queue and batch
+            replica = by_name["replica add_sub"]
+            assert replica["parent"] == infer["id"]
+            assert batch["start"] <= replica["start"] <= replica["end"] <= batch["end"]
+            inner = {s["name"]: s for s in spans if s["parent"] == replica["id"]}
+            assert set(inner) == {"queue", "batch"}, inner
     assert joined >= len(sent) * 3 // 4, f"{joined} of {len(sent)} traces whole"
     protocols = {
         s["attributes"]["protocol"]
@@ -233,54 +280,37 @@ def test_a_routed_request_shows_its_version_and_its_shadow_run(receiver, add_sub
     assert len(by_name["batch"]) == 2  # the answer's batch and the shadow's
 
 
-DOUBLE = """
-import numpy as np
-
-import servekit
-
-
-class Double(servekit.Model):
-    inputs = [("OUTPUT0", "FP32", [16])]
-    outputs = [("DOUBLED", "FP32", [16])]
-    max_batch_size = 8
-
-    def infer(self, batch):
-        return {"DOUBLED": batch["OUTPUT0"] * 2}
-"""
-
-
-@pytest.mark.parametrize("runtime", ["native", "pytriton"])
-def test_each_step_of_a_pipeline_is_a_span_of_the_batch_it_ran_in(
-    receiver, add_sub_path, tmp_path, runtime
-):
+def test_each_step_of_a_pipeline_is_a_span_of_the_batch_it_ran_in(served, receiver):
     """A pipeline (add_sub's ONNX, then your own model): one span per step, in order,
-    inside the batch that ran it (native: servekit's ``batch``; pytriton: PyTriton's
-    span of the call to the model, ``proxy_inference_callable``)."""
-    needs_runtime(runtime)
-    (tmp_path / "double.py").write_text(DOUBLE)
-    model = ModelConfig(
-        name="chain",
-        steps=(
-            {"name": "add_sub", "source": str(add_sub_path)},
-            {"name": "double", "source": "double:Double", "path": str(tmp_path)},
-        ),
-    )
-    server = ServerConfig(tracing=TracingConfig(endpoint=receiver.url, rate=1.0))
-    config = ServeConfig((model,), server, runtime=runtime).on_loopback()
+    inside the batch that ran it (native: servekit's ``batch``; ray: the model replica's
+    ``batch``, under its ``replica chain``; pytriton: PyTriton's span of the call to the
+    model, ``proxy_inference_callable``; triton, where the pipeline is an ensemble:
+    tritonserver's span of each step's model, in order)."""
+    server, runtime = served
     header, trace_id, _ = traceparent()
-    batch_span = "batch" if runtime == "native" else "proxy_inference_callable"
-    with started(config):
-        c = httpclient.InferenceServerClient(f"127.0.0.1:{config.server.http_port}")
-        try:
-            result = c.infer("chain", pair(httpclient), headers={"traceparent": header})
-            assert np.all(result.as_numpy("DOUBLED") == 4.0)
-        finally:
-            c.close()
-        want = {"infer", batch_span, "step add_sub", "step double"}
-        wait_until(lambda: {s["name"] for s in receiver.of(trace_id)} >= want, "the spans", 20)
-    by_name = {s["name"]: s for s in receiver.of(trace_id)}
-    batch, first, second = by_name[batch_span], by_name["step add_sub"], by_name["step double"]
-    assert first["parent"] == second["parent"] == batch["id"]
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    try:
+        result = c.infer("chain", pair(httpclient), headers={"traceparent": header})
+        assert np.all(result.as_numpy("DOUBLED") == 4.0)
+    finally:
+        c.close()
+    if runtime == "triton":
+        steps = ("chain_step0", "chain_step1")
+        want = {"infer", *steps}
+    else:
+        steps = ("step add_sub", "step double")
+        want = {"infer", "proxy_inference_callable" if runtime == "pytriton" else "batch", *steps}
+    wait_until(lambda: {s["name"] for s in receiver.of(trace_id)} >= want, "the spans", 20)
+    spans = receiver.of(trace_id)
+    by_name = {s["name"]: s for s in spans}
+    first, second = by_name[steps[0]], by_name[steps[1]]
+    if runtime == "triton":  # tritonserver starts the next step as the outputs are ready
+        assert first["start"] <= second["start"] and first["parent"] == second["parent"]
+        return
+    assert first["start"] <= first["end"] <= second["start"] <= second["end"]
+    batch = next(s for s in spans if s["id"] == first["parent"])
+    assert second["parent"] == batch["id"] and batch["name"] in want
     assert (first["attributes"]["step"], second["attributes"]["step"]) == (0, 1)
-    assert batch["start"] <= first["start"] <= first["end"] <= second["start"]
-    assert second["end"] <= batch["end"]
+    assert batch["start"] <= first["start"] and second["end"] <= batch["end"]
+    if runtime == "ray":
+        assert batch["parent"] == by_name["replica chain"]["id"]

@@ -27,10 +27,13 @@ from typing import Any
 __all__ = [
     "BATCH",
     "CURRENT",
+    "ENDPOINT_ENV",
     "LEVELS",
     "PASSED",
+    "SIBLINGS",
     "TRACEPARENT",
     "BatchTrace",
+    "EnvTracer",
     "TraceSettings",
     "Tracing",
     "batched",
@@ -66,6 +69,12 @@ BATCH: contextvars.ContextVar[BatchTrace | None] = contextvars.ContextVar(
     "servekit_batch", default=None
 )
 """The batch running in this context, where any of its requests is traced (None: none is)."""
+
+SIBLINGS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "servekit_siblings", default=()
+)
+"""Spans of other traced requests served by the same call as ``CURRENT``'s (a Ray model
+replica's call carries a batch of them): each gets the same queue and batch children."""
 
 PASSED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "servekit_traceparent", default=None
@@ -220,12 +229,86 @@ class Tracing:
         finally:
             CURRENT.reset(token)
 
+    def continued(self, name: str, parent: str, **attributes: Any) -> Any:
+        """A span continuing ``parent`` (a ``traceparent`` a hop brought from a request
+        sampled upstream: no sampling here), started; ``finish`` ends it."""
+        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        context = TraceContextTextMapPropagator().extract({TRACEPARENT: parent})
+        return self.tracer.start_span(
+            name, context=context, kind=SpanKind.SERVER, attributes=attributes
+        )
+
     def shutdown(self) -> None:
         """Send what is still buffered, then stop the exporter."""
         self._provider.shutdown()
 
 
 _FIELDS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count"}
+
+ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+"""OpenTelemetry's own variable for the OTLP traces URL: where a process servekit does not
+configure (the servekit backend in tritonserver's stub) sends its spans."""
+
+
+class EnvTracer:
+    """Spans of a process configured by ``ENDPOINT_ENV`` alone (the servekit backend):
+    its requests are sampled upstream (tritonserver hands over the trace context of a
+    request it traces), so every span asked for here is recorded."""
+
+    def __init__(self, service: str, endpoint: str) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self._provider = TracerProvider(resource=Resource({"service.name": service}))
+        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint), schedule_delay_millis=1000)
+        self._provider.add_span_processor(processor)
+        self.tracer = self._provider.get_tracer("servekit")
+
+    @classmethod
+    def from_env(cls, service: str) -> EnvTracer | None:
+        """One where ``ENDPOINT_ENV`` is set and the SDK is installed, else None."""
+        import os
+
+        endpoint = os.environ.get(ENDPOINT_ENV)
+        if not endpoint:
+            return None
+        try:
+            return cls(service, endpoint)
+        except ImportError:
+            return None
+
+    def span(
+        self,
+        name: str,
+        carrier: Mapping[str, str],
+        start_s: float,
+        end_s: float,
+        error: BaseException | None = None,
+        **attributes: Any,
+    ) -> Any:
+        """A finished span from ``start_s`` to ``end_s`` (``time.monotonic``), a child of
+        the span ``carrier``'s ``traceparent`` names; returned for children of its own."""
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        context = TraceContextTextMapPropagator().extract(carrier)
+        span = self.tracer.start_span(
+            name, context=context, start_time=_epoch_ns(start_s), attributes=attributes
+        )
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(end_time=_epoch_ns(end_s))
+        return span
+
+    def shutdown(self) -> None:
+        """Send what is still buffered, then stop the exporter."""
+        self._provider.shutdown()
 
 
 def finish(span: Any, error: BaseException | None = None) -> None:
@@ -326,10 +409,11 @@ def batched(
     if current is None:
         return
     now = time.monotonic()
-    child("queue", arrival_s, started_s)
-    batch = child("batch", started_s, None, batch_rows=batch_rows, instance=instance)
-    step_spans(batch, current[1], steps or [])
-    batch.end(end_time=_epoch_ns(now))
+    for span in (current[0], *SIBLINGS.get()):
+        child("queue", arrival_s, started_s, parent=span)
+        batch = child("batch", started_s, None, span, batch_rows=batch_rows, instance=instance)
+        step_spans(batch, current[1], steps or [])
+        batch.end(end_time=_epoch_ns(now))
 
 
 def step_spans(parent: Any, tracer: Any, steps: list[tuple[str, float, float]]) -> None:

@@ -14,75 +14,24 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..autoscale import AutoscalePolicy
+from .. import tracing
 from ..batching import Batcher, BatchingPolicy
 from ..batching.execute import as_error
 from ..cache import ResponseCache
 from ..config import ModelConfig, ServeConfig, image_model_name, version_model_name
 from ..errors import ServekitError
 from ..http import KServeApp
-from ..metrics import Metrics
 from ..protocol.routed import route, traffic_of
 from ..recovery import Lost, Recovery, tensors_key
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
-from .autoscale import SIGNAL, replicas_needed
+from .autoscale import replicas_needed
+from .replica import Batched
 
 __all__ = ["APP_NAME", "build_app", "ray_config"]
 
 APP_NAME = "servekit"
-
-
-class _Batched:
-    """A Runner behind a Batcher inside one replica; errors travel back as themselves."""
-
-    def __init__(
-        self,
-        runner: Any,
-        policy: BatchingPolicy,
-        name: str,
-        autoscale: AutoscalePolicy | None = None,
-    ) -> None:
-        self.runner, self.name = runner, name
-        self.batcher = Batcher(runner, policy, name=name)
-        self.metrics = Metrics()  # the autoscaling signal's source, as every server's
-        self.metrics.autoscale = {name: autoscale or AutoscalePolicy()}
-        self.metrics.watch(self.batcher, name)
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """What Serve's autoscaler reads (``servekit.ray.autoscale``)."""
-        return {SIGNAL: self.metrics.replicas_needed(self.name)}
-
-    async def __call__(
-        self, inputs: dict[str, Any] | ServekitError
-    ) -> dict[str, Any] | ServekitError:
-        if isinstance(inputs, ServekitError):  # an earlier stage's error passes through
-            return inputs
-        try:
-            return await self.batcher.infer(inputs)
-        except ServekitError as exc:
-            return exc  # returned, not raised: Ray would wrap it and lose its type
-
-    def spec(self) -> ModelSpec:
-        return self.runner.spec
-
-    def settings(self) -> dict[str, Any]:
-        """What this replica runs with, read back: the Batcher's policy, the runner's threads."""
-        runner = getattr(self.runner, "runner", self.runner)
-        return {"policy": self.batcher.policy, "threads": getattr(runner, "threads", None)}
-
-    async def where(self) -> dict[str, Any]:
-        """This replica's node and batch counts (which replica did the work, and how much)."""
-        import ray
-
-        s = self.batcher.stats
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "replica": ray.get_runtime_context().get_actor_id(),
-            "executions": s.execution_count,
-            "inferences": s.inference_count,
-        }
 
 
 Key = tuple[str, int]
@@ -139,14 +88,16 @@ class _Remote:
             self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
         )
 
-    async def _attempt(self, inputs: dict[str, Any]) -> dict[str, Any] | BaseException:
+    async def _attempt(
+        self, inputs: dict[str, Any], trace: tuple[str, ...] = ()
+    ) -> dict[str, Any] | BaseException:
         # Each stage's response goes straight to the next replica, not back through here.
         from ray.exceptions import RayActorError
 
         value: Any = inputs
         try:
             for handle in self.handles:
-                value = handle.remote(value)
+                value = handle.remote(value, trace) if trace else handle.remote(value)
             value = await value
         except RayActorError as exc:  # a replica died (or none is reachable): Recovery's call
             return exc
@@ -157,16 +108,18 @@ class _Remote:
         A batch in flight at two deaths is quarantined as a whole, which the Batcher then
         runs request by request, so only the poison input is refused."""
         recovery = self.recovery
+        batch = tracing.BATCH.get()  # its traced requests' spans go on into the replicas
+        trace = tuple(batch.parents) if batch is not None else ()
         if recovery is None:
-            value: Any = await self._attempt(inputs)
+            value: Any = await self._attempt(inputs, trace)
         else:
             key = tensors_key(self.name, "", inputs)
             recovery.refuse_poison(self.name, key)
             live = recovery.live(self.name)
             value = await recovery.replay(
-                self.name, functools.partial(self._attempt, inputs), _ray_lost,
+                self.name, functools.partial(self._attempt, inputs, trace), _ray_lost,
                 deadline=recovery.deadline(None, time.monotonic()), key=key,
-                first=await self._attempt(inputs), first_sent_live=live,
+                first=await self._attempt(inputs, trace), first_sent_live=live,
             )  # fmt: skip
         if isinstance(value, BaseException):
             raise value if isinstance(value, ServekitError) else as_error(value, self.name)
@@ -258,21 +211,23 @@ def build_app(
     ray = config.ray
 
     @serve.deployment
-    class Model(_Batched):
+    class Model(Batched):
         def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
             from ..runtime.base import load_model_runner
 
             runner = load_model_runner(model, cache_dir, config.storage)
             runner.warmup()
-            super().__init__(runner, model.batching, model.name, model.autoscale)
+            tracer = config.server.tracing.tracing()  # this replica's spans
+            super().__init__(runner, model.batching, model.name, model.autoscale, tracer)
 
     @serve.deployment
-    class Stage(_Batched):
+    class Stage(Batched):
         def __init__(self, model: ModelConfig, spec: ModelSpec, meta: dict, which: int) -> None:
             from ..pipeline import image_stages
 
             stage = image_stages(spec, meta, top_k=model.top_k, labels=model.labels)[which]
-            super().__init__(stage, model.batching, f"{model.name}-{('pre', 'post')[which]}")
+            name, tracer = f"{model.name}-{('pre', 'post')[which]}", config.server.tracing.tracing()
+            super().__init__(stage, model.batching, name, tracing=tracer)
 
     @serve.deployment
     class Ingress:

@@ -20,18 +20,21 @@ with Triton's code for it (INVALID_ARG -> HTTP 400).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import tracing
 from ..batching.execute import as_error, run_requests
 from ..batching.sequence import SequenceFlags, SequencePolicy
 from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, spec_from_config
+from ..tracing import EnvTracer
 from .decoupled import DecoupledStreams
 from .pipeline import DEFAULT_DEPTH, Pipeline, send_each
 from .stub_metrics import FailureCounter
@@ -180,6 +183,17 @@ def check_config(name: str, built: ModelSpec, declared: ModelSpec) -> None:
             raise ValueError(f"{name}: config.pbtxt lacks the model's input(s) {missing}")
 
 
+def _carrier(request: Any) -> dict[str, str] | None:
+    """The trace context tritonserver hands over with ``request`` where it traces it
+    (OpenTelemetry mode: a JSON object with its ``traceparent``), else None."""
+    try:
+        context = request.trace().get_context()
+        carrier = json.loads(context) if context else None
+    except Exception:  # a tritonserver without trace contexts: no span
+        return None
+    return carrier if isinstance(carrier, dict) and "traceparent" in carrier else None
+
+
 class TritonPythonModel:
     """Triton's Python model interface, thin: parse once, then convert, run, convert back."""
 
@@ -222,6 +236,9 @@ class TritonPythonModel:
                     "needs model_transaction_policy { decoupled: true } (servekit repo build)"
                 )
             self.streams = DecoupledStreams(pb_utils, runner, self.name, self.outputs)
+        self.tracer = EnvTracer.from_env("servekit-backend")
+        """Spans of the requests tritonserver traces, where ``OTEL_EXPORTER_OTLP_TRACES_
+        ENDPOINT`` is set (the triton runtime sets it with ``[server.tracing]``)."""
         depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
         plain = self.sequence is None and self.streams is None
         self.pipeline = Pipeline(self._run, self._send, depth) if depth > 1 and plain else None
@@ -244,6 +261,8 @@ class TritonPythonModel:
                 {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
                 for r in requests
             ]
+            if self.tracer is not None:
+                return self._traced(requests, inputs, self.tracer)
             return [self._response(result) for result in self._run(inputs)]
         # Copies: a request's tensors are Triton's to free once execute has returned.
         inputs = [
@@ -255,6 +274,36 @@ class TritonPythonModel:
 
     def _run(self, inputs: list[dict[str, np.ndarray]]) -> list[Any]:
         return run_requests(self.runner, inputs, self.runner.spec)
+
+    def _traced(
+        self, requests: list[Any], inputs: list[dict[str, np.ndarray]], tracer: EnvTracer
+    ) -> list[Any]:
+        """``_run`` with a span per request tritonserver traces (``servekit backend``: the
+        batch's run, its rows, the request's error), under tritonserver's own span of
+        it; a pipeline runner's steps as the span's children."""
+        carriers = [_carrier(r) for r in requests]
+        parents = [c["traceparent"] for c in carriers if c is not None]
+        if not parents:
+            return [self._response(result) for result in self._run(inputs)]
+        batch = tracing.BatchTrace(parents)
+        token = tracing.BATCH.set(batch)
+        start = time.monotonic()
+        try:
+            results = self._run(inputs)
+        finally:
+            tracing.BATCH.reset(token)
+        end = time.monotonic()
+        rows = len(requests)
+        if self.spec.max_batch_size > 0 and self.inputs:
+            rows = sum(len(x[self.inputs[0]]) for x in inputs)
+        for carrier, result in zip(carriers, results, strict=True):
+            if carrier is None:
+                continue
+            error = result if isinstance(result, BaseException) else None
+            span = tracer.span("servekit backend", carrier, start, end, error,
+                               model=self.name, batch_rows=rows, requests=len(requests))  # fmt: skip
+            tracing.step_spans(span, tracer.tracer, batch.steps)
+        return [self._response(result) for result in results]
 
     def _send(self, senders: list[Any], results: Sequence[Any]) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -313,6 +362,9 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
+        tracer = getattr(self, "tracer", None)
+        if tracer is not None:
+            tracer.shutdown()
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
             pipeline.close()

@@ -29,7 +29,7 @@ from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
 from ..runtime.processes import processes
 from ..runtime.registry import response_cache
-from ..tracing import triton_trace_config
+from ..tracing import ENDPOINT_ENV, triton_trace_config
 from .env import (
     TritonEnvironment,
     TritonSetupError,
@@ -182,6 +182,8 @@ class TritonProcess:
         """Start tritonserver (and the front, once) and wait until it is live and has finished
         its initial loads."""
         env = triton_environment()
+        if self.options.server.tracing.active:  # the servekit backend's spans go there too
+            env.env[ENDPOINT_ENV] = self.options.server.tracing.endpoint
         self._workdir = Workdir(
             "servekit-tritonserver-", verbose=self.options.server.log_verbose > 0
         )

@@ -272,7 +272,7 @@ def _pipeline_models(model: ModelConfig, config: ServeConfig) -> list[Repository
 
     whole = probe_model(model, config.cache_dir, config.storage).spec  # checks the wiring
     out: list[RepositoryModel] = []
-    steps: list[EnsembleStep] = []
+    specs: list[tuple[str, ModelSpec]] = []
     produced: set[str] = {t.name for t in whole.inputs}
     for i, step in enumerate(model.steps):
         name = f"{model.name}_step{i}"
@@ -288,11 +288,18 @@ def _pipeline_models(model: ModelConfig, config: ServeConfig) -> list[Repository
             )
         produced |= {t.name for t in probe.spec.outputs}
         out.append(folder)
+        specs.append((name, probe.spec))
+    # Triton refuses an ensemble tensor nothing reads: a step's output that no later step
+    # and not the pipeline's answer takes stays unmapped.
+    steps: list[EnsembleStep] = []
+    for i, (name, spec) in enumerate(specs):
+        read = {t.name for t in whole.outputs}
+        read |= {t.name for _, later in specs[i + 1 :] for t in later.inputs}
         steps.append(
             EnsembleStep(
                 name,
-                {t.name: t.name for t in probe.spec.inputs},
-                {t.name: t.name for t in probe.spec.outputs},
+                {t.name: t.name for t in spec.inputs},
+                {t.name: t.name for t in spec.outputs if t.name in read},
             )
         )
     ensemble = ensemble_config(model.name, whole.inputs, whole.outputs, steps, whole.max_batch_size)

@@ -1,0 +1,95 @@
+"""A model replica of the Ray app: a Runner (or an image stage) behind servekit's Batcher,
+called by the ingress with a whole batch; its autoscaling signal and, for the ingress's
+traced requests, spans of its own work continuing their traces (``servekit.tracing``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import tracing
+from ..autoscale import AutoscalePolicy
+from ..batching import Batcher, BatchingPolicy
+from ..errors import ServekitError
+from ..metrics import Metrics
+from ..spec import ModelSpec
+from ..tracing import Tracing
+from .autoscale import SIGNAL
+
+__all__ = ["Batched"]
+
+
+class Batched:
+    """A Runner behind a Batcher inside one replica; errors travel back as themselves."""
+
+    def __init__(
+        self,
+        runner: Any,
+        policy: BatchingPolicy,
+        name: str,
+        autoscale: AutoscalePolicy | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.runner, self.name, self.tracing = runner, name, tracing
+        self.batcher = Batcher(runner, policy, name=name)
+        self.metrics = Metrics()  # the autoscaling signal's source, as every server's
+        self.metrics.autoscale = {name: autoscale or AutoscalePolicy()}
+        self.metrics.watch(self.batcher, name)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads (``servekit.ray.autoscale``)."""
+        return {SIGNAL: self.metrics.replicas_needed(self.name)}
+
+    async def __call__(
+        self, inputs: dict[str, Any] | ServekitError, trace: tuple[str, ...] = ()
+    ) -> dict[str, Any] | ServekitError:
+        """One batch from the ingress; ``trace``: the traceparents of its traced requests,
+        each continued here by a span of this replica's work (its queue, batch, steps)."""
+        if isinstance(inputs, ServekitError):  # an earlier stage's error passes through
+            return inputs
+        if trace and self.tracing is not None:
+            return await self._traced(inputs, trace, self.tracing)
+        try:
+            return await self.batcher.infer(inputs)
+        except ServekitError as exc:
+            return exc  # returned, not raised: Ray would wrap it and lose its type
+
+    async def _traced(
+        self, inputs: dict[str, Any], trace: tuple[str, ...], tracer: Tracing
+    ) -> dict[str, Any] | ServekitError:
+        import ray
+
+        replica = ray.get_runtime_context().get_actor_id()
+        spans = [tracer.continued(f"replica {self.name}", p, replica=replica) for p in trace]
+        current = tracing.CURRENT.set((spans[0], tracer.tracer))
+        siblings = tracing.SIBLINGS.set(tuple(spans[1:]))
+        error: ServekitError | None = None
+        try:
+            return await self.batcher.infer(inputs)
+        except ServekitError as exc:
+            error = exc
+            return exc
+        finally:
+            tracing.SIBLINGS.reset(siblings)
+            tracing.CURRENT.reset(current)
+            for span in spans:
+                tracing.finish(span, error)
+
+    def spec(self) -> ModelSpec:
+        return self.runner.spec
+
+    def settings(self) -> dict[str, Any]:
+        """What this replica runs with, read back: the Batcher's policy, the runner's threads."""
+        runner = getattr(self.runner, "runner", self.runner)
+        return {"policy": self.batcher.policy, "threads": getattr(runner, "threads", None)}
+
+    async def where(self) -> dict[str, Any]:
+        """This replica's node and batch counts (which replica did the work, and how much)."""
+        import ray
+
+        s = self.batcher.stats
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "replica": ray.get_runtime_context().get_actor_id(),
+            "executions": s.execution_count,
+            "inferences": s.inference_count,
+        }
