@@ -94,3 +94,34 @@ def test_a_canary_s_verdict_in_one_replica_is_every_replica_s(ray):
         b.record(1, 0.01, True)
         b.record(2, 0.01, True)
     assert b.split == {1: 100, 2: 0}
+
+
+def test_a_trace_setting_changed_in_one_replica_is_every_replicas(real_ray):
+    """Triton's trace extension on one ingress replica (``Tracing.update``): the other
+    replicas, and one started later, sample by the same settings."""
+    pytest.importorskip("opentelemetry.sdk", reason="needs the tracing extra")
+    from servekit.ray.shared import SharedTraffic
+    from servekit.tracing import Tracing
+
+    run = f"test/{uuid.uuid4().hex}"
+    tracers = [Tracing("http://127.0.0.1:9/v1/traces", rate=1.0) for _ in range(3)]
+    sharers = [
+        SharedTraffic(run, {}, f"replica-{i}", poll_s=0.05, tracing=t)
+        for i, t in enumerate(tracers[:2])
+    ]
+    try:
+        a, b, late = tracers
+        a.update("", {"trace_level": ["OFF"]})
+        a.update("add_sub", {"trace_rate": "4", "trace_level": ["TIMESTAMPS"]})
+        wait_until(lambda: b.shared() == a.shared(), "the settings in replica b", 10)
+        assert b.setting("").level == "OFF" and b.setting("add_sub").rate == 4
+        assert not b.sample("other")  # sampled by the server's setting: off
+        sharers.append(SharedTraffic(run, {}, "replica-late", poll_s=0.05, tracing=late))
+        wait_until(lambda: late.shared() == a.shared(), "the settings in a late replica", 10)
+        b.update("add_sub", {"trace_rate": None})  # back to the server's own: everywhere
+        wait_until(lambda: a.setting("add_sub").rate == 1, "the cleared rate in replica a", 10)
+    finally:
+        for s in sharers:
+            s.close()
+        for t in tracers:
+            t.shutdown()

@@ -17,9 +17,11 @@ exporter (``servekit[tracing]``).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
+import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +47,8 @@ __all__ = [
     "traced",
     "triton_trace_config",
 ]
+
+log = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
 LEVELS = ("OFF", "TIMESTAMPS")
@@ -131,6 +135,9 @@ class Tracing:
         """The server's settings ("") and each model's own, where it has any."""
         self._seen: dict[str, int] = {}
         self._check_level(level.upper())
+        self.on_change: Callable[[dict[str, Any]], None] | None = None
+        """Told every change made here (``update``) as ``shared()`` reads it, under the
+        lock: it must not block (the Ray ingress shares it with its other replicas)."""
 
     @staticmethod
     def _check_level(level: str) -> None:
@@ -173,7 +180,28 @@ class Tracing:
                 elif key not in ("log_frequency", "trace_file", "trace_mode", "trace_config"):
                     raise ValueError(f"unknown trace setting {key!r}")
             self.settings[model] = new
+            if self.on_change is not None:
+                self.on_change(self._shared())
             return new
+
+    def shared(self) -> dict[str, Any]:
+        """Every setting (the server's under "", each model's own), as ``adopt`` takes them."""
+        with self._lock:
+            return self._shared()
+
+    def _shared(self) -> dict[str, Any]:
+        return {m: dataclasses.asdict(s) for m, s in self.settings.items()}
+
+    def adopt(self, shared: Mapping[str, Any], why: str) -> None:
+        """Another copy's settings (``shared()`` there), in place of these."""
+        settings = {str(m): TraceSettings(**s) for m, s in shared.items()}
+        for s in settings.values():
+            self._check_level(s.level)
+        if "" not in settings:
+            raise ValueError("shared trace settings without the server's own")
+        with self._lock:
+            self.settings = settings
+        log.info("trace settings: %s", why)
 
     # ------------------------------------------------------------ spans
     def sample(self, model: str) -> bool:

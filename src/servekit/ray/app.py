@@ -272,12 +272,13 @@ def build_app(
                     models[m.name, m.version] = scheduled(m)
             self.cache = _cached(models, config)
             # A Traffic per ingress replica decides each request's version here; a change
-            # made in any replica reaches every other through Ray's KV store (a run's).
+            # made in any replica reaches every other through Ray's KV store (a run's), as
+            # does a change of the trace settings.
             traffic = traffic_of(config.models)
-            if run_id is not None and traffic:
+            if run_id is not None and (traffic or self.tracing is not None):
                 from .shared import SharedTraffic
 
-                SharedTraffic(run_id, traffic, replica)
+                SharedTraffic(run_id, traffic, replica, tracing=self.tracing)
             self.app = KServeApp(
                 route(_by_name(models), traffic),
                 max_body_bytes=config.server.max_body_bytes,

@@ -1,4 +1,5 @@
-"""One traffic per model for every ingress replica of a run, on every host.
+"""One traffic per model, and one set of trace settings, for every ingress replica of a
+run, on every host.
 
 Each ingress replica routes with its own ``Traffic`` (``servekit.rollout``), so without
 this a split set through one host's proxy, or a canary's verdict reached in one replica,
@@ -7,7 +8,9 @@ by request, a verdict) is written to Ray's GCS key-value store under the run's i
 new numbered entry (numbers taken with put-if-absent, so two replicas never take one),
 and every replica applies the highest-numbered entry it has not applied yet: whichever
 change was made last is the one every replica routes by. A replica that starts later (a
-host back, a replica replaced) applies it before it has served for long.
+host back, a replica replaced) applies it before it has served for long. Trace settings
+(``servekit.tracing``) are shared the same way: a change through Triton's trace
+extension on one replica is every replica's (``trace_count`` counts per replica).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..rollout import Traffic
+from ..tracing import Tracing
 from .drain import NAMESPACE
 
 __all__ = ["SharedTraffic"]
@@ -29,23 +33,33 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 
 
-def _prefix(run_id: str, model: str) -> bytes:
-    return f"{run_id}:traffic:{model}:".encode()
+def _prefix(run_id: str, key: str) -> bytes:
+    return f"{run_id}:{key}:".encode()
 
 
 class SharedTraffic:
-    """Shares ``traffic`` (name -> Traffic of this replica) with the run's other replicas."""
+    """Shares ``traffic`` (name -> Traffic of this replica), and ``tracing``'s settings,
+    with the run's other replicas. Each is shared through ``on_change`` (told what
+    another copy needs, ``shared()``) and ``adopt`` (a change another copy made)."""
 
     def __init__(
-        self, run_id: str, traffic: Mapping[str, Traffic], replica: str, poll_s: float = POLL_S
+        self,
+        run_id: str,
+        traffic: Mapping[str, Traffic],
+        replica: str,
+        poll_s: float = POLL_S,
+        tracing: Tracing | None = None,
     ) -> None:
-        self.run_id, self.traffic, self.replica, self.poll_s = run_id, traffic, replica, poll_s
-        self.applied = {name: 0 for name in traffic}
-        """The number of the newest entry each model routes by here (0: the file's)."""
+        self.run_id, self.replica, self.poll_s = run_id, replica, poll_s
+        self.kept: dict[str, Traffic | Tracing] = {f"traffic:{n}": t for n, t in traffic.items()}
+        if tracing is not None:
+            self.kept["trace"] = tracing
+        self.applied = {key: 0 for key in self.kept}
+        """The number of the newest entry each one follows here (0: the file's)."""
         self._made: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
         self._failing = False
-        for name, t in traffic.items():
-            t.on_change = lambda shared, name=name: self._made.put((name, shared))
+        for key, t in self.kept.items():
+            t.on_change = lambda shared, key=key: self._made.put((key, shared))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="servekit-traffic", daemon=True)
         self._thread.start()
@@ -68,49 +82,52 @@ class SharedTraffic:
                 while made:
                     self._publish(*made[0])
                     made.pop(0)
-                for name in self.traffic:
-                    self._follow(name)
+                for key in self.kept:
+                    self._follow(key)
             except Exception as exc:  # the GCS briefly unreachable: try again next turn
                 if not self._failing:
-                    log.warning("traffic: cannot reach Ray's key-value store: %s", exc)
+                    log.warning(
+                        "shared traffic and trace settings: cannot reach Ray's key-value store: %s",
+                        exc,
+                    )
                 self._failing = True
             else:
                 self._failing = False
 
-    def _newest(self, name: str) -> int:
+    def _newest(self, key: str) -> int:
         from ray.experimental import internal_kv as kv
 
-        prefix = _prefix(self.run_id, name)
+        prefix = _prefix(self.run_id, key)
         keys = kv._internal_kv_list(prefix, namespace=NAMESPACE)
         return max((int(k[len(prefix) :]) for k in keys), default=0)
 
-    def _publish(self, name: str, shared: dict[str, Any]) -> None:
+    def _publish(self, key: str, shared: dict[str, Any]) -> None:
         from ray.experimental import internal_kv as kv
 
-        value = json.dumps({"by": self.replica, **shared}).encode()
+        value = json.dumps({"by": self.replica, "shared": shared}).encode()
         while True:
-            number = self._newest(name) + 1
-            key = _prefix(self.run_id, name) + b"%010d" % number
-            if not kv._internal_kv_put(key, value, overwrite=False, namespace=NAMESPACE):
-                self.applied[name] = number  # made here, so already applied here
+            number = self._newest(key) + 1
+            entry = _prefix(self.run_id, key) + b"%010d" % number
+            if not kv._internal_kv_put(entry, value, overwrite=False, namespace=NAMESPACE):
+                self.applied[key] = number  # made here, so already applied here
                 return
 
-    def _follow(self, name: str) -> None:
+    def _follow(self, key: str) -> None:
         from ray.experimental import internal_kv as kv
 
-        number = self._newest(name)
-        if number <= self.applied[name]:
+        number = self._newest(key)
+        if number <= self.applied[key]:
             return
         raw = kv._internal_kv_get(
-            _prefix(self.run_id, name) + b"%010d" % number, namespace=NAMESPACE
+            _prefix(self.run_id, key) + b"%010d" % number, namespace=NAMESPACE
         )
         if raw is None:  # cleared while reading: the run is over
             return
-        self.applied[name] = number  # taken once, whatever it holds
+        self.applied[key] = number  # taken once, whatever it holds
         try:
-            shared = json.loads(raw)
-            if shared.pop("by") != self.replica:
-                self.traffic[name].adopt(shared, f"change {number}, made by another replica")
+            entry = json.loads(raw)
+            if entry["by"] != self.replica:
+                self.kept[key].adopt(entry["shared"], f"change {number}, made by another replica")
         except (ValueError, KeyError, TypeError) as exc:  # not one this run's replicas wrote
-            log.error("traffic: %s: change %d not applied: %s: %s",
-                      name, number, type(exc).__name__, exc)  # fmt: skip
+            log.error("%s: change %d not applied: %s: %s",
+                      key, number, type(exc).__name__, exc)  # fmt: skip
