@@ -79,3 +79,49 @@ def test_it_is_served_as_a_tensor_model(sim_path):
     runner = load_runner(sim_path)
     assert not is_image_classifier(runner.spec)
     runner.close()
+
+
+def test_the_device_records_its_timeline_and_shows_overlapped_hand_overs(
+    sim_path, tmp_path, monkeypatch
+):
+    """With ``SERVEKIT_DEVICE_TIMELINE`` set, each batch is a line (handed, taken, let go,
+    rows): one caller at a time leaves the device idle between batches, nothing waiting;
+    two runners (two instances) keep a batch waiting while the other runs."""
+    from servekit.bench.timeline import read, summarize
+    from servekit.runners.simulated import TIMELINE_ENV
+
+    x = {"input": np.zeros((4, 64, 64, 3), np.float32)}
+    one = tmp_path / "one.jsonl"
+    monkeypatch.setenv(TIMELINE_ENV, str(one))
+    runner = load_runner(sim_path)
+    try:
+        for _ in range(10):
+            runner.infer(x)
+            time.sleep(0.005)  # the host's work between batches: the device waits
+    finally:
+        runner.close()
+    batches = read(one)
+    assert len(batches) == 10 and {b.rows for b in batches} == {4}
+    assert all(b.handed <= b.start < b.end for b in batches)
+    alone = summarize(batches, trim=0.0)
+    assert alone.overlapped_share == 0 and alone.idle_gap_ms >= 5
+    assert alone.busy_share < 0.9
+
+    two = tmp_path / "two.jsonl"
+    monkeypatch.setenv(TIMELINE_ENV, str(two))
+    runners = [load_runner(sim_path) for _ in range(2)]
+
+    def work(r) -> None:
+        for _ in range(5):
+            r.infer(x)
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in runners:
+        r.close()
+    overlapped = summarize(read(two), trim=0.0)
+    assert overlapped.overlapped_share > 0.5 and overlapped.busy_share > alone.busy_share

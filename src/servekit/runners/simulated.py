@@ -8,6 +8,11 @@ the CPU the server spends per request. A model file that declares
 ``SimulatedDevice``: each batch takes ``fixed_us + per_row_us * rows`` of wall time,
 during which the caller sleeps (no CPU, no GIL), one batch at a time per device across
 every process on the machine (a file lock, as on one GPU shared by Triton's instances).
+
+With ``SERVEKIT_DEVICE_TIMELINE`` naming a file, every batch appends one JSON line to it
+(from whichever process runs it: a Triton stub, a Ray replica): when the runner was handed
+the batch, when the device took it and let it go (``time.time``), its rows and the
+process; ``servekit.bench.timeline`` reads them back to show where a device idles.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import numpy as np
 
 from .base import Arrays, BaseRunner, Runner
 
-__all__ = ["PROFILE_KEY", "DeviceProfile", "SimulatedDevice"]
+__all__ = ["PROFILE_KEY", "TIMELINE_ENV", "DeviceProfile", "SimulatedDevice"]
 
 PROFILE_KEY = "servekit.device_profile"
+TIMELINE_ENV = "SERVEKIT_DEVICE_TIMELINE"
 
 _DEVICES: dict[str, threading.Lock] = {}
 """One lock per device in this process (the file lock serializes processes, not threads)."""
@@ -90,15 +96,21 @@ class SimulatedDevice(BaseRunner):
         )
         self._lock = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         self._device = _DEVICES.setdefault(profile.name, threading.Lock())
+        timeline = os.environ.get(TIMELINE_ENV)
+        self._timeline = (
+            os.open(timeline, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if timeline else -1
+        )
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         rows = len(next(iter(inputs.values()))) if self._spec.batched else 1
+        handed = time.time()
         with self._device:
-            return self._compute(rows)
+            return self._compute(rows, handed)
 
-    def _compute(self, rows: int) -> Arrays:
+    def _compute(self, rows: int, handed: float) -> Arrays:
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # one batch at a time on the device
         try:
+            took = time.time()
             start = time.perf_counter()
             outputs = {
                 t.name: np.zeros(
@@ -110,6 +122,10 @@ class SimulatedDevice(BaseRunner):
             remaining = start + self.profile.batch_s(rows) - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # the device computes; the CPU (and the GIL) are free
+            if self._timeline >= 0:  # one write: whole lines, whichever process appends
+                line = {"handed": handed, "start": took, "end": time.time(), "rows": rows,
+                        "pid": os.getpid()}  # fmt: skip
+                os.write(self._timeline, (json.dumps(line) + "\n").encode())
         finally:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
         return outputs
@@ -121,3 +137,6 @@ class SimulatedDevice(BaseRunner):
         if self._lock >= 0:
             os.close(self._lock)
             self._lock = -1
+        if self._timeline >= 0:
+            os.close(self._timeline)
+            self._timeline = -1

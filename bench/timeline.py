@@ -1,0 +1,80 @@
+"""Where each runtime leaves the simulated T4 idle: its own timeline of batches.
+
+Every runtime serves ``sim_t4`` as ``servekit compare`` serves it (max_batch_size 32, one
+instance, one thread, no queue delay; gRPC, HTTP for Ray), closed loop at one
+concurrency, with ``SERVEKIT_DEVICE_TIMELINE`` set so the device records each batch
+(``servekit.bench.timeline``). Prints one row per runtime (rows/s, server CPU per
+request, the device's busy share, overlapped hand-overs, the idle gap otherwise) and
+draws the lanes.
+
+    python bench/timeline.py --out bench/results/timeline_sim_t4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from servekit.batching import BatchingPolicy
+from servekit.bench.compare import compare
+from servekit.bench.loadgen import MeasureConfig
+from servekit.bench.timeline import draw, read, summarize
+from servekit.cli.common import model_source
+from servekit.config import ModelConfig
+from servekit.runners.simulated import TIMELINE_ENV
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runtimes", default="native,pytriton,triton,ray")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--instances", type=int, default=1)
+    ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/timeline_sim_t4"))
+    args = ap.parse_args()
+    model = ModelConfig(
+        model_source("sim_t4", None), "sim_t4", batching=BatchingPolicy(max_batch_size=32),
+        instances=args.instances, threads=1,
+    )  # fmt: skip
+    measure = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=4, stable_windows=2)
+    timelines, rows = {}, []
+    with tempfile.TemporaryDirectory(prefix="servekit-timeline-") as folder:
+        for runtime in args.runtimes.split(","):
+            path = Path(folder) / f"{runtime}.jsonl"
+            os.environ[TIMELINE_ENV] = str(path)  # every process of the server inherits it
+            result = compare(model, [runtime], [args.concurrency], measure, on_event=print)
+            del os.environ[TIMELINE_ENV]
+            if runtime not in result.series:
+                print(f"skipped {runtime}: {result.skipped.get(runtime)}")
+                continue
+            (point,) = result.series[runtime]
+            batches = read(path)
+            timelines[runtime] = batches
+            summary = summarize(batches)
+            rows.append(
+                {
+                    "runtime": runtime,
+                    "rows_per_s": round(point.stats.inferences_per_s, 1),
+                    "server_cpu_us": round(point.server_cpu_us),
+                    **summary.to_dict(),
+                }
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    draw(timelines, args.out.with_suffix(".png"))
+    print("| runtime | rows/s | server CPU us/request | device busy | next batch waiting "
+          "| idle gap otherwise, median ms | rows per batch |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(
+            f"| {r['runtime']} | {r['rows_per_s']} | {r['server_cpu_us']} "
+            f"| {100 * r['busy_share']:.1f} % | {100 * r['overlapped_share']:.0f} % "
+            f"| {r['idle_gap_ms']:.2f} | {r['rows_per_batch']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
