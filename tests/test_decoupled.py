@@ -200,3 +200,19 @@ def test_a_client_that_leaves_stops_the_model_at_its_next_step(served):
     time.sleep(1.0)  # twenty words' time
     assert made(served, "slow") - before <= 3 + 2, "the model went on after the hang-up"
     assert count(served, "abandoned", "slow") == abandoned + 1
+
+
+@pytest.mark.parametrize("runtime", ["native", "pytriton"])
+def test_a_decoupled_model_asking_for_the_response_cache_is_refused_by_name(runtime):
+    """Its answers are a stream, not one response: the server does not start, naming it."""
+    from servekit.config import CacheConfig
+
+    needs_runtime(runtime)
+    config = ServeConfig(
+        (ModelConfig("words:Words", "words", path=str(EXAMPLE), response_cache=True),),
+        ServerConfig(exit_timeout_s=2, cache=CacheConfig(local_size_mb=1)),
+        runtime=runtime,
+    ).on_loopback()
+    refused = r"models\.words: response_cache on a decoupled model"
+    with pytest.raises(ValueError, match=refused), started(config):
+        pass

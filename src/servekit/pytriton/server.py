@@ -147,6 +147,7 @@ class TritonServer:
                 )
             triton.run()
             if c.front and self._front is None:  # the front outlives a restart
+                cache = response_cache(c)
                 from ..front import Front
                 from ..front.demand import TritonDemand
 
@@ -161,7 +162,8 @@ class TritonServer:
                     control_headers={"triton-access-token": security.access_token or ""},
                     traffic=self.models.traffic,
                     routes=self.models.routes(local),
-                    local=self.models.batch(only=local) if local else None,
+                    # Behind the cache too: a decoupled model asking for it is refused by name.
+                    local=self.models.batch(cache, only=local) if local else None,
                     grpc_port=c.grpc_port,
                     control_token=c.control_token,
                     exit_timeout_s=c.exit_timeout_s,
@@ -178,9 +180,9 @@ class TritonServer:
                         m.name: watched_identity(m, config)
                         for config in ([self.config] if self.config else [])
                         for m in config.models
-                        if m.response_cache
+                        if m.response_cache and m.name not in local
                     },
-                    cache=response_cache(c),
+                    cache=cache,
                 ).start()
         except BaseException:
             if self._front is not None and not self.restarting:
