@@ -299,18 +299,26 @@ def test_each_step_of_a_pipeline_is_a_span_of_the_batch_it_ran_in(served, receiv
         want = {"infer", *steps}
     else:
         steps = ("step add_sub", "step double")
-        want = {"infer", "proxy_inference_callable" if runtime == "pytriton" else "batch", *steps}
+        want = {"infer", *steps} | ({"batch"} if runtime != "pytriton" else set())
     wait_until(lambda: {s["name"] for s in receiver.of(trace_id)} >= want, "the spans", 20)
     spans = receiver.of(trace_id)
     by_name = {s["name"]: s for s in spans}
     first, second = by_name[steps[0]], by_name[steps[1]]
+    assert first["parent"] == second["parent"]
     if runtime == "triton":  # tritonserver starts the next step as the outputs are ready
-        assert first["start"] <= second["start"] and first["parent"] == second["parent"]
+        assert first["start"] <= second["start"]
         return
     assert first["start"] <= first["end"] <= second["start"] <= second["end"]
-    batch = next(s for s in spans if s["id"] == first["parent"])
-    assert second["parent"] == batch["id"] and batch["name"] in want
     assert (first["attributes"]["step"], second["attributes"]["step"]) == (0, 1)
+    if runtime == "pytriton":
+        # PyTriton's own span of the call is their parent; PyTriton exports it through its
+        # tracer, one per process and set once, which a server started earlier in the same
+        # process (as in this test suite) may have pointed elsewhere: allowed, not required.
+        parent = [s for s in spans if s["id"] == first["parent"]]
+        assert [s["name"] for s in parent] in ([], ["proxy_inference_callable"])
+        return
+    batch = next(s for s in spans if s["id"] == first["parent"])
+    assert batch["name"] == "batch"
     assert batch["start"] <= first["start"] and second["end"] <= batch["end"]
     if runtime == "ray":
         assert batch["parent"] == by_name["replica chain"]["id"]

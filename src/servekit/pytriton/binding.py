@@ -56,14 +56,22 @@ def error_response(exc: ServekitError, model: str) -> dict[str, np.ndarray]:
     return {ERROR_OUTPUT: np.array([triton_code(exc).encode(), message.encode()], dtype=object)}
 
 
-def infer_callable(runner: Any, model: str) -> Callable[[list[Any]], list[dict[str, np.ndarray]]]:
-    """PyTriton inference callable (not ``@batch``): one answer per request, errors included."""
+def infer_callable(
+    runner: Any, model: str, tracer: tracing.Tracing | None = None
+) -> Callable[[list[Any]], list[dict[str, np.ndarray]]]:
+    """PyTriton inference callable (not ``@batch``): one answer per request, errors
+    included; with ``tracer``, a pipeline's steps as spans of each traced request."""
     spec = runner.spec
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
         inputs = [dict(r.data) for r in requests]
-        # PyTriton's span of each traced request: a pipeline's steps become its children.
-        spans = [span for r in requests if (span := getattr(r, "span", None)) is not None]
+        # PyTriton's span of each traced request: a pipeline's steps become its children,
+        # sent by servekit's exporter (PyTriton's tracer is one per process, set once).
+        spans = (
+            [span for r in requests if (span := getattr(r, "span", None)) is not None]
+            if tracer is not None
+            else []
+        )
         trace = tracing.BatchTrace([]) if spans else None
         token = tracing.BATCH.set(trace) if trace is not None else None
         try:
@@ -71,11 +79,9 @@ def infer_callable(runner: Any, model: str) -> Callable[[list[Any]], list[dict[s
         finally:
             if token is not None:
                 tracing.BATCH.reset(token)
-        if trace is not None and trace.steps:
-            from pytriton.proxy.telemetry import get_telemetry_tracer
-
+        if tracer is not None and trace is not None and trace.steps:
             for span in spans:
-                tracing.step_spans(span, get_telemetry_tracer(), trace.steps)
+                tracing.step_spans(span, tracer.tracer, trace.steps)
         return [
             error_response(result, model) if isinstance(result, ServekitError) else result
             for result in results

@@ -18,7 +18,7 @@ from ..runners.base import Runner
 from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
-from ..tracing import triton_trace_config
+from ..tracing import Tracing, triton_trace_config
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
 from .binding import infer_callable, install_error_shim, pytriton_tensors
@@ -53,6 +53,7 @@ class TritonServer:
         self._triton: Any = None
         self._workdir: Workdir | None = None
         self._front: Any = None
+        self._tracing: Tracing | None = None
         self._stubs: dict[int, str] = {}
         self._ports: tuple[int, int] | None = None
         """tritonserver's HTTP and gRPC ports, chosen once."""
@@ -106,6 +107,8 @@ class TritonServer:
                 free_port() if c.front else c.grpc_port,
             )
         triton_http_port, triton_grpc_port = self._ports
+        if self._front is None:  # one per run: the front's spans and the binding's
+            self._tracing = c.tracing.tracing()
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
         workdir = self._workdir.path
         triton = Triton(
@@ -137,7 +140,8 @@ class TritonServer:
                 triton.bind(
                     model_name=bound[m],
                     infer_func=[
-                        infer_callable(m.runner, bound[m]) for _ in range(m.instance_count)
+                        infer_callable(m.runner, bound[m], self._tracing)
+                        for _ in range(m.instance_count)
                     ],
                     inputs=pytriton_tensors(spec.inputs),
                     outputs=pytriton_tensors(spec.outputs),
@@ -175,7 +179,7 @@ class TritonServer:
                         self.config.autoscale_policies() if self.config else {},
                     ),
                     recovery=c.recovery(),
-                    tracing=c.tracing.tracing(),
+                    tracing=self._tracing,
                     cached={
                         m.name: watched_identity(m, config)
                         for config in ([self.config] if self.config else [])

@@ -9,8 +9,12 @@ Analyzer stops a concurrency sweep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..bench.compare import ServerProcess, Setup, target_url
@@ -65,7 +69,9 @@ def measure(
         with PeakRss(server.pid) as rss:
             try:
                 server.wait_ready([setup.target], how.start_timeout_s)
-                trial.points = asyncio.run(_sweep(served, server.pid, setup, how, constraints))
+                with _ctrl_c_raises():
+                    sweep = _sweep(served, server.pid, setup, how, constraints)
+                    trial.points = asyncio.run(sweep)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 trial.status, trial.reason = "failed", _why_it_failed(server, exc)
             except Exception as exc:  # noqa: BLE001 - a candidate's failure is reported, not fatal
@@ -73,6 +79,25 @@ def measure(
         trial.peak_rss_mb = rss.peak / 2**20
     trial.seconds = time.monotonic() - started
     return trial.judge(constraints)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` where it lands, inside the event loop too.
+    ``asyncio.run``'s own handler only cancels the main task, and a cancellation that
+    meets a finishing ``wait_for`` (Python 3.11) is lost: the candidate then ran on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def _sweep(
