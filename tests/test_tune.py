@@ -78,6 +78,15 @@ def test_brute_and_quick_find_the_known_best_and_constraints_prune(device, tmp_p
     assert ServeConfig.load(tmp_path / "best.toml") == every.best_config()
 
 
+def _sigint_as_a_terminal_leaves_it() -> None:
+    """In the child: SIGINT at its default and unblocked, as an interactive shell starts a
+    command. A child inherits an ignored SIGINT, and a suite started as a background job
+    without job control (``(pytest &)``) has it ignored: ``servekit tune`` then ran all its
+    candidates through the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_stops_the_server_and_writes_the_report_so_far(device, tmp_path):
     command = [
         *SERVEKIT, "tune", "--model", str(device), "--runtime", "native", "--search", "brute",
@@ -85,7 +94,10 @@ def test_ctrl_c_stops_the_server_and_writes_the_report_so_far(device, tmp_path):
         "--concurrency", "1,4", "--window", "1", "--warmup", "0.5", "--max-windows", "3",
         "--no-baseline", "--out", str(tmp_path / "out"),
     ]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_sigint_as_a_terminal_leaves_it,
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
