@@ -89,8 +89,10 @@ def _interrupt(signum: int, frame: object) -> None:
 def _ctrl_c_raises() -> Iterator[None]:
     """Ctrl-C raises ``KeyboardInterrupt`` where it lands, inside the event loop too.
     ``asyncio.run``'s own handler only cancels the main task, and a cancellation that
-    meets a finishing ``wait_for`` (Python 3.11) is lost: the candidate then ran on."""
-    if threading.current_thread() is not threading.main_thread():
+    meets a finishing ``wait_for`` (Python 3.11) is lost: the candidate would run on. A
+    SIGINT the process ignores (started in the background) stays ignored."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     previous = signal.signal(signal.SIGINT, _interrupt)
