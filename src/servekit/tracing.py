@@ -43,6 +43,7 @@ __all__ = [
     "finish",
     "hop",
     "outgoing",
+    "recording",
     "step_spans",
     "traced",
     "triton_trace_config",
@@ -73,6 +74,19 @@ BATCH: contextvars.ContextVar[BatchTrace | None] = contextvars.ContextVar(
     "servekit_batch", default=None
 )
 """The batch running in this context, where any of its requests is traced (None: none is)."""
+
+
+@contextmanager
+def recording(parents: list[str]) -> Iterator[BatchTrace]:
+    """While it lasts, the batch run in this context records into the ``BatchTrace`` it
+    yields (``BATCH``): its pipeline steps, for spans made once it has run."""
+    trace = BatchTrace(parents)
+    token = BATCH.set(trace)
+    try:
+        yield trace
+    finally:
+        BATCH.reset(token)
+
 
 SIBLINGS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
     "servekit_siblings", default=()

@@ -72,14 +72,11 @@ def infer_callable(
             if tracer is not None
             else []
         )
-        trace = tracing.BatchTrace([]) if spans else None
-        token = tracing.BATCH.set(trace) if trace is not None else None
-        try:
+        if not spans or tracer is None:
             results = run_requests(runner, inputs, spec)
-        finally:
-            if token is not None:
-                tracing.BATCH.reset(token)
-        if tracer is not None and trace is not None and trace.steps:
+        else:
+            with tracing.recording([]) as trace:
+                results = run_requests(runner, inputs, spec)
             for span in spans:
                 tracing.step_spans(span, tracer.tracer, trace.steps)
         return [

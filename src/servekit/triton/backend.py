@@ -285,13 +285,9 @@ class TritonPythonModel:
         parents = [c["traceparent"] for c in carriers if c is not None]
         if not parents:
             return [self._response(result) for result in self._run(inputs)]
-        batch = tracing.BatchTrace(parents)
-        token = tracing.BATCH.set(batch)
         start = time.monotonic()
-        try:
+        with tracing.recording(parents) as batch:
             results = self._run(inputs)
-        finally:
-            tracing.BATCH.reset(token)
         end = time.monotonic()
         rows = len(requests)
         if self.spec.max_batch_size > 0 and self.inputs:
