@@ -13,6 +13,7 @@ draws the lanes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -33,17 +34,24 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument(
+        "--overlap", default="on", help="on, off or on,off: [models] overlap, each in turn"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/timeline_sim_t4"))
     args = ap.parse_args()
-    model = ModelConfig(
+    base = ModelConfig(
         model_source("sim_t4", None), "sim_t4", batching=BatchingPolicy(max_batch_size=32),
         instances=args.instances, threads=1,
     )  # fmt: skip
     measure = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=4, stable_windows=2)
     timelines, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="servekit-timeline-") as folder:
-        for runtime in args.runtimes.split(","):
-            path = Path(folder) / f"{runtime}.jsonl"
+        for runtime, overlap in (
+            (r, o) for r in args.runtimes.split(",") for o in args.overlap.split(",")
+        ):
+            model = dataclasses.replace(base, overlap=overlap == "on")
+            runtime_label = f"{runtime} (overlap {overlap})" if "off" in args.overlap else runtime
+            path = Path(folder) / f"{runtime}-{overlap}.jsonl"
             os.environ[TIMELINE_ENV] = str(path)  # every process of the server inherits it
             result = compare(model, [runtime], [args.concurrency], measure, on_event=print)
             del os.environ[TIMELINE_ENV]
@@ -52,11 +60,11 @@ def main() -> None:
                 continue
             (point,) = result.series[runtime]
             batches = read(path)
-            timelines[runtime] = batches
+            timelines[runtime_label] = batches
             summary = summarize(batches)
             rows.append(
                 {
-                    "runtime": runtime,
+                    "runtime": runtime_label,
                     "rows_per_s": round(point.stats.inferences_per_s, 1),
                     "server_cpu_us": round(point.server_cpu_us),
                     **summary.to_dict(),

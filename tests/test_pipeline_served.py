@@ -1,12 +1,20 @@
-"""The pipelined instance (``SERVEKIT_PIPELINE_DEPTH`` > 1) served for real: on the
-triton runtime (servekit's backend) and the pytriton runtime (the stub shim), eight
-tritonclients at once each get their own sums back, each client's malformed request is
-refused alone with a 400 while the rest of its batch is answered, and the model is idle
-again once they stop."""
+"""One Triton instance that takes its next batch while the device runs one
+(``[models] overlap``, on by default; ``servekit.triton.pipeline``), served for real on
+the triton runtime (servekit's backend) and the pytriton runtime (the stub shim):
+
+- eight tritonclients at once each get their own sums back, each client's malformed
+  request is refused alone with a 400 while the rest of its batch is answered, and the
+  model is idle again once they stop;
+- on a simulated device with one configured instance, batches are handed over while the
+  one before them is on the device, as the instance's own counter
+  (``servekit_batch_overlapped``) shows, not timing; with ``overlap = false`` never;
+  and Triton reports the one instance that was configured.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra")
@@ -16,39 +24,48 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from conftest import each_client, sample, scrape  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.bench.compare import ServerProcess  # noqa: E402
+from servekit.metrics import OVERLAP_METRIC  # noqa: E402
+from servekit.zoo.tiny import build_simulated  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["triton", "pytriton"])
-def server(request, add_sub_path):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SERVEKIT_PIPELINE_DEPTH", "3")
-        config = ServeConfig(
-            (
-                ModelConfig(
-                    str(add_sub_path), "adder", threads=1,
-                    batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=200),
-                ),
-            ),
-            ServerConfig(exit_timeout_s=2),
-            runtime=request.param,
-        ).on_loopback()  # fmt: skip
-        with ServerProcess(config) as served:
-            served.wait_ready(["adder"])
-            yield served
+def server(request, add_sub_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("devices")
+    devices = []
+    for name, overlap in (("on_device", True), ("off_device", False)):
+        # 20 ms a batch plus 1 ms a row: far longer than a hand-over on any runtime.
+        path = folder / f"{name}.onnx"
+        onnx.save(build_simulated(f"{request.param}-{name}", 20_000, 1_000), path)
+        batching = BatchingPolicy(max_batch_size=8)
+        devices.append(ModelConfig(str(path), name, batching=batching, overlap=overlap))
+    adder = ModelConfig(
+        str(add_sub_path), "adder", threads=1,
+        batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=200),
+    )  # fmt: skip
+    config = ServeConfig(
+        (adder, *devices), ServerConfig(exit_timeout_s=2), runtime=request.param
+    ).on_loopback()
+    with ServerProcess(config) as served:
+        served.wait_ready(["adder", "on_device", "off_device"])
+        yield served
 
 
-def tensors(a: np.ndarray, b: np.ndarray) -> list:
+def tensors(*values: np.ndarray) -> list:
     out = []
-    for name, value in (("INPUT0", a), ("INPUT1", b)):
-        tensor = httpclient.InferInput(name, list(value.shape), "FP32")
+    for i, value in enumerate(values):
+        tensor = httpclient.InferInput(f"INPUT{i}", list(value.shape), "FP32")
         tensor.set_data_from_numpy(value)
         out.append(tensor)
     return out
 
 
+def client_of(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.config.server.http_url.split("//")[-1])
+
+
 def test_eight_clients_get_their_own_answers_and_a_bad_request_fails_alone(server):
     def work(k: int) -> None:
-        client = httpclient.InferenceServerClient(server.config.server.http_url.split("//")[-1])
+        client = client_of(server)
         rng = np.random.default_rng(k)
         try:
             for i in range(30):
@@ -73,3 +90,34 @@ def test_eight_clients_get_their_own_answers_and_a_bad_request_fails_alone(serve
     assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
     assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
     assert sample(samples, "nv_inference_request_success", **labels) >= 8 * 29
+
+
+@pytest.mark.parametrize(("model", "overlaps"), [("on_device", True), ("off_device", False)])
+def test_one_instance_takes_the_next_batch_while_the_device_runs_one(server, model, overlaps):
+    def work(k: int) -> None:
+        client = client_of(server)
+        try:
+            for i in range(12):
+                x = np.full((1, 16), k * 100 + i, np.float32)
+                result = client.infer(model, tensors(x))
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT0").shape, (1, 16))
+        finally:
+            client.close()
+
+    each_client(work)
+    samples = scrape(server.config.server.metrics_url)
+    labels = {"model": model, "version": "1"}
+    assert sample(samples, "nv_inference_request_success", **labels) == 8 * 12
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
+    handed_over = sample(samples, OVERLAP_METRIC, **labels)
+    if overlaps:
+        # Eight clients keep a batch waiting behind nearly every one on the device.
+        assert handed_over >= 3, f"{handed_over} batches overlapped with one instance"
+    else:
+        assert handed_over == 0
+    client = client_of(server)
+    try:
+        (group,) = client.get_model_config(model)["instance_group"]
+        assert group["count"] == 1
+    finally:
+        client.close()

@@ -124,3 +124,47 @@ def test_a_failed_answer_neither_stops_the_pipeline_nor_the_rest_of_its_batch():
     pipeline.submit([5], [Sender("e")])  # depth 1: waits for both slots above to return
     pipeline.close()
     assert answered == [("a", 1), ("c", 3), ("boom", 4), ("e", 5)]
+
+
+def test_ahead_returns_before_its_batch_ends_so_the_next_is_queued_behind_it():
+    """``ahead``: once a batch size's run time is known, ``submit`` returns while its batch
+    is still running (a lead before its end), so the next batch is queued before the
+    device lets the last one go; batches still run one at a time, in order, each
+    answered with its own results."""
+    rec = Recorder(delay_s=0.05)
+    ended: list[float] = []
+
+    def run(inputs: list) -> list:
+        results = rec.run(inputs)
+        ended.append(time.monotonic())
+        return results
+
+    pipeline = Pipeline(run, rec.send, ahead=True)
+    returned = []
+    for i in range(8):
+        time.sleep(0.002)  # the hand-over
+        pipeline.submit([i], [f"s{i}"])
+        returned.append(time.monotonic())
+    pipeline.close()
+    assert [senders for senders, _ in rec.sent] == [[f"s{i}"] for i in range(8)]
+    assert [results for _, results in rec.sent] == [[10 * i] for i in range(8)]
+    assert rec.most_running == 1
+    # The first run teaches the run time: its submit waits for the end. Every later
+    # submit returns before its own batch ends, and every later batch was handed over
+    # while the one before it ran.
+    assert returned[0] >= ended[0]
+    assert all(returned[i] < ended[i] for i in range(2, 8)), (returned, ended)
+    assert pipeline.overlapped >= 6
+
+
+def test_ahead_answers_a_failed_run_per_request_and_goes_on():
+    rec = Recorder(delay_s=0.01, fail_on=3)
+    counted: list[int] = []
+    pipeline = Pipeline(rec.run, rec.send, ahead=True, overlapped=lambda: counted.append(1))
+    for inputs, senders in (([1, 2], ["a", "b"]), ([3, 4], ["c", "d"]), ([5, 6], ["e", "f"])):
+        pipeline.submit(inputs, senders)
+    pipeline.close()
+    (_, first), (_, failed), (_, last) = rec.sent
+    assert first == [10, 20] and last == [50, 60]
+    assert len(failed) == 2 and all(isinstance(r, RuntimeError) for r in failed)
+    assert len(counted) == pipeline.overlapped

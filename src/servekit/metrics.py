@@ -53,6 +53,10 @@ COUNTERS = {
 }
 FAILURE_METRIC = "servekit_request_failure"
 FAILURE_HELP = "Requests a servekit model answered with an error response"
+OVERLAP_METRIC = "servekit_batch_overlapped"
+OVERLAP_HELP = (
+    "Batches handed to a Triton instance while it still ran the one before (model overlap)"
+)
 """The failures Triton's own counters miss: its Python backend's error responses (counted
 in the stub, ``triton.stub_metrics``) and requests servekit's front refused before they
 reached tritonserver (counted here)."""

@@ -9,7 +9,9 @@ the second and later instances of a model wait for the first one's handshake ins
 of failing the load (``_get_config_patiently``).
 """
 
+import json
 import time
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
@@ -20,8 +22,15 @@ _wrap_response = _proxy._wrap_response
 _failures = None  # servekit's FailureCounter, made in initialize (one model per stub)
 
 
+RAN_OUTPUT = "__servekit_ran__"
+_ran = None  # the last answered batch's (start, end) in the infer function's process (time.time)
+
+
 def _wrap_response_or_error(response, requested_output_names, model_outputs_dict):  # type: ignore[no-untyped-def]
+    global _ran
     data = response.data
+    if data is not None and RAN_OUTPUT in data:
+        _ran = tuple(float(t) for t in data.pop(RAN_OUTPUT))
     if data is not None and ERROR_OUTPUT in data:
         code, message = (v.decode("utf-8", "replace") for v in data[ERROR_OUTPUT].reshape(-1)[:2])
         if _failures is not None:
@@ -48,17 +57,24 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
         pipeline = None
         try:
             from servekit.triton.pipeline import DEFAULT_DEPTH, Pipeline
-            from servekit.triton.stub_metrics import FailureCounter
+            from servekit.triton.stub_metrics import FailureCounter, overlap_counter
 
             _failures = FailureCounter(pb_utils, args["model_name"], str(args["model_version"]))
+            overlaps = overlap_counter(pb_utils, args["model_name"], str(args["model_version"]))
         except ImportError:  # servekit not importable by this stub: no counter, no pipeline
             _failures, DEFAULT_DEPTH = None, 1
         super().initialize(args)
         known = all(  # the proxy's parts the pipeline relies on (PyTriton 0.5 to 0.7)
             hasattr(self, a) for a in ("_requests", "_requests_server", "_tracable_model")
         )
-        if DEFAULT_DEPTH > 1 and known and not self._decoupled_model:
-            pipeline = Pipeline(self._answers_of, self._send, DEFAULT_DEPTH)
+        options = Path(__file__).with_name("servekit.json")  # written by servekit's binding
+        ahead = options.exists() and json.loads(options.read_text()).get("overlap", False)
+        if (ahead or DEFAULT_DEPTH > 1) and known and not self._decoupled_model:
+            size = lambda batches: sum(b[3] for b in batches)  # noqa: E731  # rows
+            pipeline = Pipeline(
+                self._answers_of, self._send, DEFAULT_DEPTH, ahead=ahead, size=size,
+                overlapped=overlaps,
+            )  # fmt: skip
         self._pipeline = pipeline
 
     def execute(self, triton_requests):  # type: ignore[no-untyped-def]
@@ -78,15 +94,20 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
         senders = [r.get_response_sender() for r in triton_requests]
         # Returns once the inputs are serialized and sent: the requests are not read after.
         answers = self._requests_server.push(requests_id, triton_requests, spans).result()
-        self._pipeline.submit([(answers, spans, len(senders))], senders)
+        self._pipeline.submit([(answers, spans, len(senders), _rows(triton_requests))], senders)
         return None
 
     def _answers_of(self, batches):  # type: ignore[no-untyped-def]
         """Each batch's responses once the infer function has answered (the pipeline's
         ``run``): PyTriton's, or its error for every request of the batch."""
+        global _ran
         out = []
-        for answers, spans, count in batches:
+        for answers, spans, count, _ in batches:
             result = answers.result()
+            ran, _ran = _ran, None  # the infer function's own times, for the pipeline's lead
+            if ran is not None:
+                shift = time.monotonic() - time.time()
+                self._pipeline.ran(ran[0] + shift, ran[1] + shift)
             self._tracable_model.end_requests_spans(spans, result)
             if isinstance(result, Exception):
                 result = [result] * count
@@ -110,6 +131,14 @@ class TritonPythonModel(_proxy.TritonPythonModel):  # type: ignore[misc,name-def
         if self._pipeline is not None:
             self._pipeline.close()
         return super().finalize()
+
+
+def _rows(triton_requests):  # type: ignore[no-untyped-def]
+    """A batch's rows: each request's first input's first dimension (or one each)."""
+    try:
+        return sum(int(r.inputs()[0].shape()[0]) for r in triton_requests)
+    except Exception:  # no inputs, or a model without a batch dimension
+        return len(triton_requests)
 
 
 _get_config = _proxy.get_config_from_handshake_server

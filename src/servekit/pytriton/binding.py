@@ -9,7 +9,11 @@ shim (``_stub_shim.py``), instead of PyTriton's one INTERNAL error for the batch
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -32,8 +36,13 @@ __all__ = [
 
 ERROR_OUTPUT = "__servekit_error__"
 """Pseudo-output that carries (code, message) for one request to the stub shim."""
+RAN_OUTPUT = "__servekit_ran__"
+"""Pseudo-output on one answer of a batch: when the batch started and ended (``time.time``),
+for the stub shim's pipeline, which cannot see it run in this process."""
 
-_SHIMMED: set[str] = set()
+_SHIMMED: dict[str, bytes] = {}
+"""Each shimmed model's options for the shim (``servekit.json`` beside its ``model.py``)."""
+OPTIONS_FILE = "servekit.json"
 
 
 def pytriton_tensors(tensors: Sequence[TensorSpec]) -> list[Any]:
@@ -57,10 +66,15 @@ def error_response(exc: ServekitError, model: str) -> dict[str, np.ndarray]:
 
 
 def infer_callable(
-    runner: Any, model: str, tracer: tracing.Tracing | None = None
-) -> Callable[[list[Any]], list[dict[str, np.ndarray]]]:
+    runner: Any, model: str, tracer: tracing.Tracing | None = None, *, overlap: bool = False
+) -> Callable[[list[Any]], Any]:
     """PyTriton inference callable (not ``@batch``): one answer per request, errors
-    included; with ``tracer``, a pipeline's steps as spans of each traced request."""
+    included; with ``tracer``, a pipeline's steps as spans of each traced request.
+
+    With ``overlap`` (the stub hands the next batch over while one runs) it is a
+    coroutine that runs each batch on a thread of its own, one batch at a time: PyTriton
+    runs a callable on its handler's event loop, so a plain one would keep the next
+    batch, already handed over, waiting there while the last one's answers go back."""
     spec = runner.spec
 
     def infer(requests: list[Any]) -> list[dict[str, np.ndarray]]:
@@ -84,19 +98,37 @@ def infer_callable(
             for result in results
         ]
 
-    return infer
+    if not overlap:
+        return infer
+    device = ThreadPoolExecutor(1, thread_name_prefix=f"servekit-{model}")
+
+    def infer_timed(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        start = time.time()
+        answers = infer(requests)
+        ran = np.array([start, time.time()])
+        for i, answer in enumerate(answers):  # the stub shim's pipeline reads and drops it
+            if ERROR_OUTPUT not in answer:
+                answers[i] = {**answer, RAN_OUTPUT: ran}
+                break
+        return answers
+
+    async def infer_on_device_thread(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        return await asyncio.get_running_loop().run_in_executor(device, infer_timed, requests)
+
+    return infer_on_device_thread
 
 
 def _shim_source() -> bytes:
     return resources.files("servekit.pytriton").joinpath("_stub_shim.py").read_bytes()
 
 
-def install_error_shim(model_name: str) -> None:
+def install_error_shim(model_name: str, *, overlap: bool = False) -> None:
     """Have PyTriton ship servekit's stub shim as ``model_name``'s ``model.py``.
 
     PyTriton copies its proxy files into each model's version folder (uploaded with the
     load request, or written to a local model store); this renames its ``model.py`` to
-    ``_pytriton_model.py`` and puts the shim, which imports it, in its place.
+    ``_pytriton_model.py`` and puts the shim, which imports it, in its place, with the
+    model's options beside it (``overlap``: ``servekit.triton.pipeline``'s ``ahead``).
     """
     try:
         from pytriton.models.model import Model
@@ -107,7 +139,7 @@ def install_error_shim(model_name: str) -> None:
             "this PyTriton version lacks Model.get_proxy_model_files/generate_model; "
             "servekit supports nvidia-pytriton >= 0.5, < 0.8"
         )
-    _SHIMMED.add(model_name)
+    _SHIMMED[model_name] = json.dumps({"overlap": overlap}).encode()
     if getattr(Model, "_servekit_shim", False):
         return
     get_files, generate = Model.get_proxy_model_files, Model.generate_model
@@ -118,6 +150,7 @@ def install_error_shim(model_name: str) -> None:
             key = f"file:{self.model_version}/model.py"
             files[f"file:{self.model_version}/_pytriton_model.py"] = files.pop(key)
             files[key] = _shim_source()
+            files[f"file:{self.model_version}/{OPTIONS_FILE}"] = _SHIMMED[self.model_name]
         return files
 
     def generate_model(self: Any, model_repository: Path) -> None:
@@ -126,6 +159,7 @@ def install_error_shim(model_name: str) -> None:
             version = Path(model_repository) / self.model_name / str(self.model_version)
             (version / "model.py").rename(version / "_pytriton_model.py")
             (version / "model.py").write_bytes(_shim_source())
+            (version / OPTIONS_FILE).write_bytes(_SHIMMED[self.model_name])
 
     Model.get_proxy_model_files = get_proxy_model_files
     Model.generate_model = generate_model

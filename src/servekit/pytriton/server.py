@@ -135,12 +135,12 @@ class TritonServer:
         )
         try:
             for m in bound:
-                install_error_shim(bound[m])
+                install_error_shim(bound[m], overlap=m.overlap)
                 spec = m.runner.spec
                 triton.bind(
                     model_name=bound[m],
                     infer_func=[
-                        infer_callable(m.runner, bound[m], self._tracing)
+                        infer_callable(m.runner, bound[m], self._tracing, overlap=m.overlap)
                         for _ in range(m.instance_count)
                     ],
                     inputs=pytriton_tensors(spec.inputs),

@@ -47,6 +47,8 @@ class ServedModel:
     """Which of the model's versions this is (``ModelConfig.versions``); 1 without any."""
     sequence: SequencePolicy | None = None
     """Triton's sequence batcher in place of the dynamic one (``sequence_batching``)."""
+    overlap: bool = True
+    """``ModelConfig.overlap``: the next batch handed over while the device runs one."""
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:
@@ -182,7 +184,12 @@ def load_models(
     runner = _versioned(model, model.name, cache_dir, storage)
     served = [
         ServedModel(
-            model.name, runner, model.batching, model.instances, sequence=model.sequence_batching
+            model.name,
+            runner,
+            model.batching,
+            model.instances,
+            sequence=model.sequence_batching,
+            overlap=model.overlap,
         )
     ]
     for number in model.version_numbers[1:]:
@@ -194,11 +201,26 @@ def load_models(
         except UpdateRefused:
             versioned.close()
             raise
-        served.append(ServedModel(model.name, versioned, model.batching, model.instances, number))
+        served.append(
+            ServedModel(
+                model.name,
+                versioned,
+                model.batching,
+                model.instances,
+                number,
+                overlap=model.overlap,
+            )  # fmt: skip
+        )
     if model.image and runner.spec.batched and is_image_classifier(runner.spec):
         clf = image_classifier(runner, top_k=model.top_k, labels=model.labels)
         served.append(
-            ServedModel(image_model_name(model.name), clf, model.batching, model.instances)
+            ServedModel(
+                image_model_name(model.name),
+                clf,
+                model.batching,
+                model.instances,
+                overlap=model.overlap,
+            )  # fmt: skip
         )
     return served
 

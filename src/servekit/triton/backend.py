@@ -37,7 +37,7 @@ from ..spec import ModelSpec, spec_from_config
 from ..tracing import EnvTracer
 from .decoupled import DecoupledStreams
 from .pipeline import DEFAULT_DEPTH, Pipeline, send_each
-from .stub_metrics import FailureCounter
+from .stub_metrics import FailureCounter, overlap_counter
 
 __all__ = ["TritonPythonModel", "build_runner", "check_config"]
 
@@ -240,8 +240,20 @@ class TritonPythonModel:
         """Spans of the requests tritonserver traces, where ``OTEL_EXPORTER_OTLP_TRACES_
         ENDPOINT`` is set (the triton runtime sets it with ``[server.tracing]``)."""
         depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
+        ahead = parameters.get("overlap", "false") == "true"
         plain = self.sequence is None and self.streams is None
-        self.pipeline = Pipeline(self._run, self._send, depth) if depth > 1 and plain else None
+        self.pipeline = (
+            Pipeline(
+                self._run,
+                self._send,
+                depth,
+                ahead=ahead,
+                size=self._rows,
+                overlapped=overlap_counter(pb_utils, self.name, str(args["model_version"])),
+            )  # fmt: skip
+            if (ahead or depth > 1) and plain
+            else None
+        )
         pb_utils.Logger.log_info(
             f"servekit: {self.name} v{args['model_version']} ready "
             f"({parameters.get('kind', 'runner')}, max_batch_size {declared.max_batch_size})"
@@ -272,6 +284,12 @@ class TritonPythonModel:
         self.pipeline.submit(inputs, [r.get_response_sender() for r in requests])
         return None  # answered through the senders (``pipeline``)
 
+    def _rows(self, inputs: list[dict[str, np.ndarray]]) -> int:
+        """A batch's rows (its requests' where the model does not batch)."""
+        if self.spec.max_batch_size > 0 and self.inputs:
+            return sum(len(x[self.inputs[0]]) for x in inputs)
+        return len(inputs)
+
     def _run(self, inputs: list[dict[str, np.ndarray]]) -> list[Any]:
         return run_requests(self.runner, inputs, self.runner.spec)
 
@@ -289,9 +307,7 @@ class TritonPythonModel:
         with tracing.recording(parents) as batch:
             results = self._run(inputs)
         end = time.monotonic()
-        rows = len(requests)
-        if self.spec.max_batch_size > 0 and self.inputs:
-            rows = sum(len(x[self.inputs[0]]) for x in inputs)
+        rows = self._rows(inputs)
         for carrier, result in zip(carriers, results, strict=True):
             if carrier is None:
                 continue

@@ -70,9 +70,10 @@ class RepositoryModel:
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
     """The servekit backend's parameters for a model: its engine and how to run it."""
+    overlap = {"overlap": "true" if model.overlap else "false"}
     if model.is_code:
-        return {"kind": "code"}
-    params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx"}
+        return {"kind": "code", **overlap}
+    params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx", **overlap}
     if model.precision != "fp32":
         params["precision"] = model.precision
     if model.threads:

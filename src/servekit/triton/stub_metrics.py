@@ -12,11 +12,12 @@ this family, so dashboards add the two without counting anything twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from ..metrics import FAILURE_HELP, FAILURE_METRIC
+from ..metrics import FAILURE_HELP, FAILURE_METRIC, OVERLAP_HELP, OVERLAP_METRIC
 
-__all__ = ["FAILURE_METRIC", "FailureCounter"]
+__all__ = ["FAILURE_METRIC", "OVERLAP_METRIC", "FailureCounter", "overlap_counter"]
 
 
 class FailureCounter:
@@ -42,3 +43,26 @@ class FailureCounter:
             metric = self._family.Metric(labels={**self._labels, "code": code})
             self._metrics[code] = metric
         metric.increment(1)
+
+
+class _Counted:
+    """One labelled counter, holding its family: Triton refuses a metric whose family is gone."""
+
+    def __init__(self, family: Any, labels: dict[str, str]) -> None:
+        self._family, self._metric = family, family.Metric(labels=labels)
+
+    def __call__(self) -> None:
+        self._metric.increment(1)
+
+
+def overlap_counter(pb_utils: Any, model: str, version: str) -> Callable[[], None]:
+    """``servekit_batch_overlapped{model, version}``: counts a batch handed over while the
+    instance's previous one ran (``servekit.triton.pipeline``); a no-op where metrics are
+    off."""
+    try:
+        family = pb_utils.MetricFamily(
+            name=OVERLAP_METRIC, description=OVERLAP_HELP, kind=pb_utils.MetricFamily.COUNTER
+        )
+        return _Counted(family, {"model": model, "version": version})
+    except Exception:  # metrics disabled in this tritonserver
+        return lambda: None
