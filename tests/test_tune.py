@@ -129,6 +129,7 @@ def test_tune_all_runtimes_writes_a_best_toml_each_that_serves(add_sub_path, tmp
     command = [
         *SERVEKIT, "tune", "--model", str(add_sub_path), "--runtime", "all",
         "--max-batch-sizes", "8", "--instances", "1", "--max-queue-delay-us", "100",
+        "--overlap", "on",
         "--threads", "1", "--concurrency", "2", "--window", "0.5", "--warmup", "0.3",
         "--max-windows", "3", "--no-baseline", "--out", str(out),
     ]  # fmt: skip

@@ -73,18 +73,18 @@ def test_a_candidate_config_is_the_base_with_its_knobs(tmp_path):
 
 
 def test_neighbours_are_one_step_along_one_knob():
-    assert list(SPACE.neighbours((0, 0, 0, 0))) == [
-        (1, 0, 0, 0),
-        (0, 1, 0, 0),
-        (0, 0, 1, 0),
-        (0, 0, 0, 1),
+    assert list(SPACE.neighbours((0, 0, 0, 0, 0))) == [
+        (1, 0, 0, 0, 0),
+        (0, 1, 0, 0, 0),
+        (0, 0, 1, 0, 0),
+        (0, 0, 0, 1, 0),
     ]
-    assert set(SPACE.neighbours((3, 1, 1, 1))) == {
-        (2, 1, 1, 1),
-        (3, 0, 1, 1),
-        (3, 1, 2, 1),
-        (3, 1, 0, 1),
-        (3, 1, 1, 0),
+    assert set(SPACE.neighbours((3, 1, 1, 1, 0))) == {
+        (2, 1, 1, 1, 0),
+        (3, 0, 1, 1, 0),
+        (3, 1, 2, 1, 0),
+        (3, 1, 0, 1, 0),
+        (3, 1, 1, 0, 0),
     }
 
 
@@ -181,7 +181,7 @@ def test_quick_finds_the_peak_of_any_separable_landscape(peak, weights):
 
     evaluate, calls = landscape(value)
     found = best_trial(quick(SPACE, lambda k: evaluate(k, c), c, min_gain=0), c)
-    assert found is not None and found.knobs == SPACE.knobs(peak)
+    assert found is not None and found.knobs == SPACE.knobs((*peak, 0))  # overlap: one value
     assert len(calls) == len(set(calls)) <= SPACE.size
 
 
@@ -209,3 +209,23 @@ def test_the_baseline_stays_best_when_no_candidate_beats_it():
     result.trials.append(Trial(Knobs(16, 2, 0, 1), [point(600, 30)]).judge(c))
     config = result.best_config()
     assert config is not None and config.models[0].batching.max_batch_size == 16
+
+
+def test_where_the_hand_over_idles_the_device_quick_proposes_overlap():
+    """The overlap knob is measured off first, then on; where overlapping the hand-over
+    serves more (a device idle during it), the climb ends on it, and the candidate's
+    config says so. Where it does not, the climb stays off."""
+    space = SearchSpace((4, 8), (1, 2), (0,), (1,), (True, False))
+    assert space.overlap == (False, True)
+    c = Constraints()
+    for gain, want in ((0.2, True), (-0.05, False)):
+        evaluate, _ = landscape(
+            lambda k: 100 * k.max_batch_size * (1 + gain * k.overlap) - 10 * k.instances  # noqa: B023
+        )
+        climbed = quick(space, lambda k: evaluate(k, c), c)
+        best = best_trial(climbed, c)
+        assert best is not None and best.knobs == Knobs(8, 1, 0, 1, want)
+        assert best.knobs.label().endswith("threads 1" if want else "threads 1, no overlap")
+        base = ServeConfig((ModelConfig("add_sub"),), runtime="triton")
+        (model,) = space.config(base, best.knobs).models
+        assert model.overlap is want

@@ -33,6 +33,14 @@ def _values(text: str, option: str, *, allow_default: bool = False) -> tuple[int
     return tuple(out)
 
 
+def _switches(text: str, option: str) -> tuple[bool, ...]:
+    words = {"on": True, "off": False}
+    items = text.replace(" ", "").split(",")
+    if any(i not in words for i in items):
+        raise typer.BadParameter(f"expected on, off or both, got {text!r}", param_hint=option)
+    return tuple(words[i] for i in items)
+
+
 def tune(
     model: Annotated[str | None, typer.Option(help="Zoo model or ONNX file (or --config).")] = None,
     config: ConfigFile = None,
@@ -56,6 +64,10 @@ def tune(
     threads: Annotated[
         str, typer.Option(help="ONNX Runtime threads per instance to try ('default' = ORT's).")
     ] = "1",
+    overlap: Annotated[
+        str,
+        typer.Option(help="[models] overlap values to try (on, off); the Triton runtimes only."),
+    ] = "off,on",
     concurrency: Annotated[
         str, typer.Option(help="Client concurrency levels each candidate is swept over.")
     ] = "1,2,4,8,16,32",
@@ -70,7 +82,8 @@ def tune(
     ] = Path("tune"),
     cache_dir: CacheDir = None,
 ) -> None:
-    """Search max batch size, instances, queue delay and threads (Model Analyzer's knobs)
+    """Search max batch size, instances, queue delay and threads (Model Analyzer's knobs),
+    and on the Triton runtimes whether an instance overlaps the next batch's hand-over,
     for the configuration with the best throughput (or p99) under a p99 budget and/or a
     minimum throughput: each candidate is served on loopback, swept over client
     concurrency and stopped. Writes OUT/best.toml for `servekit serve --config`, the
@@ -117,6 +130,7 @@ def tune(
             _values(instances, "--instances"),  # type: ignore[arg-type]
             _values(max_queue_delay_us, "--max-queue-delay-us"),  # type: ignore[arg-type]
             _values(threads, "--threads", allow_default=True),
+            _switches(overlap, "--overlap"),
         )
         constraints = Constraints(latency_budget_ms, min_throughput, objective)
         how = Measurement(

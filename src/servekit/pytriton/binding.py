@@ -23,6 +23,7 @@ import numpy as np
 from .. import tracing
 from ..batching.execute import run_requests
 from ..errors import ServekitError, triton_code
+from ..runners.simulated import HANDED
 from ..spec import TensorSpec
 from ..triton.env import TritonSetupError
 
@@ -102,9 +103,13 @@ def infer_callable(
         return infer
     device = ThreadPoolExecutor(1, thread_name_prefix=f"servekit-{model}")
 
-    def infer_timed(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+    def infer_timed(requests: list[Any], handed: float) -> list[dict[str, np.ndarray]]:
         start = time.time()
-        answers = infer(requests)
+        token = HANDED.set(handed)
+        try:
+            answers = infer(requests)
+        finally:
+            HANDED.reset(token)
         ran = np.array([start, time.time()])
         for i, answer in enumerate(answers):  # the stub shim's pipeline reads and drops it
             if ERROR_OUTPUT not in answer:
@@ -113,7 +118,8 @@ def infer_callable(
         return answers
 
     async def infer_on_device_thread(requests: list[Any]) -> list[dict[str, np.ndarray]]:
-        return await asyncio.get_running_loop().run_in_executor(device, infer_timed, requests)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(device, infer_timed, requests, time.time())
 
     return infer_on_device_thread
 

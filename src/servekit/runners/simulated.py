@@ -17,6 +17,7 @@ process; ``servekit.bench.timeline`` reads them back to show where a device idle
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import fcntl
 import json
@@ -32,10 +33,15 @@ import numpy as np
 
 from .base import Arrays, BaseRunner, Runner
 
-__all__ = ["PROFILE_KEY", "TIMELINE_ENV", "DeviceProfile", "SimulatedDevice"]
+__all__ = ["HANDED", "PROFILE_KEY", "TIMELINE_ENV", "DeviceProfile", "SimulatedDevice"]
 
 PROFILE_KEY = "servekit.device_profile"
 TIMELINE_ENV = "SERVEKIT_DEVICE_TIMELINE"
+
+HANDED: contextvars.ContextVar[float | None] = contextvars.ContextVar("handed", default=None)
+"""When the batch now being run was handed to its instance (``time.time``), where that was
+before the runner was called: an instance that queues the next batch while the device
+runs one (``servekit.triton.pipeline``) sets it, so the timeline shows the overlap."""
 
 _DEVICES: dict[str, threading.Lock] = {}
 """One lock per device in this process (the file lock serializes processes, not threads)."""
@@ -103,7 +109,7 @@ class SimulatedDevice(BaseRunner):
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         rows = len(next(iter(inputs.values()))) if self._spec.batched else 1
-        handed = time.time()
+        handed = HANDED.get() or time.time()
         with self._device:
             return self._compute(rows, handed)
 

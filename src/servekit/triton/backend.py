@@ -268,54 +268,57 @@ class TritonPythonModel:
                 tensors = {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
                 self.streams.answer(r, tensors)
             return None
-        if self.pipeline is None:
-            inputs = [
-                {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
-                for r in requests
-            ]
-            if self.tracer is not None:
-                return self._traced(requests, inputs, self.tracer)
-            return [self._response(result) for result in self._run(inputs)]
-        # Copies: a request's tensors are Triton's to free once execute has returned.
-        inputs = [
-            {n: np.array(pb.get_input_tensor_by_name(r, n).as_numpy()) for n in self.inputs}
+        # Pipelined, copies: a request's tensors are Triton's to free once execute returns.
+        read = np.array if self.pipeline is not None else (lambda a: a)
+        tracer = self.tracer
+        items = [
+            (
+                {n: read(pb.get_input_tensor_by_name(r, n).as_numpy()) for n in self.inputs},
+                _carrier(r) if tracer is not None else None,
+            )
             for r in requests
         ]
-        self.pipeline.submit(inputs, [r.get_response_sender() for r in requests])
+        if self.pipeline is None:
+            return [self._response(result) for result in self._run(items)]
+        self.pipeline.submit(items, [r.get_response_sender() for r in requests])
         return None  # answered through the senders (``pipeline``)
 
-    def _rows(self, inputs: list[dict[str, np.ndarray]]) -> int:
+    def _rows(self, items: list[tuple[dict[str, np.ndarray], Any]]) -> int:
         """A batch's rows (its requests' where the model does not batch)."""
         if self.spec.max_batch_size > 0 and self.inputs:
-            return sum(len(x[self.inputs[0]]) for x in inputs)
-        return len(inputs)
+            return sum(len(x[self.inputs[0]]) for x, _ in items)
+        return len(items)
 
-    def _run(self, inputs: list[dict[str, np.ndarray]]) -> list[Any]:
-        return run_requests(self.runner, inputs, self.runner.spec)
+    def _run(self, items: list[tuple[dict[str, np.ndarray], Any]]) -> list[Any]:
+        """Each request's result: its tensors run with the batch's, and where tritonserver
+        traces it (its carrier), a span of the run (``_traced``)."""
+        inputs = [x for x, _ in items]
+        carriers = [c for _, c in items]
+        if self.tracer is None or all(c is None for c in carriers):
+            return run_requests(self.runner, inputs, self.runner.spec)
+        return self._traced(carriers, items, self.tracer)
 
     def _traced(
-        self, requests: list[Any], inputs: list[dict[str, np.ndarray]], tracer: EnvTracer
+        self, carriers: list[Any], items: list[tuple[dict[str, np.ndarray], Any]], tracer: EnvTracer
     ) -> list[Any]:
-        """``_run`` with a span per request tritonserver traces (``servekit backend``: the
-        batch's run, its rows, the request's error), under tritonserver's own span of
-        it; a pipeline runner's steps as the span's children."""
-        carriers = [_carrier(r) for r in requests]
+        """The batch's results, with a span per request tritonserver traces (``servekit
+        backend``: the batch's run, its rows, the request's error), under tritonserver's
+        own span of it; a pipeline runner's steps as the span's children."""
+        inputs = [x for x, _ in items]
         parents = [c["traceparent"] for c in carriers if c is not None]
-        if not parents:
-            return [self._response(result) for result in self._run(inputs)]
         start = time.monotonic()
         with tracing.recording(parents) as batch:
-            results = self._run(inputs)
+            results = run_requests(self.runner, inputs, self.runner.spec)
         end = time.monotonic()
-        rows = self._rows(inputs)
+        rows = self._rows(items)
         for carrier, result in zip(carriers, results, strict=True):
             if carrier is None:
                 continue
             error = result if isinstance(result, BaseException) else None
             span = tracer.span("servekit backend", carrier, start, end, error,
-                               model=self.name, batch_rows=rows, requests=len(requests))  # fmt: skip
+                               model=self.name, batch_rows=rows, requests=len(items))  # fmt: skip
             tracing.step_spans(span, tracer.tracer, batch.steps)
-        return [self._response(result) for result in results]
+        return results
 
     def _send(self, senders: list[Any], results: Sequence[Any]) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

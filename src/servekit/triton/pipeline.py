@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..runners.simulated import HANDED
+
 __all__ = ["DEFAULT_DEPTH", "Pipeline", "send_each"]
 
 log = logging.getLogger(__name__)
@@ -198,10 +200,13 @@ class Pipeline:
                             b.release_at = start + expected - self.lead_s
                         self._held.notify_all()
             self._ran = None
+            handed = HANDED.set(time.time() - (time.monotonic() - batch.queued))
             try:
                 results: Sequence[Any] = self._run(inputs)
             except BaseException as exc:  # run answers per request; anything else fails the run
                 results = [exc] * sum(len(b.senders) for b in batches)
+            finally:
+                HANDED.reset(handed)
             if self.ahead:
                 ended = time.monotonic()
                 if self._ran is not None:

@@ -20,6 +20,9 @@ __all__ = ["SEARCHES", "TuneResult", "as_dict", "baseline_knobs", "for_runtime",
 
 SEARCHES = ("quick", "brute")
 
+OVERLAPPING = ("pytriton", "triton")
+"""The runtimes whose instances overlap a batch's hand-over with the device (``overlap``)."""
+
 
 @dataclass
 class TuneResult:
@@ -63,6 +66,7 @@ def baseline_knobs(base: ServeConfig) -> Knobs:
         model.instances,
         model.batching.max_queue_delay_us,
         model.threads,
+        model.overlap,
     )
 
 
@@ -92,6 +96,8 @@ def tune(
         raise ValueError(f"search must be one of {list(SEARCHES)}, got {search!r}")
     if len(base.models) != 1:
         raise ValueError(f"tune takes one model, got {len(base.models)}")
+    if base.runtime not in OVERLAPPING:  # the knob means nothing there: one value
+        space = dataclasses.replace(space, overlap=(base.models[0].overlap,))
     result = TuneResult(base, space, constraints, search)
     setup = Setup.of(base.models[0])
 

@@ -1,7 +1,8 @@
 """The search space of ``servekit tune``: the knobs Model Analyzer searches, as a grid.
 
 A point is one value per knob (max batch size, instance count, max queue delay, threads
-per instance); ``SearchSpace.config`` turns a point into the ``ServeConfig`` a runtime is
+per instance, and on the Triton runtimes whether an instance overlaps the hand-over of
+its next batch with the device's work); ``SearchSpace.config`` turns a point into the ``ServeConfig`` a runtime is
 started with, so what is measured is exactly what ``best.toml`` says.
 """
 
@@ -16,7 +17,7 @@ from ..config import ServeConfig
 
 __all__ = ["KNOBS", "Knobs", "SearchSpace"]
 
-KNOBS = ("max_batch_size", "instances", "max_queue_delay_us", "threads")
+KNOBS = ("max_batch_size", "instances", "max_queue_delay_us", "threads", "overlap")
 """In the order the quick search tries them: the knob that moves throughput most first."""
 
 
@@ -28,6 +29,7 @@ class Knobs:
     instances: int
     max_queue_delay_us: int
     threads: int | None
+    overlap: bool = True
 
     def label(self) -> str:
         threads = "default" if self.threads is None else self.threads
@@ -35,6 +37,7 @@ class Knobs:
         return (
             f"batch {batch}, instances {self.instances}, "
             f"delay {self.max_queue_delay_us} us, threads {threads}"
+            + ("" if self.overlap else ", no overlap")
         )
 
 
@@ -46,6 +49,10 @@ class SearchSpace:
     instances: tuple[int, ...] = (1, 2)
     max_queue_delay_us: tuple[int, ...] = (0, 500, 2000)
     threads: tuple[int | None, ...] = (None,)
+    overlap: tuple[bool, ...] = (True,)
+    """``[models] overlap``, which only the Triton runtimes act on (``for_runtime`` holds
+    it at the config's own value elsewhere): off before on, so the quick search measures
+    the hand-over as it is and proposes overlap where overlap beats it."""
 
     def __post_init__(self) -> None:
         for knob in KNOBS:
@@ -54,7 +61,7 @@ class SearchSpace:
                 raise ValueError(f"the search space needs at least one value of {knob}")
             if len(set(values)) != len(values):
                 raise ValueError(f"{knob} values repeat: {list(values)}")
-            numbers = [v for v in values if v is not None]
+            numbers = [v for v in values if v is not None and not isinstance(v, bool)]
             lowest = 0 if knob == "max_queue_delay_us" else 1
             if any(v < lowest for v in numbers):
                 raise ValueError(f"{knob} values must be >= {lowest}, got {list(values)}")
@@ -103,6 +110,10 @@ class SearchSpace:
             max_queue_delay_us=knobs.max_queue_delay_us,
         )
         tuned = dataclasses.replace(
-            model, batching=batching, instances=knobs.instances, threads=knobs.threads
+            model,
+            batching=batching,
+            instances=knobs.instances,
+            threads=knobs.threads,
+            overlap=knobs.overlap,
         )
         return base.replace(models=(tuned,))
