@@ -222,7 +222,7 @@ def test_where_the_hand_over_idles_the_device_quick_proposes_overlap():
         evaluate, _ = landscape(
             lambda k: 100 * k.max_batch_size * (1 + gain * k.overlap) - 10 * k.instances  # noqa: B023
         )
-        climbed = quick(space, lambda k: evaluate(k, c), c)
+        climbed = quick(space, lambda k: evaluate(k, c), c)  # noqa: B023
         best = best_trial(climbed, c)
         assert best is not None and best.knobs == Knobs(8, 1, 0, 1, want)
         assert best.knobs.label().endswith("threads 1" if want else "threads 1, no overlap")

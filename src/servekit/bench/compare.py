@@ -108,18 +108,17 @@ def _batcher(setup: Setup) -> Iterator[Any]:
         local.close()
 
 
-def _served(runtime: str) -> Callable[[Setup], Any]:
+def _served(runtime: str, ray: RayOptions | None = None) -> Callable[[Setup], Any]:
     """``servekit serve --runtime RUNTIME`` in its own process, from the same ``ServeConfig``
     on loopback, so its process tree's CPU is its own; the targets speak gRPC where the
-    runtime has it, HTTP otherwise."""
+    runtime has it, HTTP otherwise. On Ray, half a CPU per model replica (``ray``)."""
+    if ray is None:
+        ray = RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions()
 
     @contextlib.contextmanager
     def served(setup: Setup) -> Iterator[Any]:
         config = ServeConfig(
-            (setup.model,),
-            ServerConfig(exit_timeout_s=2),
-            runtime=runtime,
-            ray=RayOptions(model_cpus=0.5) if runtime == "ray" else RayOptions(),
+            (setup.model,), ServerConfig(exit_timeout_s=2), runtime=runtime, ray=ray
         ).on_loopback()
         url = target_url(config, setup.protocol)
         binary = setup.protocol != "http-json"
@@ -270,11 +269,13 @@ RUNTIMES: dict[str, Callable[[Setup], Any]] = {
     "pytriton": _needs("pytriton", "triton")(_served("pytriton")),
     "triton": _needs("pytriton", "triton")(_served("triton")),
     "ray": _needs("ray", "ray")(_served("ray")),
+    "ray-direct": _needs("ray", "ray")(_served("ray", RayOptions(model_cpus=0.5, direct=True))),
 }
 """Runtime name -> context manager yielding a target factory. ``raw`` is the in-process
 Pipeline called one image per request from concurrent threads (no batching, no server);
 ``batcher`` servekit's Batcher in front of it, in-process; the others are ``servekit serve
---runtime NAME`` (``triton``: the repository's ensemble on the servekit backend)."""
+--runtime NAME`` (``triton``: the repository's ensemble on the servekit backend;
+``ray-direct``: Ray with ``[ray] direct``)."""
 
 
 @dataclass

@@ -60,6 +60,10 @@ _UNSUPPORTED: dict[str, dict[str, str]] = {
 }
 
 
+_DIRECT_HONOURS = ("keep_alive_s", "max_connections")
+"""What Ray's ingress honours with ``[ray] direct``: it is then servekit's HTTP server."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Models, the server they are served on, and the runtime serving them."""
@@ -121,6 +125,8 @@ class ServeConfig:
             elif knob == "store":
                 if self.store.active:
                     problems.append(f"[store] ({why})")
+            elif runtime == "ray" and self.ray.direct and knob in _DIRECT_HONOURS:
+                continue
             elif getattr(self.server, knob) != getattr(default_server, knob):
                 problems.append(f"server.{knob} = {getattr(self.server, knob)!r} ({why})")
         problems += [
@@ -157,6 +163,11 @@ class ServeConfig:
                 for m in self.models
                 if m.versions or m.traffic or m.canary
             ]
+        if runtime == "ray" and self.store.active and self.ray.direct:
+            problems.append(
+                "[ray] direct with a [store] (the store starts its models on the loop Ray's "
+                "proxy calls the ingress on; serve a store through Ray's proxy)"
+            )
         if runtime == "ray" and self.store.active and self.ray.ingress_replicas > 1:
             problems.append(
                 f"[ray] ingress_replicas = {self.ray.ingress_replicas} with a [store] (the "

@@ -249,6 +249,12 @@ class RayOptions:
     batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
     each). Cheaper per request; models no longer scale apart. Image classifiers keep
     their stage deployments, so they cannot be fused."""
+    direct: bool = False
+    """Each ingress replica serves HTTP on ``server.http_port`` itself (servekit's HTTP
+    server, the native runtime's; every replica on a host shares the port), in place of
+    Ray's HTTP proxy, whose actor call per request costs more CPU than a fast device's
+    batch (``servekit.ray.direct``). Requests still reach the model deployments a batch
+    per handle call, and they scale as before."""
 
     def __post_init__(self) -> None:
         if self.autoscale_signal not in ("servekit", "ray"):

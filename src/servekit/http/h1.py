@@ -361,12 +361,16 @@ class H1Server:
         name: str = "servekit-http",
         on_start: Callable[[], Awaitable[None]] | None = None,
         on_exit: Callable[[], Awaitable[None]] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.handler, self.host, self.port, self.name, self.fast = handler, host, port, name, fast
         self.ports = dict(ports or {})
         self.max_body_bytes, self.max_header_bytes = max_body_bytes, max_header_bytes
         self.keep_alive_s, self.max_connections = keep_alive_s, max_connections
         self._on_start, self._on_exit = on_start, on_exit
+        self.reuse_port = reuse_port
+        """``port`` shared with other servers that set it (``SO_REUSEPORT``: the kernel
+        spreads connections over them)."""
         self.loop: asyncio.AbstractEventLoop = _new_loop()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -411,6 +415,7 @@ class H1Server:
                     await self.loop.create_server(
                         functools.partial(_Connection, self, handler, fast),
                         self.host, port, backlog=2048,
+                        reuse_port=self.reuse_port and port == self.port or None,
                     )
                 )  # fmt: skip
         except Exception as exc:

@@ -291,6 +291,10 @@ def build_app(
             self.app.metrics.collect(recovery.figures)
             if self.cache is not None:
                 self.app.metrics.collect(self.cache.figures)
+            if config.ray.direct:
+                from .direct import listen
+
+                self.server = listen(self.app, config, self.gate)
 
         async def __call__(self, request: Any) -> Any:
             if not self.gate.enter():

@@ -54,7 +54,10 @@ class RayRuntime:
             ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
             self._owns_ray = True
         s = self.config.server
-        serve.start(http_options={"host": s.host, "port": s.http_port})
+        if self.config.ray.direct:  # the ingress replicas listen themselves (ray.direct)
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": s.host, "port": s.http_port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         return self
 

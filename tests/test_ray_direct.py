@@ -1,0 +1,112 @@
+"""``[ray] direct``: each ingress replica serves HTTP on the configured port itself, with
+no Ray HTTP proxy, and one handle call carries each batch to the model deployment. The
+same protocol, answers and errors as through Ray's proxy; draining refuses new requests."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the ray extra")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("tritonclient.http")
+
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from conftest import each_client, sample, scrape  # noqa: E402
+from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
+from servekit.config import RayOptions, StoreConfig  # noqa: E402
+from servekit.ray.runtime import RayRuntime  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def direct(add_sub_path):
+    config = ServeConfig(
+        (
+            ModelConfig(
+                str(add_sub_path), "adder", threads=1,
+                batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000),
+            ),
+        ),
+        ServerConfig(exit_timeout_s=2, keep_alive_s=30),
+        runtime="ray",
+        ray=RayOptions(model_cpus=0.5, direct=True),
+    ).on_loopback()  # fmt: skip
+    with RayRuntime(config, num_cpus=2) as runtime:
+        client = httpclient.InferenceServerClient(config.server.http_url.removeprefix("http://"))
+        try:
+            for _ in range(600):  # the replica listens once its constructor has run
+                try:
+                    if client.is_model_ready("adder"):
+                        break
+                except Exception:
+                    pass
+                threading.Event().wait(0.2)
+            else:
+                raise TimeoutError("the direct ingress did not answer in 120 s")
+        finally:
+            client.close()
+        yield runtime
+
+
+def tensors(a: np.ndarray, b: np.ndarray, binary: bool) -> list:
+    out = []
+    for name, value in (("INPUT0", a), ("INPUT1", b)):
+        tensor = httpclient.InferInput(name, list(value.shape), "FP32")
+        tensor.set_data_from_numpy(value, binary_data=binary)
+        out.append(tensor)
+    return out
+
+
+def test_ray_serves_no_http_proxy_of_its_own(direct):
+    assert not serve.status().proxies
+    assert sorted(serve.status().applications["servekit"].deployments) == ["Ingress", "adder"]
+
+
+def test_eight_clients_get_their_own_answers_a_bad_request_fails_alone_and_batches_cross(
+    direct,
+):
+    url = direct.config.server.http_url
+
+    def work(k: int) -> None:
+        client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        rng = np.random.default_rng(k)
+        try:
+            for i in range(25):
+                if i == 7:
+                    with pytest.raises(InferenceServerException, match="INPUT0") as caught:
+                        client.infer("adder", tensors(np.ones((1, 3), np.float32),
+                                                      np.ones((1, 16), np.float32), k % 2 == 0))  # fmt: skip
+                    assert caught.value.status() == "400", caught.value
+                    continue
+                a = rng.standard_normal((1, 16)).astype(np.float32)
+                b = rng.standard_normal((1, 16)).astype(np.float32)
+                result = client.infer("adder", tensors(a, b, k % 2 == 0))
+                np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+                np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+        finally:
+            client.close()
+
+    each_client(work)
+    samples = scrape(f"{url}/metrics")
+    labels = {"model": "adder", "version": "1"}
+    answered = sample(samples, "nv_inference_request_success", **labels)
+    batches = sample(samples, "nv_inference_exec_count", **labels)
+    assert answered >= 8 * 24
+    # The ingress batched them before the Ray call: fewer calls than requests.
+    assert 0 < batches < answered / 2, (batches, answered)
+
+
+def test_direct_honours_the_http_servers_knobs_and_refuses_a_store(tmp_path):
+    ServeConfig(
+        runtime="ray", server=ServerConfig(keep_alive_s=30), ray=RayOptions(direct=True)
+    ).check()
+    with pytest.raises(ValueError, match="keep_alive_s = 30"):
+        ServeConfig(runtime="ray", server=ServerConfig(keep_alive_s=30)).check()
+    with pytest.raises(ValueError, match=r"\[ray\] direct with a \[store\]"):
+        ServeConfig(
+            (), runtime="ray", ray=RayOptions(direct=True), store=StoreConfig(root=str(tmp_path))
+        ).check()
