@@ -5,9 +5,11 @@ instance, one thread, no queue delay; gRPC, HTTP for Ray), closed loop at one
 concurrency, with ``SERVEKIT_DEVICE_TIMELINE`` set so the device records each batch
 (``servekit.bench.timeline``). Prints one row per runtime (rows/s, server CPU per
 request, the device's busy share, overlapped hand-overs, the idle gap otherwise) and
-draws the lanes.
+draws the lanes. ``--overlap off,on`` runs the Triton runtimes with ``[models] overlap``
+off, then on; ``ray-direct`` is Ray with ``[ray] direct``.
 
-    python bench/timeline.py --out bench/results/timeline_sim_t4
+    python bench/timeline.py --runtimes native,pytriton,triton,ray,ray-direct \
+        --overlap off,on --out bench/results/timeline_overlap
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument(
-        "--overlap", default="on", help="on, off or on,off: [models] overlap, each in turn"
+        "--overlap",
+        default="on",
+        help="on, off or off,on: [models] overlap on the Triton runtimes, each in turn",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/timeline_sim_t4"))
     args = ap.parse_args()
@@ -47,10 +51,14 @@ def main() -> None:
     timelines, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="servekit-timeline-") as folder:
         for runtime, overlap in (
-            (r, o) for r in args.runtimes.split(",") for o in args.overlap.split(",")
+            (r, o)
+            for r in args.runtimes.split(",")
+            for o in (args.overlap.split(",") if r in ("pytriton", "triton") else ["on"])
         ):
             model = dataclasses.replace(base, overlap=overlap == "on")
-            runtime_label = f"{runtime} (overlap {overlap})" if "off" in args.overlap else runtime
+            runtime_label = runtime
+            if runtime in ("pytriton", "triton") and "off" in args.overlap:
+                runtime_label = f"{runtime} (overlap {overlap})"
             path = Path(folder) / f"{runtime}-{overlap}.jsonl"
             os.environ[TIMELINE_ENV] = str(path)  # every process of the server inherits it
             result = compare(model, [runtime], [args.concurrency], measure, on_event=print)
