@@ -246,7 +246,7 @@ def test_the_triton_backend_runs_the_files_policy_instances_and_threads(
             assert configs[name].instance_group[0].count == want[model].instances, name
         assert configs["tiny_postprocess"].parameters["top_k"].string_value == "3"
         assert configs["tiny"].parameters["threads"].string_value == str(want["tiny"].threads)
-        assert configs["tiny"].parameters["overlap"].string_value == "true"
+        assert configs["tiny"].parameters["overlap"].string_value == "auto"
         assert configs["adder"].parameters["overlap"].string_value == "false"
     finally:
         proc.terminate()

@@ -1,14 +1,15 @@
 """One Triton instance that takes its next batch while the device runs one
-(``[models] overlap``, on by default; ``servekit.triton.pipeline``), served for real on
-the triton runtime (servekit's backend) and the pytriton runtime (the stub shim):
+(``[models] overlap``; by default where the model runs off the host's CPU;
+``servekit.triton.pipeline``), served for real on the triton runtime (servekit's
+backend) and the pytriton runtime (the stub shim):
 
-- eight tritonclients at once each get their own sums back, each client's malformed
-  request is refused alone with a 400 while the rest of its batch is answered, and the
-  model is idle again once they stop;
-- on a simulated device with one configured instance, batches are handed over while the
-  one before them is on the device, as the instance's own counter
-  (``servekit_batch_overlapped``) shows, not timing; with ``overlap = false`` never;
-  and Triton reports the one instance that was configured.
+- on a simulated device with one configured instance and the default, batches are handed
+  over while the one before them is on the device, as the instance's own counter
+  (``servekit_batch_overlapped``) shows, not timing; with ``overlap = false`` never; and
+  Triton reports the one instance that was configured;
+- every answer is each client's own, and a model on the CPU (ONNX Runtime) does not
+  overlap by default: eight tritonclients at once get their own sums, each client's
+  malformed request is refused alone with a 400, and the model is idle again after.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from servekit.zoo.tiny import build_simulated  # noqa: E402
 def server(request, add_sub_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("devices")
     devices = []
-    for name, overlap in (("on_device", True), ("off_device", False)):
+    for name, overlap in (("on_device", None), ("off_device", False)):
         # 20 ms a batch plus 1 ms a row: far longer than a hand-over on any runtime.
         path = folder / f"{name}.onnx"
         onnx.save(build_simulated(f"{request.param}-{name}", 20_000, 1_000), path)
@@ -90,6 +91,7 @@ def test_eight_clients_get_their_own_answers_and_a_bad_request_fails_alone(serve
     assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
     assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
     assert sample(samples, "nv_inference_request_success", **labels) >= 8 * 29
+    assert sample(samples, OVERLAP_METRIC, **labels) == 0  # on the CPU: answered in execute
 
 
 @pytest.mark.parametrize(("model", "overlaps"), [("on_device", True), ("off_device", False)])

@@ -217,6 +217,7 @@ def test_where_the_hand_over_idles_the_device_quick_proposes_overlap():
     config says so. Where it does not, the climb stays off."""
     space = SearchSpace((4, 8), (1, 2), (0,), (1,), (True, False))
     assert space.overlap == (False, True)
+    assert SearchSpace(overlap=(True, None, False)).overlap == (None, False, True)
     c = Constraints()
     for gain, want in ((0.2, True), (-0.05, False)):
         evaluate, _ = landscape(
@@ -225,7 +226,7 @@ def test_where_the_hand_over_idles_the_device_quick_proposes_overlap():
         climbed = quick(space, lambda k: evaluate(k, c), c)  # noqa: B023
         best = best_trial(climbed, c)
         assert best is not None and best.knobs == Knobs(8, 1, 0, 1, want)
-        assert best.knobs.label().endswith("threads 1" if want else "threads 1, no overlap")
+        assert best.knobs.label().endswith(f"threads 1, overlap {'on' if want else 'off'}")
         base = ServeConfig((ModelConfig("add_sub"),), runtime="triton")
         (model,) = space.config(base, best.knobs).models
         assert model.overlap is want

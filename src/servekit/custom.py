@@ -69,6 +69,10 @@ class Model:
     """0: no batch dimension (one request per call)."""
     decoupled: ClassVar[bool] = False
     """True: ``infer`` is a generator answering one request with any number of responses."""
+    accelerated: ClassVar[bool] = False
+    """True: ``infer`` runs its batch on a GPU or another device, leaving the host's cores
+    free meanwhile; the Triton runtimes then hand the next batch over while it runs
+    (``[models] overlap``'s default)."""
 
     def setup(self, **args: Any) -> None:
         """Load what the model needs (``[models.args]`` as keyword arguments)."""
@@ -176,6 +180,7 @@ class UserRunner(BaseRunner):
             self._call = fn if _takes_dict(fn, spec) else (lambda batch: fn(**batch))
         self._is_async = inspect.iscoroutinefunction(fn)
         self.decoupled = isinstance(model, Model) and type(model).decoupled
+        self.accelerated = bool(getattr(model, "accelerated", False))
         self._local = threading.local()
         self._loops: list[asyncio.AbstractEventLoop] = []
 

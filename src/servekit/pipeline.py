@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tracing, zoo
-from .runners.base import Arrays, BaseRunner, Runner
+from .runners.base import Arrays, BaseRunner, Runner, accelerated
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
 from .stages import IMAGENET_MEAN, IMAGENET_STD, Postprocess, Preprocess
@@ -72,6 +72,7 @@ class Pipeline(BaseRunner):
                     )
             produced.update({t.name: t for t in step.spec.outputs})
         self.steps = tuple(steps)
+        self.accelerated = any(accelerated(s) for s in self.steps)
         self.step_names = tuple(names) or tuple(type(s).__name__ for s in steps)
         """Each step's name in a traced batch's spans (``step <name>``)."""
         self._spec = ModelSpec(

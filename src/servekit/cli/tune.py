@@ -33,11 +33,11 @@ def _values(text: str, option: str, *, allow_default: bool = False) -> tuple[int
     return tuple(out)
 
 
-def _switches(text: str, option: str) -> tuple[bool, ...]:
-    words = {"on": True, "off": False}
+def _switches(text: str, option: str) -> tuple[bool | None, ...]:
+    words = {"on": True, "off": False, "auto": None}
     items = text.replace(" ", "").split(",")
     if any(i not in words for i in items):
-        raise typer.BadParameter(f"expected on, off or both, got {text!r}", param_hint=option)
+        raise typer.BadParameter(f"expected auto, on or off, got {text!r}", param_hint=option)
     return tuple(words[i] for i in items)
 
 
@@ -66,7 +66,9 @@ def tune(
     ] = "1",
     overlap: Annotated[
         str,
-        typer.Option(help="[models] overlap values to try (on, off); the Triton runtimes only."),
+        typer.Option(
+            help="[models] overlap values to try (auto, on, off); the Triton runtimes only."
+        ),
     ] = "off,on",
     concurrency: Annotated[
         str, typer.Option(help="Client concurrency levels each candidate is swept over.")

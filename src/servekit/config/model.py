@@ -60,11 +60,14 @@ class ModelConfig:
     """The server's own verdict on the smallest share against the largest (needs ``traffic``)."""
     autoscale: AutoscalePolicy = field(default_factory=AutoscalePolicy)
     """The targets of ``servekit_replicas_needed``, the autoscaling signal (``servekit.autoscale``)."""
-    overlap: bool = True
+    overlap: bool | None = None
     """On the Triton runtimes, each instance takes its next batch while the device
     finishes the current one (``servekit.triton.pipeline``, ``ahead``): the hand-over
-    from tritonserver to the Python stub no longer leaves the device idle. Native and Ray
-    hand a batch to their instance in-process and need no such overlap."""
+    from tritonserver to the Python stub no longer leaves the device idle. None (the
+    default): where the model runs off the host's CPU (``Runner.accelerated``: a GPU, a
+    simulated device); on CPU the hand-over and the model share the cores and each
+    response costs the stub a message of its own. Native and Ray hand a batch to their
+    instance in-process and need no such overlap."""
     response_cache: bool = False
     """Answer a request the model answered before from ``[server] cache`` (Triton's
     ``response_cache { enable: true }``), without running the model."""

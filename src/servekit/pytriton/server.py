@@ -135,12 +135,12 @@ class TritonServer:
         )
         try:
             for m in bound:
-                install_error_shim(bound[m], overlap=m.overlap)
+                install_error_shim(bound[m], overlap=m.overlaps)
                 spec = m.runner.spec
                 triton.bind(
                     model_name=bound[m],
                     infer_func=[
-                        infer_callable(m.runner, bound[m], self._tracing, overlap=m.overlap)
+                        infer_callable(m.runner, bound[m], self._tracing, overlap=m.overlaps)
                         for _ in range(m.instance_count)
                     ],
                     inputs=pytriton_tensors(spec.inputs),

@@ -45,6 +45,9 @@ class BaseRunner:
 
     _spec: ModelSpec
     check_outputs: bool = True
+    accelerated: bool = False
+    """Whether a batch runs off the host's CPU (a GPU, a simulated device): then its run
+    time leaves the cores free for handing over the next batch (``ModelConfig.overlap``)."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -115,3 +118,9 @@ def batch_function(
     the batcher checks the outputs once), any other Runner's ``infer``."""
     run = getattr(runner, "run", None)
     return run if callable(run) else runner.infer
+
+
+def accelerated(runner: object) -> bool:
+    """``runner.accelerated``: whether its batches run off the host's CPU (False when it
+    does not say)."""
+    return bool(getattr(runner, "accelerated", False))

@@ -156,6 +156,7 @@ class OnnxRuntimeRunner(BaseRunner):
             source, sess_options=options, providers=list(providers or ["CPUExecutionProvider"])
         )
         self._spec = spec_from_session(self._session, max_batch_size)
+        self.accelerated = self._session.get_providers()[0] != "CPUExecutionProvider"
         self.metadata: dict[str, str] = dict(self._session.get_modelmeta().custom_metadata_map)
         """The model's ``metadata_props`` (zoo models carry labels and input scaling there)."""
         self._output_names = [t.name for t in self._spec.outputs]

@@ -97,6 +97,7 @@ class SimulatedDevice(BaseRunner):
         self.metadata = dict(getattr(runner, "metadata", None) or {})
         runner.close()  # only its signature is needed: an idle ONNX Runtime pool still spins
         self.check_outputs = False  # the wrapped runner checks its own
+        self.accelerated = True
         lock = (
             Path(tempfile.gettempdir()) / f"servekit-device-{profile.name.replace('/', '_')}.lock"
         )

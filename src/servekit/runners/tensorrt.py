@@ -174,6 +174,8 @@ class TensorRTRunner(BaseRunner):
         workspace_bytes: the builder's workspace pool limit.
     """
 
+    accelerated = True
+
     def __init__(
         self,
         model: str | os.PathLike[str],

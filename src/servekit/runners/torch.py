@@ -221,6 +221,7 @@ class TorchRunner(BaseRunner):
             self.path, module = None, model
         self._spec = spec
         self.device = torch.device(device)
+        self.accelerated = self.device.type != "cpu"
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"TorchRunner: device {device!r} asked for, but CUDA is unavailable")
         self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import UpdateRefused
 from ..spec import ModelSpec
-from .base import Arrays, Runner, batch_function
+from .base import Arrays, Runner, accelerated, batch_function
 
 __all__ = ["UpdateRefused", "VersionedRunner", "check_compatible"]
 
@@ -107,6 +107,11 @@ class VersionedRunner:
 
     def warmup(self) -> None:
         self._current.runner.warmup()
+
+    @property
+    def accelerated(self) -> bool:
+        """The serving version's (``runners.base.accelerated``)."""
+        return accelerated(self._current.runner)
 
     @property
     def decoupled(self) -> bool:

@@ -18,7 +18,7 @@ from ..batching.policy import BatchingPolicy
 from ..batching.sequence import SequencePolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import UpdateRefused
-from ..runners.base import Runner
+from ..runners.base import Runner, accelerated
 from ..runners.versioned import VersionedRunner, check_compatible
 from ..spec import ModelSpec
 from ..storage import StorageConfig
@@ -47,8 +47,14 @@ class ServedModel:
     """Which of the model's versions this is (``ModelConfig.versions``); 1 without any."""
     sequence: SequencePolicy | None = None
     """Triton's sequence batcher in place of the dynamic one (``sequence_batching``)."""
-    overlap: bool = True
-    """``ModelConfig.overlap``: the next batch handed over while the device runs one."""
+    overlap: bool | None = None
+    """``ModelConfig.overlap``: the next batch handed over while the device runs one
+    (None: where the runner is ``accelerated``)."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether this model's instances overlap, ``overlap`` resolved."""
+        return self.overlap if self.overlap is not None else accelerated(self.runner)
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:

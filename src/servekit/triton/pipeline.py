@@ -137,7 +137,8 @@ class Pipeline:
     @property
     def lead_s(self) -> float:
         """How long before a run's expected end ``submit`` returns: the hand-over's
-        median with half again as margin, plus a millisecond."""
+        median with half again as margin, plus a millisecond, plus what ``_learn`` found
+        missing."""
         if not self._handovers:
             return self._late
         return 1.5 * statistics.median(self._handovers) + 1e-3 + self._late

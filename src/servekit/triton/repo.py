@@ -70,7 +70,7 @@ class RepositoryModel:
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
     """The servekit backend's parameters for a model: its engine and how to run it."""
-    overlap = {"overlap": "true" if model.overlap else "false"}
+    overlap = {"overlap": {None: "auto", True: "true", False: "false"}[model.overlap]}
     if model.is_code:
         return {"kind": "code", **overlap}
     params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx", **overlap}

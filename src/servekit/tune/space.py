@@ -29,7 +29,8 @@ class Knobs:
     instances: int
     max_queue_delay_us: int
     threads: int | None
-    overlap: bool = True
+    overlap: bool | None = None
+    """``[models] overlap``: None = the default (where the model runs off the host's CPU)."""
 
     def label(self) -> str:
         threads = "default" if self.threads is None else self.threads
@@ -37,7 +38,7 @@ class Knobs:
         return (
             f"batch {batch}, instances {self.instances}, "
             f"delay {self.max_queue_delay_us} us, threads {threads}"
-            + ("" if self.overlap else ", no overlap")
+            + ("" if self.overlap is None else f", overlap {'on' if self.overlap else 'off'}")
         )
 
 
@@ -49,10 +50,10 @@ class SearchSpace:
     instances: tuple[int, ...] = (1, 2)
     max_queue_delay_us: tuple[int, ...] = (0, 500, 2000)
     threads: tuple[int | None, ...] = (None,)
-    overlap: tuple[bool, ...] = (True,)
-    """``[models] overlap``, which only the Triton runtimes act on (``for_runtime`` holds
-    it at the config's own value elsewhere): off before on, so the quick search measures
-    the hand-over as it is and proposes overlap where overlap beats it."""
+    overlap: tuple[bool | None, ...] = (None,)
+    """``[models] overlap``, which only the Triton runtimes act on (``tune`` holds it at the
+    config's own value elsewhere): the default first, then off before on, so the quick
+    search measures the hand-over as it is and proposes overlap where it beats it."""
 
     def __post_init__(self) -> None:
         for knob in KNOBS:
