@@ -133,7 +133,10 @@ def bench(
 def compare(
     runtimes: Annotated[
         str,
-        typer.Option(help="Comma-separated: raw, batcher, native, pytriton, triton, ray."),
+        typer.Option(
+            help="Comma-separated: raw, batcher, native, pytriton, triton, ray, ray-direct "
+            "(Ray with [ray] direct)."
+        ),
     ] = "raw,batcher,native,pytriton,triton,ray",
     concurrency: Annotated[str, typer.Option(help="Closed loop levels.")] = "1,2,4,8,16",
     model: Annotated[
