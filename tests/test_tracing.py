@@ -74,9 +74,10 @@ def served(request, receiver, add_sub_path, tmp_path_factory):
             {"name": "double", "source": "double:Double", "path": str(folder)},
         ),
     )
-    config = ServeConfig(
-        (ModelConfig(str(add_sub_path), "add_sub"), chain), server, runtime=request.param
-    )
+    # add_sub overlaps (servekit's pipelined instance on the Triton runtimes): its spans
+    # come from the pipeline's thread there; the chain's steps answer inside execute.
+    adder = ModelConfig(str(add_sub_path), "add_sub", overlap=True)
+    config = ServeConfig((adder, chain), server, runtime=request.param)
     if request.param == "ray":  # two model replicas and the ingress on two CPUs
         config = config.replace(ray=RayOptions(model_cpus=0.5))
     config = config.on_loopback()
@@ -189,7 +190,11 @@ def test_a_callers_trace_continues_into_the_request_its_queue_wait_and_its_batch
                 backend = by_name["servekit backend"]
                 assert backend["parent"] == model["id"], (backend, model, compute)
                 assert backend["attributes"]["batch_rows"] >= 1
-                assert compute["start"] <= backend["start"] <= backend["end"] <= compute["end"]
+                # Overlapping, execute returns while the batch still runs: the run begins
+                # inside tritonserver's compute span and may end after it, as late as the
+                # answer (the stub's clock and tritonserver's differ by tens of us here).
+                assert compute["start"] <= backend["start"] <= backend["end"]
+                assert backend["start"] <= compute["end"]
             continue
         spans = receiver.of(trace_id)
         queue, batch = (
