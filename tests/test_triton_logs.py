@@ -53,12 +53,16 @@ def test_the_follower_logs_a_growing_file_and_everything_when_verbose(tmp_path):
     # its handlers are (libraries configure logging in this process) is no part of it.
     logger = logging.getLogger("servekit.tritonserver")
     was = (logger.level, logger.disabled)
+    # logging.disable(level) mutes every logger whatever its own level; an earlier test
+    # or library may leave it set (this test has dropped every line in two full runs).
+    muted = logging.root.manager.disable
     path = tmp_path / "tritonserver.log"
     for verbose, expected in ((False, 6), (True, len(START.splitlines()))):
         kept = Kept()
         logger.addHandler(kept)
         logger.setLevel(logging.INFO)
         logger.disabled = False
+        logging.disable(logging.NOTSET)
         try:
             path.write_text("")
             follower = LogFollower(path, verbose=verbose, interval_s=0.01).start()
@@ -69,4 +73,5 @@ def test_the_follower_logs_a_growing_file_and_everything_when_verbose(tmp_path):
             logger.removeHandler(kept)
             logger.setLevel(was[0])
             logger.disabled = was[1]
+            logging.disable(muted)
         assert len(kept.records) == expected, [r.getMessage() for r in kept.records]
