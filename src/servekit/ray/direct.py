@@ -3,13 +3,13 @@
 Ray's proxy hands every request to the ingress through a Ray actor call, which on this
 project's 2-core VM cost 6.9 ms of CPU per request, the proxy's side and the replica's
 (BENCHMARKS.md): nearly four times a simulated T4's time per row at batch 32, so the
-device idled more than half the time whatever the batching behind it. With ``direct``, each ingress replica listens on ``server.http_port``
-with servekit's own HTTP server (the native runtime's; ``SO_REUSEPORT``, so every ingress
-replica on a host shares the port and the kernel spreads connections over them). The
-replica batches requests as before and one handle call carries each batch to the model
-deployments, which Ray places, scales and restarts as before. Ray's proxy is not
-started (``servekit.ray.runtime``), so each replica's batchers run on this server's loop
-alone.
+device idled more than half the time whatever the batching behind it. With ``direct``,
+each ingress replica listens on ``server.http_port`` with servekit's own HTTP server (the
+native runtime's; ``SO_REUSEPORT``, so every ingress replica on a host shares the port
+and the kernel spreads connections over them). The replica batches requests as before
+and one handle call carries each batch to the model deployments, which Ray places,
+scales and restarts as before. Ray's proxy is not started (``servekit.ray.runtime``), so
+each replica's batchers run on this server's loop alone.
 """
 
 from __future__ import annotations
