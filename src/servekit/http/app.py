@@ -187,6 +187,11 @@ class KServeApp(Forwarding):
     def _json(status: int, data: Any) -> tuple[int, bytes, dict[str, str]]:
         return status, json.dumps(data).encode(), {"content-type": "application/json"}
 
+    def error(self, exc: ServekitError) -> tuple[int, bytes, dict[str, str]]:
+        """``exc`` as this app answers it: its status, ``{"error": ...}``, and for
+        ``Overloaded`` a ``retry-after``; for a server in front of the app (``ray.direct``)."""
+        return self._error(exc)
+
     def _error(self, exc: ServekitError) -> tuple[int, bytes, dict[str, str]]:
         status, body, headers = self._json(http_status(exc), {"error": str(exc)})
         if isinstance(exc, Overloaded):

@@ -14,11 +14,10 @@ each replica's batchers run on this server's loop alone.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..config import ServeConfig
-from ..errors import ModelNotReady, http_status
+from ..errors import ModelNotReady
 from ..http import KServeApp
 from ..http.h1 import H1Server
 from ..http.messages import Answer, HttpRequest
@@ -30,12 +29,7 @@ def listen(app: KServeApp, config: ServeConfig, gate: Any) -> H1Server:
     """Serve ``app`` on the config's HTTP port from this replica, through its drain
     ``gate`` (``servekit.ray.drain``) as Ray's proxy's requests go."""
     s = config.server
-    stopping = ModelNotReady("servekit is stopping: this server takes no new requests")
-    refusal: Answer = (
-        http_status(stopping),
-        json.dumps({"error": str(stopping)}).encode(),
-        {"content-type": "application/json"},
-    )
+    refusal = app.error(ModelNotReady("servekit is stopping: this server takes no new requests"))
 
     async def handle(request: HttpRequest) -> Answer:
         if not gate.enter():

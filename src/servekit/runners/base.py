@@ -124,3 +124,9 @@ def accelerated(runner: object) -> bool:
     """``runner.accelerated``: whether its batches run off the host's CPU (False when it
     does not say)."""
     return bool(getattr(runner, "accelerated", False))
+
+
+def overlaps(overlap: bool | None, runner: object) -> bool:
+    """``ModelConfig.overlap`` resolved for ``runner``: as set, or (None) where the runner
+    is ``accelerated``. The one rule, for every runtime that overlaps."""
+    return overlap if overlap is not None else accelerated(runner)

@@ -18,7 +18,7 @@ from ..batching.policy import BatchingPolicy
 from ..batching.sequence import SequencePolicy
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..errors import UpdateRefused
-from ..runners.base import Runner, accelerated
+from ..runners.base import Runner, overlaps
 from ..runners.versioned import VersionedRunner, check_compatible
 from ..spec import ModelSpec
 from ..storage import StorageConfig
@@ -54,7 +54,7 @@ class ServedModel:
     @property
     def overlaps(self) -> bool:
         """Whether this model's instances overlap, ``overlap`` resolved."""
-        return self.overlap if self.overlap is not None else accelerated(self.runner)
+        return overlaps(self.overlap, self.runner)
 
     def __post_init__(self) -> None:
         if self.instance_count < 1:

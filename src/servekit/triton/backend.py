@@ -32,7 +32,7 @@ from ..batching.execute import as_error, run_requests
 from ..batching.sequence import SequenceFlags, SequencePolicy
 from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code
-from ..runners.base import Runner, accelerated, batch_function
+from ..runners.base import Runner, batch_function, overlaps
 from ..spec import ModelSpec, spec_from_config
 from ..tracing import EnvTracer
 from .decoupled import DecoupledStreams
@@ -240,8 +240,8 @@ class TritonPythonModel:
         """Spans of the requests tritonserver traces, where ``OTEL_EXPORTER_OTLP_TRACES_
         ENDPOINT`` is set (the triton runtime sets it with ``[server.tracing]``)."""
         depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
-        overlap = parameters.get("overlap", "auto")
-        ahead = overlap == "true" or overlap == "auto" and accelerated(runner)
+        # "auto" (or absent): None, resolved as every runtime resolves it.
+        ahead = overlaps({"true": True, "false": False}.get(parameters.get("overlap", "")), runner)
         plain = self.sequence is None and self.streams is None
         self.pipeline = (
             Pipeline(
