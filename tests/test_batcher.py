@@ -91,6 +91,7 @@ case = st.fixed_dictionaries(
         "ordering": st.booleans(),
         "executor": st.sampled_from(["threads", "loop", "async"]),
         "close_early": st.booleans(),
+        "ahead": st.integers(0, 2),
         "requests": st.lists(
             st.tuples(st.integers(1, 4), st.sampled_from([3, 5]), st.booleans(), st.booleans()),
             min_size=1,
@@ -104,7 +105,8 @@ case = st.fixed_dictionaries(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case)
 def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
-    """Random policies, sizes, shapes, arrivals, failures and cancellations."""
+    """Random policies, sizes, shapes, arrivals, failures and cancellations, with batches
+    sent at once or held back while one runs (``ahead``)."""
     preferred = tuple(sorted({p for p in c["preferred"] if p <= c["max_batch"]}))
     policy = BatchingPolicy(
         max_batch_size=c["max_batch"],
@@ -123,7 +125,10 @@ def test_every_caller_gets_exactly_its_own_rows_or_its_batchs_error(c):
     executor = "loop" if c["executor"] == "async" else c["executor"]
 
     async def main():
-        batcher = Batcher(fn, policy, spec=SPEC, instance_count=c["instances"], executor=executor)
+        batcher = Batcher(
+            fn, policy, spec=SPEC, instance_count=c["instances"], executor=executor,
+            ahead=c["ahead"],
+        )  # fmt: skip
         tasks, inputs, cancelled = [], [], set()
         for i, (rows, width, poison, cancel) in enumerate(c["requests"]):
             rows = min(rows, c["max_batch"])
@@ -789,3 +794,31 @@ def test_a_versioned_model_s_requests_are_checked_once_and_each_batch_s_outputs_
 
     asyncio.run(run())
     assert counts == {"validate_inputs": 16, "check_outputs": len(batches)}
+
+
+def test_ahead_holds_a_partial_batch_while_the_device_is_busy_and_sends_a_full_one():
+    """With the one device busy and nothing learned yet, a partial batch waits for it;
+    a full one leaves at once (Ray's ingress: ``ahead``)."""
+    model = Model()
+    policy = BatchingPolicy(max_batch_size=4)
+
+    async def main():
+        batcher = Batcher(model, policy, spec=SPEC, instance_count=3, ahead=1)
+        model.hold()
+        first = asyncio.ensure_future(batcher.infer(request(1)))
+        await model.wait_started()
+        held = [asyncio.ensure_future(batcher.infer(request(i))) for i in (2, 3)]
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        assert model.batches == [[1]], "a partial batch left while the device was busy"
+        held += [asyncio.ensure_future(batcher.infer(request(i))) for i in (4, 5)]
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if len(model.batches) == 2:
+                break
+        assert model.batches == [[1], [2, 3, 4, 5]], "a full batch waited"
+        model.gate.set()
+        await asyncio.gather(first, *held)
+        await batcher.aclose()
+
+    asyncio.run(main())

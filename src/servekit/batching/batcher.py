@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec
+from .ahead import Ahead
 from .bridge import LoopBridge
 from .delivery import Delivery
 from .execute import BatchFn, Steps, batch_steps
@@ -70,6 +71,11 @@ class Batcher:
         require_finite: a batch whose floating-point outputs hold NaN or Inf fails, whole,
             with a ``RunnerError`` naming the model and the output (a 500 on the servers),
             instead of handing those values to the callers.
+        ahead: the batch function hands batches to this many devices elsewhere, each
+            running one at a time (Ray's ingress: the model's replicas); with every
+            device busy, the next batch leaves only when full or just before the oldest
+            out is expected back (``batching.ahead``), so it holds everything that
+            queued meanwhile. 0 (default): each batch leaves once an instance is free.
 
     Inputs are validated once, here, as each request is admitted; outputs are checked
     once, here, for each batch (a ``BaseRunner`` is called through ``run``, which does
@@ -88,6 +94,7 @@ class Batcher:
         listeners: Iterable[Callable[[BatchRecord], None]] = (),
         executor: str | None = None,
         require_finite: bool = False,
+        ahead: int = 0,
     ) -> None:
         self.require_finite = require_finite
         fn: BatchFn
@@ -132,6 +139,7 @@ class Batcher:
             clock=clock,
             launch=self._launch,
             on_timeout=self._count_timeouts,
+            ahead=Ahead(policy.batch_limit(spec.max_batch_size), ahead) if ahead else None,
         )
         self._delivery = Delivery(
             name,

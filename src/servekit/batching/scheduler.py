@@ -15,6 +15,7 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from .ahead import Ahead
 from .decision import decide
 from .policy import BatchingPolicy
 from .queue import RequestQueue
@@ -34,6 +35,9 @@ class Scheduler:
         launch: starts ``batch`` (already taken from the queue, an instance already
             claimed) at clock time ``now``.
         on_timeout: told how many queued requests ``expire`` just failed.
+        ahead: hold a batch that would leave while the devices are busy until it is
+            full or the oldest out is about to end (``batching.ahead``); None sends it
+            once an instance is free.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class Scheduler:
         clock: Callable[[], float],
         launch: Callable[[list[Request], float], None],
         on_timeout: Callable[[int], None],
+        ahead: Ahead | None = None,
     ) -> None:
         self.queue = RequestQueue(policy)
         self.instance_count = instance_count
@@ -60,6 +65,7 @@ class Scheduler:
         self._clock = clock
         self._launch = launch
         self._on_timeout = on_timeout
+        self.ahead = ahead
         self._poke_pending = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf  # on the injected clock
@@ -70,11 +76,16 @@ class Scheduler:
         Raises:
             Overloaded: the queue is full.
         """
-        if self.free and not self._delay_s and self.queue.idle():
+        if (
+            self.free
+            and not self._delay_s
+            and self.queue.idle()
+            and self._may_leave(request, request.arrival)
+        ):
             # What decide() would do for a lone request with no delay, minus the queue round trip.
             request.taken = True
             self.free -= 1
-            self._launch([request], request.arrival)
+            self._start([request], request.arrival)
             return
         self.queue.push(request)  # raises Overloaded
         if self.free and not self._delay_s:
@@ -87,6 +98,8 @@ class Scheduler:
     def release(self) -> None:
         """An instance finished its batch."""
         self.free += 1
+        if self.ahead is not None:
+            self.ahead.back(self._clock())
         self.poke()
 
     def poke(self) -> None:
@@ -115,9 +128,14 @@ class Scheduler:
                 wait = d.wait_s if d.wait_s is not None else math.inf
                 break
             batch = pending[: d.take]
+            if self.ahead is not None and not self.flush:
+                hold = self.ahead.may_leave(sum(r.rows for r in batch), now)
+                if hold != 0.0:  # not yet: fuller once the batch running is nearly done
+                    wait = hold if hold is not None else math.inf
+                    break
             self.queue.take(batch)
             self.free -= 1
-            self._launch(batch, now)
+            self._start(batch, now)
         deadline = self.queue.next_deadline()
         if deadline is not None:
             wait = min(wait, max(deadline - now, 0.0))
@@ -125,6 +143,14 @@ class Scheduler:
             self._arm(now, wait)
         if self.drained is not None and self.free == self.instance_count and not self.queue.peek(1):
             self.drained.set()
+
+    def _may_leave(self, request: Request, now: float) -> bool:
+        return self.ahead is None or self.ahead.may_leave(request.rows, now) == 0.0
+
+    def _start(self, batch: list[Request], now: float) -> None:
+        if self.ahead is not None:
+            self.ahead.sent(sum(r.rows for r in batch), now)
+        self._launch(batch, now)
 
     def _arm(self, now: float, wait_s: float) -> None:
         due = now + wait_s

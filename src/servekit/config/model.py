@@ -66,8 +66,11 @@ class ModelConfig:
     from tritonserver to the Python stub no longer leaves the device idle. None (the
     default): where the model runs off the host's CPU (``Runner.accelerated``: a GPU, a
     simulated device); on CPU the hand-over and the model share the cores and each
-    response costs the stub a message of its own. Native and Ray hand a batch to their
-    instance in-process and need no such overlap."""
+    response costs the stub a message of its own. On Ray, the ingress sends each model
+    replica its next batch just before the replica is expected to free (``batching.ahead``),
+    holding it until then so it leaves full; this costs Ray nothing, so None means on
+    there, and False gives each replica its next batch only once it has answered the last.
+    Native hands a batch to its instance in-process and needs no such overlap."""
     response_cache: bool = False
     """Answer a request the model answered before from ``[server] cache`` (Triton's
     ``response_cache { enable: true }``), without running the model."""

@@ -70,6 +70,9 @@ class _Remote:
 
     Requests are batched here too, so one handle call carries a whole batch down the
     chain: per-request handle calls cost more CPU than the model on a small machine.
+    ``in_flight`` batches may be out at once; ``ahead``: the model's replicas, each
+    given its next batch just before it frees (``Batcher(ahead=)``), 0 for as soon as
+    a slot is.
     """
 
     def __init__(
@@ -79,14 +82,16 @@ class _Remote:
         handles: tuple[Any, ...],
         policy: BatchingPolicy,
         in_flight: int,
+        ahead: int = 0,
         recovery: Recovery | None = None,
     ) -> None:
         self.name, self.spec, self.handles, self.recovery = name, spec, handles, recovery
         self.versioned = False
         self.versions: tuple[str, ...] = ("1",)
         self.batcher: Batcher | None = Batcher(
-            self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress"
-        )
+            self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress",
+            ahead=ahead,
+        )  # fmt: skip
 
     async def _attempt(
         self, inputs: dict[str, Any], trace: tuple[str, ...] = ()
@@ -259,9 +264,9 @@ def build_app(
             models: dict[Key, Any] = {
                 (name, version): _Remote(
                     name if version == 1 else version_model_name(name, version),
-                    spec, handles, policy, in_flight, recovery,
+                    spec, handles, policy, in_flight, ahead, recovery,
                 )
-                for (name, version), (spec, handles, (policy, in_flight)) in chains.items()
+                for (name, version), (spec, handles, (policy, in_flight, ahead)) in chains.items()
             }  # fmt: skip
             for model in fused:  # every version, each checked against version 1's signature
                 from ..runtime.base import load_models
@@ -406,14 +411,18 @@ def build_app(
             replicas = int(ray.autoscaling.get("max_replicas", replicas))
         else:
             options["num_replicas"] = replicas
-        # Batches in flight from the ingress: enough to keep every model replica and stage busy.
-        in_flight = ray.ingress_batches or 2 * replicas + 1
+        # Batches in flight from the ingress: with overlap (the default here: it costs Ray
+        # nothing), enough to keep every model replica and stage busy, each replica's next
+        # batch leaving just before it frees (``batching.ahead``); without, one per replica.
+        overlap = model.overlap is not False
+        in_flight = (ray.ingress_batches or 2 * replicas + 1) if overlap else replicas
+        ahead = replicas if overlap else 0
         net = Model.options(**options).bind(model, config.cache_dir)  # type: ignore[attr-defined]
-        chains[model.name, 1] = (spec, (net,), (model.batching, in_flight))
+        chains[model.name, 1] = (spec, (net,), (model.batching, in_flight, ahead))
         for version in model.version_numbers[1:]:
             named = {**options, "name": version_model_name(model.name, version)}
             other = Model.options(**named).bind(model.for_version(version), config.cache_dir)  # type: ignore[attr-defined]
-            chains[model.name, version] = (spec, (other,), (model.batching, in_flight))
+            chains[model.name, version] = (spec, (other,), (model.batching, in_flight, ahead))
         if image_spec is None:
             continue
         stage_options = {
@@ -430,7 +439,7 @@ def build_app(
         chains[image_model_name(model.name), 1] = (
             image_spec,
             (pre, net, post),
-            (model.batching, in_flight),
+            (model.batching, in_flight, ahead),
         )
     options = {"num_cpus": ray.stage_cpus}
     if local:  # models run in the ingress replica itself: it asks for a model's resources

@@ -11,8 +11,8 @@ every process on the machine (a file lock, as on one GPU shared by Triton's inst
 
 With ``SERVEKIT_DEVICE_TIMELINE`` naming a file, every batch appends one JSON line to it
 (from whichever process runs it: a Triton stub, a Ray replica): when the runner was handed
-the batch, when the device took it and let it go (``time.time``), its rows and the
-process; ``servekit.bench.timeline`` reads them back to show where a device idles.
+the batch, when the device took it and let it go (``time.time``), its rows, the
+process and the device's name; ``servekit.bench.timeline`` reads them back to show where a device idles.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class SimulatedDevice(BaseRunner):
                 time.sleep(remaining)  # the device computes; the CPU (and the GIL) are free
             if self._timeline >= 0:  # one write: whole lines, whichever process appends
                 line = {"handed": handed, "start": took, "end": time.time(), "rows": rows,
-                        "pid": os.getpid()}  # fmt: skip
+                        "pid": os.getpid(), "device": self.profile.name}  # fmt: skip
                 os.write(self._timeline, (json.dumps(line) + "\n").encode())
         finally:
             fcntl.flock(self._lock, fcntl.LOCK_UN)

@@ -20,7 +20,7 @@ __all__ = ["SEARCHES", "TuneResult", "as_dict", "baseline_knobs", "for_runtime",
 
 SEARCHES = ("quick", "brute")
 
-OVERLAPPING = ("pytriton", "triton")
+OVERLAPPING = ("pytriton", "triton", "ray")
 """The runtimes whose instances overlap a batch's hand-over with the device (``overlap``)."""
 
 
