@@ -137,7 +137,7 @@ def test_tune_all_runtimes_writes_a_best_toml_each_that_serves(add_sub_path, tmp
     assert done.returncode == 0, done.stdout + done.stderr
     report = (out / "report.md").read_text()
     for runtime in ("native", "pytriton", "triton", "ray"):
-        overlap = ", overlap on" if runtime in ("pytriton", "triton") else ""
+        overlap = ", overlap on" if runtime != "native" else ""
         assert f"| {runtime} | batch 8, instances 1, delay 100 us, threads 1{overlap} |" in report
         config = ServeConfig.load(out / runtime / "best.toml")
         (model,) = config.models

@@ -67,7 +67,7 @@ def tune(
     overlap: Annotated[
         str,
         typer.Option(
-            help="[models] overlap values to try (auto, on, off); the Triton runtimes only."
+            help="[models] overlap values to try (auto, on, off); the Triton runtimes and Ray."
         ),
     ] = "off,on",
     concurrency: Annotated[

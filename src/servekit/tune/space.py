@@ -51,8 +51,8 @@ class SearchSpace:
     max_queue_delay_us: tuple[int, ...] = (0, 500, 2000)
     threads: tuple[int | None, ...] = (None,)
     overlap: tuple[bool | None, ...] = (None,)
-    """``[models] overlap``, which only the Triton runtimes act on (``tune`` holds it at the
-    config's own value elsewhere): the default first, then off before on, so the quick
+    """``[models] overlap``, which the Triton runtimes and Ray act on (``tune`` holds it at
+    the config's own value on native): the default first, then off before on, so the quick
     search measures the hand-over as it is and proposes overlap where it beats it."""
 
     def __post_init__(self) -> None:
