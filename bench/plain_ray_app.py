@@ -1,7 +1,9 @@
 """A plain Ray Serve app, written as a Ray user would: the peer row of bench/serving_cost.py.
 
 One deployment, ``@serve.batch`` over ONNX Runtime, KServe v2 JSON parsed with
-``request.json()`` and answered as JSON; no servekit code on the request path.
+``request.json()`` and answered as JSON; no servekit code on the request path. A model
+that declares a simulated device (``sim_t4``; bench/timeline.py) runs on that device,
+servekit's ``SimulatedDevice``, as a Ray user's model would run on a GPU.
 
     python bench/plain_ray_app.py --model PATH.onnx --name add_sub --port 8000
     python bench/plain_ray_app.py --model numpy --name add_sub --port 8000   # numpy add_sub
@@ -20,6 +22,9 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from servekit.runners import load_runner
+from servekit.runners.simulated import DeviceProfile
+
 DTYPES = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
 
 
@@ -32,8 +37,15 @@ def build(model_path: str, name: str, max_batch_size: int) -> serve.Application:
                 return
             self.session = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
             self.outputs = [o.name for o in self.session.get_outputs()]
+            self.device = None
+            profile = DeviceProfile.from_metadata(self.session.get_modelmeta().custom_metadata_map)
+            if profile is not None:  # the batch runs on the device; the graph is a stand-in
+                self.device = load_runner(model_path)  # a SimulatedDevice
 
         def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            if self.session is not None and self.device is not None:
+                results = self.device.run(feeds)
+                return [results[k] for k in self.outputs]
             if self.session is None:
                 return [feeds["INPUT0"] + feeds["INPUT1"], feeds["INPUT0"] - feeds["INPUT1"]]
             return self.session.run(self.outputs, feeds)

@@ -5,10 +5,12 @@ instance, one thread, no queue delay; gRPC, HTTP for Ray), closed loop at one
 concurrency, with ``SERVEKIT_DEVICE_TIMELINE`` set so the device records each batch
 (``servekit.bench.timeline``). Prints one row per runtime (rows/s, server CPU per
 request, the device's busy share, overlapped hand-overs, the idle gap otherwise) and
-draws the lanes. ``--overlap off,on`` runs the Triton runtimes with ``[models] overlap``
-off, then on; ``ray-direct`` is Ray with ``[ray] direct``.
+draws the lanes. ``--overlap off,on`` runs the Triton runtimes and Ray with ``[models]
+overlap`` off, then on; ``ray-direct`` is Ray with ``[ray] direct``; ``ray-plain`` is the
+peer, a plain Ray Serve app with ``@serve.batch`` (bench/plain_ray_app.py, HTTP JSON) whose
+model call is the same simulated device.
 
-    python bench/timeline.py --runtimes native,pytriton,triton,ray,ray-direct \
+    python bench/timeline.py --runtimes native,pytriton,triton,ray,ray-direct,ray-plain \
         --overlap off,on --out bench/results/timeline_overlap
 """
 
@@ -21,13 +23,17 @@ import os
 import tempfile
 from pathlib import Path
 
+from serving_cost import measure, plain_ray
+
 from servekit.batching import BatchingPolicy
-from servekit.bench.compare import compare
+from servekit.bench.compare import Setup, compare
 from servekit.bench.loadgen import MeasureConfig
 from servekit.bench.timeline import draw, read, summarize
 from servekit.cli.common import model_source
 from servekit.config import ModelConfig
-from servekit.runners.simulated import TIMELINE_ENV
+from servekit.runners.simulated import PROFILE_KEY, TIMELINE_ENV, DeviceProfile
+
+OVERLAPPING = ("pytriton", "triton", "ray", "ray-direct")
 
 
 def main() -> None:
@@ -39,7 +45,7 @@ def main() -> None:
     ap.add_argument(
         "--overlap",
         default="on",
-        help="on, off or off,on: [models] overlap on the Triton runtimes, each in turn",
+        help="on, off or off,on: [models] overlap on the Triton runtimes and Ray, each in turn",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/timeline_sim_t4"))
     args = ap.parse_args()
@@ -47,26 +53,33 @@ def main() -> None:
         model_source("sim_t4", None), "sim_t4", batching=BatchingPolicy(max_batch_size=32),
         instances=args.instances, threads=1,
     )  # fmt: skip
-    measure = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=4, stable_windows=2)
+    settings = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=4, stable_windows=2)
     timelines, rows = {}, []
+    profile = DeviceProfile.from_metadata(onnx_metadata(base.source))
+    assert profile is not None, "sim_t4 declares its device"
+    ceiling = profile.ceiling(32)
     with tempfile.TemporaryDirectory(prefix="servekit-timeline-") as folder:
         for runtime, overlap in (
             (r, o)
             for r in args.runtimes.split(",")
-            for o in (args.overlap.split(",") if r in ("pytriton", "triton") else ["on"])
+            for o in (args.overlap.split(",") if r in OVERLAPPING else ["on"])
         ):
             model = dataclasses.replace(base, overlap=overlap == "on")
             runtime_label = runtime
-            if runtime in ("pytriton", "triton") and "off" in args.overlap:
+            if runtime in OVERLAPPING and "off" in args.overlap:
                 runtime_label = f"{runtime} (overlap {overlap})"
             path = Path(folder) / f"{runtime}-{overlap}.jsonl"
             os.environ[TIMELINE_ENV] = str(path)  # every process of the server inherits it
-            result = compare(model, [runtime], [args.concurrency], measure, on_event=print)
+            if runtime == "ray-plain":
+                point = plain(model, args.concurrency, settings)
+            else:
+                result = compare(model, [runtime], [args.concurrency], settings, on_event=print)
+                if runtime not in result.series:
+                    print(f"skipped {runtime}: {result.skipped.get(runtime)}")
+                    del os.environ[TIMELINE_ENV]
+                    continue
+                (point,) = result.series[runtime]
             del os.environ[TIMELINE_ENV]
-            if runtime not in result.series:
-                print(f"skipped {runtime}: {result.skipped.get(runtime)}")
-                continue
-            (point,) = result.series[runtime]
             batches = read(path)
             timelines[runtime_label] = batches
             summary = summarize(batches)
@@ -74,6 +87,7 @@ def main() -> None:
                 {
                     "runtime": runtime_label,
                     "rows_per_s": round(point.stats.inferences_per_s, 1),
+                    "ceiling_share": round(point.stats.inferences_per_s / ceiling, 4),
                     "server_cpu_us": round(point.server_cpu_us),
                     **summary.to_dict(),
                 }
@@ -81,15 +95,33 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     draw(timelines, args.out.with_suffix(".png"))
-    print("| runtime | rows/s | server CPU us/request | device busy | next batch waiting "
-          "| idle gap otherwise, median ms | rows per batch |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"ceiling: {ceiling:.1f} rows/s at batch 32")
+    print("| runtime | rows/s | share of the ceiling | server CPU us/request | device busy "
+          "| next batch waiting | idle gap otherwise, median ms | rows per batch |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
-            f"| {r['runtime']} | {r['rows_per_s']} | {r['server_cpu_us']} "
+            f"| {r['runtime']} | {r['rows_per_s']} | {100 * r['ceiling_share']:.1f} % "
+            f"| {r['server_cpu_us']} "
             f"| {100 * r['busy_share']:.1f} % | {100 * r['overlapped_share']:.0f} % "
             f"| {r['idle_gap_ms']:.2f} | {r['rows_per_batch']:.1f} |"
         )
+
+
+def onnx_metadata(path: str) -> dict[str, str]:
+    import onnx
+
+    return {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+
+
+def plain(model: ModelConfig, concurrency: int, settings: MeasureConfig):
+    """The peer: bench/plain_ray_app.py serving the model (its device) with
+    ``@serve.batch`` at the same max batch size, measured closed loop over HTTP JSON."""
+    setup = Setup.of(model)
+    assert PROFILE_KEY in onnx_metadata(model.source)
+    with plain_ray(Path(model.source), setup.target, 32) as (url, pid):
+        cfg = dataclasses.replace(settings, server_pid=pid)
+        return measure(url, setup.target, setup.payload, "http-json", cfg, concurrency)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ class Batch:
     """The device let it go."""
     rows: int
     pid: int
+    device: str = ""
+    """The device's name (its profile's)."""
 
 
 def read(path: str | Path) -> list[Batch]:
