@@ -1,5 +1,6 @@
-"""``[ray] fuse``: tensor models served inside the ingress replicas, one deployment, no
-handle call per batch; the same protocol, batching and errors as the chained app."""
+"""``[ray] fuse``: models served inside the ingress replicas, one deployment, no handle
+call per batch (an image classifier's stages too); the same protocol, batching and errors
+as the chained app."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ pytest.importorskip("tritonclient.http")
 import tritonclient.http as httpclient  # noqa: E402
 
 from conftest import ray_serve  # noqa: E402
-from servekit import InvalidInput, zoo  # noqa: E402
+from servekit import InvalidInput, OnnxRuntimeRunner, image_classifier, zoo  # noqa: E402
 from servekit.client import Client  # noqa: E402
 from servekit.ray import build_app  # noqa: E402
+from servekit.stages import synthetic_image  # noqa: E402
 
+BATCHING = {"max_batch_size": 8, "max_queue_delay_us": 500}
 CONFIG = {
-    "model": "add_sub",
-    "instances": 2,
-    "batching": {"max_batch_size": 8, "max_queue_delay_us": 500},
+    "models": [
+        {"source": "add_sub", "instances": 2, "batching": BATCHING},
+        {"source": str(zoo.resolve("tiny_cnn")), "name": "tiny_cnn", "batching": BATCHING},
+    ],
     "ray": {"model_cpus": 0.5, "fuse": True},
 }
 
@@ -76,6 +80,16 @@ def test_a_bad_tensor_is_a_400_naming_it(fused_url):
         )
 
 
-def test_fuse_refuses_an_image_classifier_naming_it():
-    with pytest.raises(ValueError, match="fuse: 'tiny_cnn' is an image classifier"):
-        build_app({"model": str(zoo.resolve("tiny_cnn")), "ray": {"fuse": True}})
+def test_an_image_classifier_is_served_in_the_ingress_as_the_in_process_pipeline(fused_url):
+    images = [synthetic_image(i) for i in range(4)]
+    local = image_classifier(OnnxRuntimeRunner(zoo.resolve("tiny_cnn")))
+    try:
+        expected = local.classify(images)
+    finally:
+        local.close()
+    with Client(fused_url) as c:
+        assert c.classify(images, model="tiny_cnn_image") == expected
+        with pytest.raises(InvalidInput):
+            c.classify([b"not an image"], model="tiny_cnn_image")
+        assert c.classify(images[:1], model="tiny_cnn_image") == expected[:1]
+    assert list(serve.status().applications["servekit"].deployments) == ["Ingress"]

@@ -270,12 +270,16 @@ RUNTIMES: dict[str, Callable[[Setup], Any]] = {
     "triton": _needs("pytriton", "triton")(_served("triton")),
     "ray": _needs("ray", "ray")(_served("ray")),
     "ray-direct": _needs("ray", "ray")(_served("ray", RayOptions(model_cpus=0.5, direct=True))),
+    "ray-direct-fused": _needs("ray", "ray")(
+        _served("ray", RayOptions(model_cpus=1.0, direct=True, fuse=True))
+    ),
 }
 """Runtime name -> context manager yielding a target factory. ``raw`` is the in-process
 Pipeline called one image per request from concurrent threads (no batching, no server);
 ``batcher`` servekit's Batcher in front of it, in-process; the others are ``servekit serve
 --runtime NAME`` (``triton``: the repository's ensemble on the servekit backend;
-``ray-direct``: Ray with ``[ray] direct``)."""
+``ray-direct``: Ray with ``[ray] direct``; ``ray-direct-fused``: with ``fuse`` too, the
+models in the ingress replica)."""
 
 
 @dataclass

@@ -135,7 +135,7 @@ def compare(
         str,
         typer.Option(
             help="Comma-separated: raw, batcher, native, pytriton, triton, ray, ray-direct "
-            "(Ray with [ray] direct)."
+            "(Ray with [ray] direct), ray-direct-fused (and [ray] fuse)."
         ),
     ] = "raw,batcher,native,pytriton,triton,ray",
     concurrency: Annotated[str, typer.Option(help="Closed loop levels.")] = "1,2,4,8,16",

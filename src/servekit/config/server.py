@@ -245,10 +245,10 @@ class RayOptions:
     ``servekit_replicas_needed``, summed: ``servekit.ray.autoscale``) or ``ray`` (Ray's
     own ``target_ongoing_requests``)."""
     fuse: bool = False
-    """Serve tensor models inside the ingress replicas: one deployment, no handle call per
+    """Serve the models inside the ingress replicas: one deployment, no handle call per
     batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
-    each). Cheaper per request; models no longer scale apart. Image classifiers keep
-    their stage deployments, so they cannot be fused."""
+    each), an image classifier's stages in the replica too. Cheaper per request; models
+    no longer scale apart."""
     direct: bool = False
     """Each ingress replica serves HTTP on ``server.http_port`` itself (servekit's HTTP
     server, the native runtime's; every replica on a host shares the port), in place of

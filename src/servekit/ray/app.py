@@ -47,15 +47,11 @@ def _by_name(models: Mapping[Key, Any]) -> dict[str, dict[int, Any]]:
 
 
 def _fused(config: ServeConfig, ingress: Any) -> Any:
-    """The app as one deployment: the ingress replicas serve the models themselves."""
+    """The app as one deployment: the ingress replicas serve the models themselves (an
+    image classifier's ``<name>_image`` too, its stages in the replica as on native)."""
     busiest = 16
     for model in config.models:
         probe = probe_model(model, config.cache_dir, config.storage)
-        if probe.image_spec is not None:
-            raise ValueError(
-                f"[ray] fuse: {model.name!r} is an image classifier, whose stages are "
-                "deployments of their own; fuse serves tensor models only"
-            )
         max_batch = model.batching.effective_max_batch_size(probe.spec.max_batch_size) or 1
         busiest = max(busiest, 4 * max_batch)
     return ingress.options(
