@@ -1,12 +1,24 @@
 """``[ray] direct``: each ingress replica serves HTTP on the configured port itself, with
 no Ray HTTP proxy, and one handle call carries each batch to the model deployment. The
-same protocol, answers and errors as through Ray's proxy; draining refuses new requests."""
+same protocol, answers and errors as through Ray's proxy; draining refuses new requests.
+
+And the ingress keeps a model replica's device busy with full batches (``[models]
+overlap``, on by default on Ray; ``batching.ahead``): a batch leaves for the replica
+while the one before it still runs, full or just before the device frees, so the
+device's own record shows batch after batch of the model's max size with no Ray round
+trip between them; with ``overlap = false`` each replica gets its next batch only once
+it has answered the last, and the device waits a round trip every time."""
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import threading
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the ray extra")
@@ -20,36 +32,55 @@ from conftest import each_client, sample, scrape  # noqa: E402
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig  # noqa: E402
 from servekit.config import RayOptions, StoreConfig  # noqa: E402
 from servekit.ray.runtime import RayRuntime  # noqa: E402
+from servekit.runners.simulated import TIMELINE_ENV  # noqa: E402
+from servekit.zoo.tiny import build_simulated  # noqa: E402
+
+ROWS = 8
+"""The simulated devices' max batch size."""
 
 
 @pytest.fixture(scope="module")
-def direct(add_sub_path):
+def direct(add_sub_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("devices")
+    devices = []
+    for name, overlap in (("ahead_on", None), ("ahead_off", False)):
+        # 40 ms a batch plus 1 ms a row: longer than the ingress takes to gather a batch.
+        path = folder / f"{name}.onnx"
+        onnx.save(build_simulated(f"ray-{name}", 40_000, 1_000), path)
+        batching = BatchingPolicy(max_batch_size=ROWS)
+        devices.append(ModelConfig(str(path), name, batching=batching, overlap=overlap))
     config = ServeConfig(
         (
             ModelConfig(
                 str(add_sub_path), "adder", threads=1,
                 batching=BatchingPolicy(max_batch_size=8, max_queue_delay_us=2000),
             ),
+            *devices,
         ),
         ServerConfig(exit_timeout_s=2, keep_alive_s=30),
         runtime="ray",
-        ray=RayOptions(model_cpus=0.5, direct=True),
+        ray=RayOptions(model_cpus=0.25, direct=True),
     ).on_loopback()  # fmt: skip
-    with RayRuntime(config, num_cpus=2) as runtime:
-        client = httpclient.InferenceServerClient(config.server.http_url.removeprefix("http://"))
-        try:
-            for _ in range(600):  # the replica listens once its constructor has run
-                try:
-                    if client.is_model_ready("adder"):
-                        break
-                except Exception:
-                    pass
-                threading.Event().wait(0.2)
-            else:
-                raise TimeoutError("the direct ingress did not answer in 120 s")
-        finally:
-            client.close()
-        yield runtime
+    timeline = folder / "timeline.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TIMELINE_ENV, str(timeline))  # Ray's workers inherit it
+        with RayRuntime(config, num_cpus=2) as runtime:
+            client = httpclient.InferenceServerClient(
+                config.server.http_url.removeprefix("http://")
+            )
+            try:
+                for _ in range(600):  # the replica listens once its constructor has run
+                    try:
+                        if client.is_model_ready("adder"):
+                            break
+                    except Exception:
+                        pass
+                    threading.Event().wait(0.2)
+                else:
+                    raise TimeoutError("the direct ingress did not answer in 120 s")
+            finally:
+                client.close()
+            yield runtime
 
 
 def tensors(a: np.ndarray, b: np.ndarray, binary: bool) -> list:
@@ -110,3 +141,39 @@ def test_direct_honours_the_http_servers_knobs_and_refuses_a_store(tmp_path):
         ServeConfig(
             (), runtime="ray", ray=RayOptions(direct=True), store=StoreConfig(root=str(tmp_path))
         ).check()
+
+
+def test_with_overlap_the_device_runs_full_batches_back_to_back_and_without_it_waits(direct):
+    url = direct.config.server.http_url.removeprefix("http://")
+
+    def work(model: str, k: int) -> None:
+        client = httpclient.InferenceServerClient(url)
+        try:
+            for i in range(8):
+                tensor = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+                tensor.set_data_from_numpy(np.full((1, 16), 100 * k + i, np.float32))
+                answer = client.infer(model, [tensor]).as_numpy("OUTPUT0")
+                assert answer.shape == (1, 16), answer.shape
+        finally:
+            client.close()
+
+    for model in ("ahead_on", "ahead_off"):
+        each_client(lambda k, m=model: work(m, k), clients=2 * ROWS, timeout_s=240)
+    timeline = Path(os.environ[TIMELINE_ENV]).read_text()
+    lines = [json.loads(line) for line in timeline.splitlines()]
+
+    def batches(device: str) -> list[dict]:
+        record = sorted((b for b in lines if b["device"] == device), key=lambda b: b["start"])
+        return record[len(record) // 4 :]  # the first batches teach the ingress the round trip
+
+    def gaps(record: list[dict]) -> list[float]:
+        return [b["start"] - a["end"] for a, b in zip(record, record[1:], strict=False)]
+
+    on, off = batches("ray-ahead_on"), batches("ray-ahead_off")
+    full = sum(b["rows"] == ROWS for b in on) / len(on)
+    assert full >= 0.75, f"with overlap, {full:.0%} of batches were full: {on}"
+    idle_on, idle_off = statistics.median(gaps(on)), statistics.median(gaps(off))
+    assert idle_on < idle_off / 2, (
+        f"the device idled a median {idle_on * 1e3:.1f} ms between batches with overlap, "
+        f"{idle_off * 1e3:.1f} ms without"
+    )

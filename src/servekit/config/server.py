@@ -247,7 +247,8 @@ class RayOptions:
     fuse: bool = False
     """Serve the models inside the ingress replicas: one deployment, no handle call per
     batch (the ingress takes the models' largest ``instances`` as replicas, ``model_cpus``
-    each), an image classifier's stages in the replica too. Cheaper per request; models
+    each, and each replica runs one instance of each model), an image classifier's
+    stages in the replica too. Cheaper per request; models
     no longer scale apart."""
     direct: bool = False
     """Each ingress replica serves HTTP on ``server.http_port`` itself (servekit's HTTP

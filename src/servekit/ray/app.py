@@ -9,6 +9,7 @@ per deployment so requests reach the Batcher together instead of one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Mapping
@@ -270,6 +271,8 @@ def build_app(
 
                 for m in load_models(model, config.cache_dir, config.storage):
                     m.runner.warmup()
+                    if config.ray.fuse:  # the replicas are the model's instances
+                        m = dataclasses.replace(m, instance_count=1)
                     models[m.name, m.version] = scheduled(m)
             self.cache = _cached(models, config)
             # A Traffic per ingress replica decides each request's version here; a change
