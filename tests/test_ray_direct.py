@@ -94,7 +94,8 @@ def tensors(a: np.ndarray, b: np.ndarray, binary: bool) -> list:
 
 def test_ray_serves_no_http_proxy_of_its_own(direct):
     assert not serve.status().proxies
-    assert sorted(serve.status().applications["servekit"].deployments) == ["Ingress", "adder"]
+    deployments = sorted(serve.status().applications["servekit"].deployments)
+    assert deployments == ["Ingress", "adder", "ahead_off", "ahead_on"]
 
 
 def test_eight_clients_get_their_own_answers_a_bad_request_fails_alone_and_batches_cross(
