@@ -476,12 +476,12 @@ def test_metrics_count_known_traffic_exactly(triton):
     assert delta[("resnet50", "nv_inference_request_summary_us_count")] == 3
 
 
-def test_thirty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_repository(
+def test_twenty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the_repository(
     tmp_path, tiny_cnn_path
 ):
     """Triton users report memory lost on every reload: here the server's whole process
-    tree (tritonserver and its Python backend stubs) ends 30 cycles of the servekit backend
-    where it was after the first 10. And a model name cannot reach outside the repository."""
+    tree (tritonserver and its Python backend stubs) ends 20 cycles of the servekit backend
+    where it was after the first 5. And a model name cannot reach outside the repository."""
     import psutil
     import tritonclient.http as th
 
@@ -503,17 +503,17 @@ def test_thirty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the
         try:
             rss = []
             with Client(process.options.server.http_url) as c:
-                for _ in range(30):
+                for _ in range(20):
                     admin.load_model("tiny")
                     assert c.infer("tiny", x)["logits"].shape == (1, 10)
                     admin.unload_model("tiny")
                     wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
                     rss.append(tree_rss(pid))
-            growth = rss[-1] - rss[9]
+            growth = rss[-1] - rss[4]
             print(
-                f"tree RSS MB after cycles 1, 10, 30: {[round(rss[i] / 2**20, 1) for i in (0, 9, 29)]}"
+                f"tree RSS MB after cycles 1, 5, 20: {[round(rss[i] / 2**20, 1) for i in (0, 4, 19)]}"
             )
-            assert growth < 20 * 2**20, f"grew {growth / 2**20:.1f} MB over 20 cycles: {rss}"
+            assert growth < 15 * 2**20, f"grew {growth / 2**20:.1f} MB over 15 cycles: {rss}"
             for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
                 with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
                     admin.load_model(name)
