@@ -31,7 +31,8 @@ from servekit.bench.loadgen import MeasureConfig
 from servekit.bench.timeline import draw, read, summarize
 from servekit.cli.common import model_source
 from servekit.config import ModelConfig
-from servekit.runners.simulated import PROFILE_KEY, TIMELINE_ENV, DeviceProfile
+from servekit.runners import load_runner
+from servekit.runners.simulated import TIMELINE_ENV, SimulatedDevice
 
 OVERLAPPING = ("pytriton", "triton", "ray", "ray-direct")
 
@@ -55,9 +56,10 @@ def main() -> None:
     )  # fmt: skip
     settings = MeasureConfig(window_s=args.window, warmup_s=2.0, max_windows=4, stable_windows=2)
     timelines, rows = {}, []
-    profile = DeviceProfile.from_metadata(onnx_metadata(base.source))
-    assert profile is not None, "sim_t4 declares its device"
-    ceiling = profile.ceiling(32)
+    device = load_runner(base.source)  # the zoo's sim_t4 declares its device
+    assert isinstance(device, SimulatedDevice), device
+    ceiling = device.profile.ceiling(32)
+    device.close()
     with tempfile.TemporaryDirectory(prefix="servekit-timeline-") as folder:
         for runtime, overlap in (
             (r, o)
@@ -108,17 +110,10 @@ def main() -> None:
         )
 
 
-def onnx_metadata(path: str) -> dict[str, str]:
-    import onnx
-
-    return {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
-
-
 def plain(model: ModelConfig, concurrency: int, settings: MeasureConfig):
     """The peer: bench/plain_ray_app.py serving the model (its device) with
     ``@serve.batch`` at the same max batch size, measured closed loop over HTTP JSON."""
     setup = Setup.of(model)
-    assert PROFILE_KEY in onnx_metadata(model.source)
     with plain_ray(Path(model.source), setup.target, 32) as (url, pid):
         cfg = dataclasses.replace(settings, server_pid=pid)
         return measure(url, setup.target, setup.payload, "http-json", cfg, concurrency)

@@ -44,14 +44,27 @@ def test_devices_are_counted():
 
 
 @given(
-    st.lists(st.tuples(st.integers(1, 32), st.floats(1e-4, 0.2)), min_size=1, max_size=30),
+    st.lists(st.tuples(st.integers(1, 31), st.floats(1e-4, 0.2)), min_size=1, max_size=30),
     st.integers(1, 3),
 )
-def test_it_never_holds_a_full_batch_nor_one_for_an_idle_device(trips, devices):
-    ahead, now = Ahead(limit=32, devices=devices), 0.0
+def test_with_every_device_busy_only_a_partial_batch_waits_and_never_past_a_round_trip(
+    trips, devices
+):
+    """Every device keeps a batch out throughout: a full batch always leaves, a partial
+    one waits for a batch to come back or at most one learned round trip, and a device
+    that frees takes the next batch at once."""
+    ahead, now, left = Ahead(limit=32, devices=devices), 0.0, []
+    for _ in range(devices):
+        ahead.sent(1, now)
+        left.append(now)
+    longest = 0.0
     for rows, took in trips:
         assert ahead.may_leave(32, now) == 0.0
-        ahead.sent(rows, now)
+        wait = ahead.may_leave(rows, now)
+        assert wait is None or 0.0 <= wait <= longest, (wait, longest)
         now += took
         ahead.back(now)
+        longest = max(longest, now - left.pop(0))
         assert ahead.may_leave(rows, now) == 0.0
+        ahead.sent(rows, now)
+        left.append(now)

@@ -130,6 +130,8 @@ def test_eight_clients_get_their_own_answers_a_bad_request_fails_alone_and_batch
     assert answered >= 8 * 24
     # The ingress batched them before the Ray call: fewer calls than requests.
     assert 0 < batches < answered / 2, (batches, answered)
+    # Nothing is left held back or queued once the clients stop.
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
 
 
 def test_direct_honours_the_http_servers_knobs_and_refuses_a_store(tmp_path):
@@ -170,6 +172,11 @@ def test_with_overlap_the_device_runs_full_batches_back_to_back_and_without_it_w
     def gaps(record: list[dict]) -> list[float]:
         return [b["start"] - a["end"] for a, b in zip(record, record[1:], strict=False)]
 
+    samples = scrape(f"{direct.config.server.http_url}/metrics")
+    for model in ("ahead_on", "ahead_off"):
+        labels = {"model": model, "version": "1"}
+        assert sample(samples, "nv_inference_request_success", **labels) == 2 * ROWS * 8
+        assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
     on, off = batches("ray-ahead_on"), batches("ray-ahead_off")
     full = sum(b["rows"] == ROWS for b in on) / len(on)
     assert full >= 0.75, f"with overlap, {full:.0%} of batches were full: {on}"
