@@ -31,7 +31,7 @@ from servekit.runners.tensorrt import (
 )
 from servekit.runners.torch import graph_batch_sizes, onnx_module
 from servekit.spec import ModelSpec, TensorSpec
-from servekit.triton.backend import build_runner
+from servekit.triton.backend import _switch, build_runner
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -155,6 +155,17 @@ def test_int8_on_tensorrt_without_qdq_says_how_to_make_it(tiny_cnn_path):
 def test_an_unknown_tensorrt_precision_is_refused(tiny_cnn_path):
     with pytest.raises(ValueError, match="precision must be one of"):
         TensorRTRunner(tiny_cnn_path, precision="fp8")
+
+
+def test_the_backend_reads_overlap_as_auto_true_or_false_and_names_anything_else():
+    assert [_switch({"overlap": v}, "overlap") for v in ("auto", "", "true", "false")] == [
+        None, None, True, False,
+    ]  # fmt: skip
+    assert _switch({}, "overlap") is None
+    with pytest.raises(
+        ValueError, match=re.escape("parameter overlap: expected auto, true or false, got 'yes'")
+    ):
+        _switch({"overlap": "yes"}, "overlap")
 
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here")

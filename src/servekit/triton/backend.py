@@ -141,6 +141,16 @@ def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"parameter {key}: expected an integer, got {value!r}") from None
 
 
+def _switch(parameters: Mapping[str, str], key: str) -> bool | None:
+    """``true``/``false``, or None for ``auto`` (or absent): resolved as every runtime
+    resolves it; anything else a ``ValueError`` naming the parameter and the value."""
+    value = parameters.get(key, "")
+    choices: dict[str, bool | None] = {"": None, "auto": None, "true": True, "false": False}
+    if value not in choices:
+        raise ValueError(f"parameter {key}: expected auto, true or false, got {value!r}")
+    return choices[value]
+
+
 def _floats(
     parameters: Mapping[str, str], key: str, default: tuple[float, ...]
 ) -> tuple[float, ...]:
@@ -240,8 +250,7 @@ class TritonPythonModel:
         """Spans of the requests tritonserver traces, where ``OTEL_EXPORTER_OTLP_TRACES_
         ENDPOINT`` is set (the triton runtime sets it with ``[server.tracing]``)."""
         depth = _int(parameters, "pipeline", DEFAULT_DEPTH)
-        # "auto" (or absent): None, resolved as every runtime resolves it.
-        ahead = overlaps({"true": True, "false": False}.get(parameters.get("overlap", "")), runner)
+        ahead = overlaps(_switch(parameters, "overlap"), runner)
         plain = self.sequence is None and self.streams is None
         self.pipeline = (
             Pipeline(
