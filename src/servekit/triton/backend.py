@@ -141,11 +141,16 @@ def _int(parameters: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"parameter {key}: expected an integer, got {value!r}") from None
 
 
+SWITCH: dict[bool | None, str] = {None: "auto", True: "true", False: "false"}
+"""A three-way setting (``[models] overlap``) as a config.pbtxt parameter, rendered by
+``servekit.triton.repo`` and read back by ``_switch``."""
+
+
 def _switch(parameters: Mapping[str, str], key: str) -> bool | None:
     """``true``/``false``, or None for ``auto`` (or absent): resolved as every runtime
     resolves it; anything else a ``ValueError`` naming the parameter and the value."""
     value = parameters.get(key, "")
-    choices: dict[str, bool | None] = {"": None, "auto": None, "true": True, "false": False}
+    choices = {text: setting for setting, text in SWITCH.items()} | {"": None}
     if value not in choices:
         raise ValueError(f"parameter {key}: expected auto, true or false, got {value!r}")
     return choices[value]

@@ -26,7 +26,7 @@ from ..batching.sequencer import served_spec
 from ..config import ModelConfig, ServeConfig, image_model_name
 from ..protocol.pbtxt import EnsembleStep, ensemble_config, model_config, render
 from ..spec import ModelSpec
-from .backend import CODE_FILE, SEQUENCE_FLAGS
+from .backend import CODE_FILE, SEQUENCE_FLAGS, SWITCH
 
 if TYPE_CHECKING:
     from ..runtime.base import ModelProbe
@@ -70,7 +70,7 @@ class RepositoryModel:
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
     """The servekit backend's parameters for a model: its engine and how to run it."""
-    overlap = {"overlap": {None: "auto", True: "true", False: "false"}[model.overlap]}
+    overlap = {"overlap": SWITCH[model.overlap]}
     if model.is_code:
         return {"kind": "code", **overlap}
     params = {"kind": "runner", "runner": model.engine, "model_file": "model.onnx", **overlap}
