@@ -5,6 +5,7 @@ as the chained app."""
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ pytest.importorskip("tritonclient.http")
 
 import tritonclient.http as httpclient  # noqa: E402
 
-from conftest import ray_serve  # noqa: E402
+from conftest import each_client, parse_metrics, ray_serve, sample  # noqa: E402
 from servekit import InvalidInput, OnnxRuntimeRunner, image_classifier, zoo  # noqa: E402
 from servekit.client import Client  # noqa: E402
 from servekit.ray import build_app  # noqa: E402
@@ -81,15 +82,30 @@ def test_a_bad_tensor_is_a_400_naming_it(fused_url):
 
 
 def test_an_image_classifier_is_served_in_the_ingress_as_the_in_process_pipeline(fused_url):
-    images = [synthetic_image(i) for i in range(4)]
+    """Eight clients at once, each with images of its own and one that is not an image:
+    each gets the in-process pipeline's answers, the bad image is a 400 naming the input
+    alone, and nothing is left pending after."""
+    images = [synthetic_image(i) for i in range(16)]
     local = image_classifier(OnnxRuntimeRunner(zoo.resolve("tiny_cnn")))
     try:
         expected = local.classify(images)
     finally:
         local.close()
-    with Client(fused_url) as c:
-        assert c.classify(images, model="tiny_cnn_image") == expected
-        with pytest.raises(InvalidInput):
-            c.classify([b"not an image"], model="tiny_cnn_image")
-        assert c.classify(images[:1], model="tiny_cnn_image") == expected[:1]
+
+    def work(k: int) -> None:
+        with Client(fused_url) as c:
+            mine = [2 * k, 2 * k + 1]
+            for i in mine:
+                assert c.classify([images[i]], model="tiny_cnn_image") == [expected[i]]
+            with pytest.raises(InvalidInput, match="input 'image' row 0: cannot decode"):
+                c.classify([b"not an image"], model="tiny_cnn_image")
+            assert c.classify([images[i] for i in mine], model="tiny_cnn_image") == [
+                expected[i] for i in mine
+            ]
+
+    each_client(work)
     assert list(serve.status().applications["servekit"].deployments) == ["Ingress"]
+    with urllib.request.urlopen(f"{fused_url}/metrics", timeout=10) as r:
+        samples = parse_metrics(r.read().decode())
+    labels = {"model": "tiny_cnn_image", "version": "1"}
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
