@@ -27,7 +27,7 @@ from ..errors import (
     Overloaded,
     RunnerError,
 )
-from ..runners.base import Runner, batch_function
+from ..runners.base import Runner, batch_function, staging_of
 from ..spec import ModelSpec
 from .ahead import Ahead
 from .bridge import LoopBridge
@@ -130,6 +130,7 @@ class Batcher:
         self.stats = BatcherStats()
         self.listeners = list(listeners)
         self._names = [t.name for t in spec.inputs]
+        self._staging = staging_of(runner, spec)
         self._request = Admission(spec, policy, name, clock, self.stats)
         self._state = _State.OPEN
         self._scheduler = Scheduler(
@@ -309,7 +310,12 @@ class Batcher:
 
     def _steps(self, batch: list[Request]) -> Steps:
         return batch_steps(
-            [r.inputs for r in batch], [r.rows for r in batch], self._names, self._check, self.name
+            [r.inputs for r in batch],
+            [r.rows for r in batch],
+            self._names,
+            self._check,
+            self.name,
+            self._staging,
         )
 
     def _check(self, outputs: Mapping[str, np.ndarray], rows: int) -> None:

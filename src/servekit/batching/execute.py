@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 import numpy as np
 
 from ..errors import InvalidInput, RunnerError, ServekitError
-from ..runners.base import batch_function
+from ..runners.base import batch_function, staging_of
+from ..runners.staging import Staging, StagingPool
 from ..spec import ModelSpec
 from .concat import concat, split
 
@@ -42,15 +43,37 @@ def batch_steps(
     names: Sequence[str],
     check: Callable[[Mapping[str, np.ndarray], int], None],
     name: str = "",
+    staging: StagingPool | None = None,
 ) -> Steps:
     """Run ``requests`` as one batch, ``check`` its outputs and split them. When the batch
     raises ``InvalidInput`` (a bad image found only while decoding, say), run them one by
     one so only the culprit fails. Any other failure fails the batch: raised, whole.
 
+    With ``staging`` (the runner's, ``runners.staging``) the batch is gathered into a
+    borrowed staging's reused buffers instead of new arrays, and returned after its
+    outputs no longer share them.
+
     The one execution path of every batch, driven by ``drive`` (threads) or
     ``drive_async`` (coroutine models)."""
+    if staging is None:
+        return (yield from _steps(requests, rows, names, check, name, None))
+    with staging.lend() as borrowed:
+        return (yield from _steps(requests, rows, names, check, name, borrowed))
+
+
+def _steps(
+    requests: Sequence[Mapping[str, np.ndarray]],
+    rows: Sequence[int],
+    names: Sequence[str],
+    check: Callable[[Mapping[str, np.ndarray], int], None],
+    name: str,
+    staging: Staging | None,
+) -> Steps:
+    gather = concat if staging is None else staging.gather
     try:
-        outputs = yield concat(requests, names)
+        outputs = yield gather(requests, names)
+        if staging is not None:
+            outputs = staging.detach(outputs)
         check(outputs, sum(rows))
         return split(outputs, rows)  # type: ignore[return-value]
     except InvalidInput:
@@ -63,7 +86,9 @@ def batch_steps(
     results: list[Arrays | ServekitError] = []
     for one, n in zip(requests, rows, strict=True):
         try:
-            outputs = yield concat([one], names)
+            outputs = yield gather([one], names)
+            if staging is not None:
+                outputs = staging.detach(outputs)
             check(outputs, n)
             results.append(split(outputs, [n])[0])
         except Exception as exc:
@@ -114,6 +139,7 @@ def run_requests(
     """
     spec = spec or runner.spec  # type: ignore[attr-defined]
     fn = batch_function(runner)  # type: ignore[arg-type]
+    staging = staging_of(runner, spec)
     names = [t.name for t in spec.inputs]
     results: list[Arrays | ServekitError | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
@@ -132,12 +158,12 @@ def run_requests(
         chunk_rows = 0
         for i in members:  # never more than max_batch_size rows in one call
             if chunk and (chunk_rows + rows[i] > limit or not spec.batched):
-                _run_group(fn, spec, requests, chunk, rows, results, names)
+                _run_group(fn, spec, requests, chunk, rows, results, names, staging)
                 chunk, chunk_rows = [], 0
             chunk.append(i)
             chunk_rows += rows[i]
         if chunk:
-            _run_group(fn, spec, requests, chunk, rows, results, names)
+            _run_group(fn, spec, requests, chunk, rows, results, names, staging)
     return results  # type: ignore[return-value]
 
 
@@ -149,9 +175,14 @@ def _run_group(
     rows: list[int],
     results: list[Arrays | ServekitError | None],
     names: list[str],
+    staging: StagingPool,
 ) -> None:
     steps = batch_steps(
-        [requests[i] for i in members], [rows[i] for i in members], names, spec.check_outputs
+        [requests[i] for i in members],
+        [rows[i] for i in members],
+        names,
+        spec.check_outputs,
+        staging=staging,
     )
     try:
         parts = drive(steps, fn)

@@ -8,14 +8,16 @@ The batcher and every runtime wrapper speak only this contract.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import RunnerError, ServekitError
 from ..spec import ModelSpec
+from .staging import StagingPool
 
-__all__ = ["BaseRunner", "FunctionRunner", "Runner", "batch_function"]
+__all__ = ["BaseRunner", "FunctionRunner", "Lender", "Runner", "batch_function", "staging_of"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -36,6 +38,14 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Lender(Protocol):
+    """A runner that lends the batcher its input buffers (``runners.staging``)."""
+
+    @property
+    def staging(self) -> StagingPool: ...
+
+
 class BaseRunner:
     """Shared behaviour: validation around ``_run``, sample-input warm-up, context manager.
 
@@ -52,6 +62,12 @@ class BaseRunner:
     @property
     def spec(self) -> ModelSpec:
         return self._spec
+
+    @cached_property
+    def staging(self) -> StagingPool:
+        """The buffers batches are assembled in: reused plain host arrays here; a CUDA
+        runner lends pinned memory."""
+        return StagingPool(self._spec.max_batch_size)
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         rows = self._spec.validate_inputs(inputs)
@@ -118,6 +134,14 @@ def batch_function(
     the batcher checks the outputs once), any other Runner's ``infer``."""
     run = getattr(runner, "run", None)
     return run if callable(run) else runner.infer
+
+
+def staging_of(runner: object, spec: ModelSpec) -> StagingPool:
+    """The staging a batch for ``runner`` is assembled in: the runner's own where it lends
+    one (a ``Lender``), else a new pool of plain reused arrays for the caller to keep."""
+    if isinstance(runner, Lender):
+        return runner.staging
+    return StagingPool(spec.max_batch_size)
 
 
 def accelerated(runner: object) -> bool:

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..errors import UpdateRefused
 from ..spec import ModelSpec
-from .base import Arrays, Runner, accelerated, batch_function
+from .base import Arrays, Runner, accelerated, batch_function, staging_of
+from .staging import StagingPool
 
 __all__ = ["UpdateRefused", "VersionedRunner", "check_compatible"]
 
@@ -107,6 +108,11 @@ class VersionedRunner:
 
     def warmup(self) -> None:
         self._current.runner.warmup()
+
+    @property
+    def staging(self) -> StagingPool:
+        """The serving version's staging (``runners.staging``)."""
+        return staging_of(self._current.runner, self._current.runner.spec)
 
     @property
     def accelerated(self) -> bool:
