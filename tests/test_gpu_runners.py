@@ -317,6 +317,43 @@ def test_cuda_graphs_answer_every_batch_size_like_onnx_runtime(precision, tiny_c
         assert np.abs(got - want).max() <= tolerance * max(np.abs(want).max(), 1.0)
 
 
+@needs_cuda
+def test_two_lanes_interleaving_under_eight_clients_answer_like_onnx_runtime(tiny_cnn_path):
+    """Two instances on one GPU, each on its own lane (stream, graphs, buffers), fed from
+    the runner's pinned staging by eight threads: every caller gets its own rows' answer."""
+    import threading
+
+    from servekit import Batcher, BatchingPolicy
+    from servekit.runners.torch import TorchRunner
+
+    reference = OnnxRuntimeRunner(tiny_cnn_path)
+    runner = TorchRunner(tiny_cnn_path, precision="fp32", max_batch_size=16, instances=2)
+    assert runner.staging.pinned and len(runner._lanes or ()) == 2
+    batcher = Batcher(runner, BatchingPolicy(max_queue_delay_us=300), instance_count=2, name="t")
+    wrong: list[str] = []
+
+    def client(c: int) -> None:
+        rng = np.random.default_rng(c)
+        for k in range(60):
+            x = reference.spec.sample_inputs(1 + k % 3, rng)
+            want = reference.infer(x)["logits"]
+            got = batcher.infer_sync(x, wait_s=30)["logits"]
+            if got.shape != want.shape or np.abs(got - want).max() > 1e-4 * max(
+                np.abs(want).max(), 1.0
+            ):
+                wrong.append(f"client {c} request {k}")
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    runner.close()
+    assert not wrong, wrong[:5]
+    assert batcher.stats.execution_count < 480  # batches formed
+
+
 @needs_trt
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_tensorrt_matches_onnx_runtime_and_reuses_its_engine(precision, tiny_cnn_path, tmp_path):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from servekit import ModelConfig, ServeConfig, zoo
+from servekit import FunctionRunner, ModelConfig, ModelSpec, ServeConfig, TensorSpec, zoo
 from servekit.runners import load_runner
 from servekit.runners.simulated import DeviceProfile, SimulatedDevice
 from servekit.zoo.tiny import SIM_T4
@@ -125,3 +126,30 @@ def test_the_device_records_its_timeline_and_shows_overlapped_hand_overs(
         r.close()
     overlapped = summarize(read(two), trim=0.0)
     assert overlapped.overlapped_share > 0.5 and overlapped.busy_share > alone.busy_share
+
+
+def test_a_queued_device_runs_batches_handed_over_while_busy_back_to_back(tmp_path, monkeypatch):
+    """As a CUDA stream: the next batch starts where the last ends, never overlapping it,
+    with no gap for a host thread to wake (the timeline's start and end are the device's)."""
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv("SERVEKIT_DEVICE_TIMELINE", str(timeline))
+    spec = ModelSpec((TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [3]),), 8)
+    profile = DeviceProfile(f"queued-{time.time_ns()}", 20_000.0, 0.0, queued=True)
+    runners = [SimulatedDevice(FunctionRunner(lambda i: i, spec), profile) for _ in range(3)]
+    x = {"x": np.zeros((2, 2), np.float32)}
+    outs: list = []
+    start = time.time()
+    threads = [threading.Thread(target=lambda r=r: outs.append(r.infer(x))) for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in runners:
+        r.close()
+    assert [o["y"].shape for o in outs] == [(2, 3)] * 3
+    lines = timeline.read_text().splitlines()
+    runs = sorted((line["start"], line["end"]) for line in map(json.loads, lines))
+    assert len(runs) == 3 and runs[0][0] >= start
+    for (_, end), (begin, _) in zip(runs, runs[1:], strict=False):
+        assert begin == pytest.approx(end, abs=1e-9)  # back to back, never overlapping
+    assert time.time() - start >= 3 * 0.02

@@ -23,6 +23,7 @@ def load_runner(
     preferred_batch_sizes: Sequence[int] = (),
     threads: int | None = None,
     device: str | None = None,
+    instances: int = 1,
 ) -> BaseRunner:
     """One ONNX file on the named engine: the one switch every runtime (Triton backend,
     PyTriton, Ray) goes through, so ``runner``/``precision`` mean the same everywhere.
@@ -31,6 +32,8 @@ def load_runner(
     with ``servekit optimize``); TensorRT and Torch convert at load. A file that declares
     a device profile (the zoo's ``sim_t4``) runs on a ``SimulatedDevice``. ``device`` is a CUDA
     ordinal for TensorRT and a torch device (``cuda``, ``cuda:1``, ``cpu``) for Torch.
+    ``instances`` is how many batches may run at once (the model's ``instances`` where one
+    runner serves them all): a GPU runner keeps a lane (stream, graphs, buffers) for each.
     """
     if engine == "onnxruntime":
         if precision != "fp32":
@@ -52,6 +55,7 @@ def load_runner(
             max_batch_size=max_batch_size,
             preferred_batch_sizes=preferred_batch_sizes,
             device=int(device or 0),
+            instances=instances,
         )
     if engine == "torch":
         from .torch import TorchRunner
@@ -62,5 +66,6 @@ def load_runner(
             device=device or "cuda",
             max_batch_size=max_batch_size,
             preferred_batch_sizes=preferred_batch_sizes,
+            instances=instances,
         )
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

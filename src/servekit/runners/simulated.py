@@ -22,6 +22,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -50,12 +51,18 @@ _DEVICES: dict[str, threading.Lock] = {}
 @dataclass(frozen=True)
 class DeviceProfile:
     """How long the device takes for a batch: ``fixed_us + per_row_us * rows``, and how
-    many rows fit its memory (``max_rows``, 0 = any number)."""
+    many rows fit its memory (``max_rows``, 0 = any number).
+
+    ``queued``: the device runs work as a GPU's stream does: a batch handed over while
+    another runs starts the moment that one ends, with no host thread waking in between
+    (a runner that enqueues its copy and launch asynchronously, as ``TorchRunner``'s
+    lanes do). Otherwise a batch starts only once its caller takes the free device."""
 
     name: str
     fixed_us: float
     per_row_us: float
     max_rows: int = 0
+    queued: bool = False
 
     def batch_s(self, rows: int) -> float:
         return (self.fixed_us + self.per_row_us * rows) / 1e6
@@ -74,6 +81,7 @@ class DeviceProfile:
             float(data["fixed_us"]),
             float(data["per_row_us"]),
             int(data.get("max_rows", 0)),
+            bool(data.get("queued", False)),
         )
 
     def to_metadata(self) -> dict[str, str]:
@@ -111,28 +119,56 @@ class SimulatedDevice(BaseRunner):
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         rows = len(next(iter(inputs.values()))) if self._spec.batched else 1
         handed = HANDED.get() or time.time()
+        if self.profile.queued:
+            return self._enqueue(rows, handed)
         with self._device:
             return self._compute(rows, handed)
+
+    def _outputs(self, rows: int) -> Arrays:
+        return {
+            t.name: np.zeros(
+                (rows, *(max(d, 1) for d in t.shape)) if self._spec.batched else t.shape,
+                dtype=t.dtype.numpy,
+            )
+            for t in self._spec.outputs
+        }
+
+    def _enqueue(self, rows: int, handed: float) -> Arrays:
+        """A queued device: the lock file holds when the device frees (``time.time``); the
+        batch runs from then (or now) for its time, and its caller waits for its end."""
+        outputs = self._outputs(rows)
+        with self._device:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            try:
+                now = time.time()
+                free = os.pread(self._lock, 8, 0)
+                start = max(now, struct.unpack("d", free)[0] if len(free) == 8 else 0.0)
+                end = start + self.profile.batch_s(rows)
+                os.pwrite(self._lock, struct.pack("d", end), 0)
+            finally:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._record(handed, start, end, rows)
+        remaining = end - time.time()
+        if remaining > 0:
+            time.sleep(remaining)  # the device computes; the CPU (and the GIL) are free
+        return outputs
+
+    def _record(self, handed: float, start: float, end: float, rows: int) -> None:
+        if self._timeline >= 0:  # one write: whole lines, whichever process appends
+            line = {"handed": handed, "start": start, "end": end, "rows": rows,
+                    "pid": os.getpid(), "device": self.profile.name}  # fmt: skip
+            os.write(self._timeline, (json.dumps(line) + "\n").encode())
 
     def _compute(self, rows: int, handed: float) -> Arrays:
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # one batch at a time on the device
         try:
             took = time.time()
             start = time.perf_counter()
-            outputs = {
-                t.name: np.zeros(
-                    (rows, *(max(d, 1) for d in t.shape)) if self._spec.batched else t.shape,
-                    dtype=t.dtype.numpy,
-                )
-                for t in self._spec.outputs
-            }
+            outputs = self._outputs(rows)
             remaining = start + self.profile.batch_s(rows) - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # the device computes; the CPU (and the GIL) are free
-            if self._timeline >= 0:  # one write: whole lines, whichever process appends
-                line = {"handed": handed, "start": took, "end": time.time(), "rows": rows,
-                        "pid": os.getpid(), "device": self.profile.name}  # fmt: skip
-                os.write(self._timeline, (json.dumps(line) + "\n").encode())
+            self._record(handed, took, time.time(), rows)
         finally:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
         return outputs

@@ -68,12 +68,7 @@ class Staging:
             if buf is None:  # more rows than the model's limit: the caller's problem to report
                 out[name] = np.concatenate(parts)
                 continue
-            at = 0
-            for p in parts:
-                n = len(p)
-                buf[at : at + n] = p
-                at += n
-            out[name] = buf[:rows]
+            out[name] = np.concatenate(parts, out=buf[:rows])
         return out
 
     def _buffer(

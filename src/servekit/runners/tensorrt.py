@@ -20,6 +20,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ import numpy as np
 from ..errors import RunnerError
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
+from .lanes import Lanes
 from .onnx import spec_from_onnx
+from .staging import StagingPool
 
 __all__ = [
     "TRT_PRECISIONS",
@@ -172,6 +175,8 @@ class TensorRTRunner(BaseRunner):
         cache_dir: engine and timing cache directory (``engine_cache_dir()``).
         device: CUDA device ordinal.
         workspace_bytes: the builder's workspace pool limit.
+        instances: batches that may run at once: one lane (execution context, stream,
+            device and pinned output buffers) each, as ``TorchRunner``'s.
     """
 
     accelerated = True
@@ -186,6 +191,7 @@ class TensorRTRunner(BaseRunner):
         cache_dir: str | os.PathLike[str] | None = None,
         device: int = 0,
         workspace_bytes: int = 4 << 30,
+        instances: int = 1,
     ) -> None:
         if precision not in TRT_PRECISIONS:
             raise ValueError(f"precision must be one of {TRT_PRECISIONS}, got {precision!r}")
@@ -226,11 +232,11 @@ class TensorRTRunner(BaseRunner):
         self._engine = self._runtime.deserialize_cuda_engine(blob)
         if self._engine is None:
             raise RunnerError(f"TensorRT could not load {self.engine_path}")
-        self._context = self._engine.create_execution_context()
-        self._stream = cuda("cudaStreamCreate")
-        self._lock = threading.Lock()
-        self._buffers: dict[str, tuple[int, np.ndarray, int]] = {}
-        self._allocate(trt, profile)
+        self._pinned: list[int] = []  # staging's page-locked host memory, freed at close
+        self._pinned_lock = threading.Lock()
+        self._lanes: Lanes[_Lane] | None = Lanes(
+            lambda i: _Lane(self._engine, self._cuda, trt, profile), instances
+        )
 
     def _build(self, trt: Any, profile: Profile, timing_file: Path, workspace: int) -> bytes:
         builder = trt.Builder(self._logger)
@@ -258,64 +264,100 @@ class TensorRTRunner(BaseRunner):
         timing_file.write_bytes(bytes(config.get_timing_cache().serialize()))
         return bytes(blob)
 
-    def _allocate(self, trt: Any, profile: Profile) -> None:
-        """Device and pinned host buffers for the largest batch, once."""
-        largest = {name: hi for name, _, _, hi in profile}
-        for name, hi in largest.items():
-            self._context.set_input_shape(name, hi)
-        for i in range(self._engine.num_io_tensors):
-            name = self._engine.get_tensor_name(i)
-            shape = tuple(largest.get(name) or self._context.get_tensor_shape(name))
-            dtype = np.dtype(trt.nptype(self._engine.get_tensor_dtype(name)))
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            device = self._cuda("cudaMalloc", nbytes)
-            host_ptr = self._cuda("cudaMallocHost", nbytes)
-            raw = (ctypes.c_byte * nbytes).from_address(int(host_ptr))
-            host = np.frombuffer(memoryview(raw), dtype=dtype).reshape(shape)
-            self._buffers[name] = (int(device), host, int(host_ptr))
-            self._context.set_tensor_address(name, int(device))
+    @cached_property
+    def staging(self) -> StagingPool:
+        """Page-locked host buffers (``cudaMallocHost``): a batch's input is copied to the
+        device straight from where the batcher gathered it, asynchronously."""
+
+        def pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
+            ptr = int(self._cuda("cudaMallocHost", nbytes))
+            with self._pinned_lock:
+                self._pinned.append(ptr)
+            raw = (ctypes.c_byte * nbytes).from_address(ptr)
+            return np.frombuffer(memoryview(raw), dtype=dtype, count=int(np.prod(shape))).reshape(
+                shape
+            )
+
+        return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
-        rt = self._cuda.rt
-        h2d, d2h = (
-            rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-            rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-        )
-        with self._lock:
-            for t in self._spec.inputs:
-                a = inputs[t.name]
-                device, host, _ = self._buffers[t.name]
-                view = host.reshape(-1)[: a.size].reshape(a.shape)
-                view[...] = a
-                self._context.set_input_shape(t.name, a.shape)
-                self._cuda(
-                    "cudaMemcpyAsync", device, view.ctypes.data, view.nbytes, h2d, self._stream
-                )
-            if not self._context.execute_async_v3(self._stream):
-                raise RunnerError(f"TensorRT: {self.path.name} failed to execute")
-            shapes = {}
-            for t in self._spec.outputs:
-                device, host, _ = self._buffers[t.name]
-                shapes[t.name] = tuple(self._context.get_tensor_shape(t.name))
-                view = host.reshape(-1)[: int(np.prod(shapes[t.name]))]
-                self._cuda(
-                    "cudaMemcpyAsync", view.ctypes.data, device, view.nbytes, d2h, self._stream
-                )
-            self._cuda("cudaStreamSynchronize", self._stream)
-            return {
-                t.name: self._buffers[t.name][1]
-                .reshape(-1)[: int(np.prod(shapes[t.name]))]
-                .reshape(shapes[t.name])
-                .astype(t.dtype.numpy, copy=True)
-                for t in self._spec.outputs
-            }
+        assert self._lanes is not None, "the runner is closed"
+        with self._lanes.use() as lane:
+            return lane.run(self._spec, inputs, self.path.name)
 
     def close(self) -> None:
-        if not getattr(self, "_buffers", None):
+        lanes, self._lanes = getattr(self, "_lanes", None), None
+        if lanes is None:
             return
-        for device, _, host_ptr in self._buffers.values():
+        for lane in lanes.all:
+            lane.close()
+        for ptr in self._pinned:
+            self._cuda("cudaFreeHost", ptr)
+        self._pinned.clear()
+        self._engine = None
+
+
+class _Lane:
+    """One instance's execution context, stream, device buffers and pinned output buffers."""
+
+    def __init__(self, engine: Any, cuda: _Cuda, trt: Any, profile: Profile) -> None:
+        self._cuda = cuda
+        self.context = engine.create_execution_context()
+        self.stream = cuda("cudaStreamCreate")
+        self.buffers: dict[str, tuple[int, np.ndarray, int]] = {}
+        largest = {name: hi for name, _, _, hi in profile}
+        for name, hi in largest.items():
+            self.context.set_input_shape(name, hi)
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            shape = tuple(largest.get(name) or self.context.get_tensor_shape(name))
+            dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            device = cuda("cudaMalloc", nbytes)
+            host_ptr = cuda("cudaMallocHost", nbytes)
+            raw = (ctypes.c_byte * nbytes).from_address(int(host_ptr))
+            host = np.frombuffer(memoryview(raw), dtype=dtype).reshape(shape)
+            self.buffers[name] = (int(device), host, int(host_ptr))
+            self.context.set_tensor_address(name, int(device))
+
+    def run(self, spec: ModelSpec, inputs: Mapping[str, np.ndarray], model: str) -> Arrays:
+        """One batch: inputs copied to the device from where they are when they already are
+        in the engine's dtype (staging's pinned buffers), else cast into this lane's pinned
+        buffer first; one synchronisation; outputs copied out of the reused buffers."""
+        cuda, rt = self._cuda, self._cuda.rt
+        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        for t in spec.inputs:
+            a = inputs[t.name]
+            device, host, _ = self.buffers[t.name]
+            if a.dtype != host.dtype or not a.flags.c_contiguous:
+                view = host.reshape(-1)[: a.size].reshape(a.shape)
+                view[...] = a
+                a = view
+            self.context.set_input_shape(t.name, a.shape)
+            cuda("cudaMemcpyAsync", device, a.ctypes.data, a.nbytes, h2d, self.stream)
+        if not self.context.execute_async_v3(self.stream):
+            raise RunnerError(f"TensorRT: {model} failed to execute")
+        shapes = {}
+        for t in spec.outputs:
+            device, host, _ = self.buffers[t.name]
+            shapes[t.name] = tuple(self.context.get_tensor_shape(t.name))
+            view = host.reshape(-1)[: int(np.prod(shapes[t.name]))]
+            cuda("cudaMemcpyAsync", view.ctypes.data, device, view.nbytes, d2h, self.stream)
+        cuda("cudaStreamSynchronize", self.stream)
+        return {
+            t.name: self.buffers[t.name][1]
+            .reshape(-1)[: int(np.prod(shapes[t.name]))]
+            .reshape(shapes[t.name])
+            .astype(t.dtype.numpy, copy=True)
+            for t in spec.outputs
+        }
+
+    def close(self) -> None:
+        for device, _, host_ptr in self.buffers.values():
             self._cuda("cudaFree", device)
             self._cuda("cudaFreeHost", host_ptr)
-        self._buffers.clear()
-        self._cuda("cudaStreamDestroy", self._stream)
-        self._context = self._engine = None
+        self.buffers.clear()
+        self._cuda("cudaStreamDestroy", self.stream)
+        self.context = None

@@ -11,8 +11,8 @@ it and the outputs are cut back to its rows.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ import numpy as np
 
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
+from .lanes import Lanes
 from .onnx import spec_from_onnx
+from .staging import StagingPool
 
 __all__ = ["TORCH_PRECISIONS", "TorchRunner", "graph_batch_sizes", "onnx_module"]
 
@@ -183,8 +185,69 @@ _OPS: dict[str, Any] = {
 }
 
 
+class _Lane:
+    """One instance's stream, CUDA graphs and buffers: nothing in it is shared with another
+    lane, so lanes run batches concurrently on one device."""
+
+    def __init__(self, runner: TorchRunner, index: int) -> None:
+        torch = runner._torch
+        self.index = index
+        self.stream = torch.cuda.Stream(runner.device)
+        self.graphs: dict[int, tuple[Any, list[Any], tuple[Any, ...]]] = {}
+        self._device_in: dict[tuple[str, Any], Any] = {}
+        self._host_out: dict[tuple[str, Any], Any] = {}
+        self._runner = runner
+
+    def upload(self, name: str, a: np.ndarray) -> Any:
+        """``a`` on the device as it came: one asynchronous copy on this lane's stream when
+        ``a`` is pinned, as staging is (casts and layout follow on the device)."""
+        r = self._runner
+        torch = r._torch
+        src = torch.from_numpy(np.ascontiguousarray(a))
+        raw = self._buffer(self._device_in, name, src.dtype, src.shape, r.device, pin=False)
+        raw = raw[: len(src)]
+        raw.copy_(src, non_blocking=True)
+        return raw
+
+    def download(self, values: Sequence[Any], rows: int | None) -> Arrays:
+        """The outputs cast on the device to the spec's dtypes, copied into this lane's
+        pinned host buffers, one synchronisation, then copied out (the buffers are reused)."""
+        r = self._runner
+        torch = r._torch
+        staged = []
+        for t, value in zip(r._spec.outputs, values, strict=True):
+            v = value[:rows] if rows is not None else value
+            want = torch.from_numpy(np.empty(0, t.dtype.numpy)).dtype
+            v = v.to(want)
+            host = self._buffer(self._host_out, t.name, want, v.shape, "cpu", pin=True)[: len(v)]
+            host.copy_(v, non_blocking=True)
+            staged.append((t.name, host))
+        self.stream.synchronize()
+        return {name: host.numpy().copy() for name, host in staged}
+
+    def _buffer(
+        self, cache: dict[tuple[str, Any], Any], name: str, dtype: Any, shape: Any, device: Any,
+        *, pin: bool,
+    ) -> Any:  # fmt: skip
+        """A reused buffer of at least ``shape``'s rows (capacity: the model's max batch)."""
+        r = self._runner
+        key = (name, dtype)
+        buf = cache.get(key)
+        rows = shape[0] if len(shape) else 1
+        if buf is None or tuple(buf.shape[1:]) != tuple(shape[1:]) or len(buf) < rows:
+            cap = max(rows, r._spec.max_batch_size or 1)
+            buf = r._torch.empty((cap, *shape[1:]), dtype=dtype, device=device, pin_memory=pin)
+            cache[key] = buf
+        return buf
+
+
 class TorchRunner(BaseRunner):
     """Runs a PyTorch module (or an ONNX file via ``onnx_module``) on CPU or CUDA.
+
+    On CUDA each of ``instances`` lanes has its own stream, CUDA graphs and static buffers
+    (``runners.lanes``): a batch's host-to-device copy, from the pinned staging the runner
+    lends (``staging``), overlaps another lane's compute; casts and channels-last happen on
+    the device; outputs come back through pinned buffers with one synchronisation a batch.
 
     Args:
         model: an ONNX path, or a ``torch.nn.Module`` (then ``spec`` is required).
@@ -194,6 +257,7 @@ class TorchRunner(BaseRunner):
         channels_last: NHWC memory format, which tensor-core convolutions prefer.
         cuda_graphs: capture one CUDA graph per size in ``graph_batch_sizes`` (CUDA only).
         preferred_batch_sizes: extra sizes to capture (the batching policy's).
+        instances: batches that may run at once (the model's ``instances``): one lane each.
     """
 
     def __init__(
@@ -207,6 +271,7 @@ class TorchRunner(BaseRunner):
         cuda_graphs: bool = True,
         max_batch_size: int | None = None,
         preferred_batch_sizes: Sequence[int] = (),
+        instances: int = 1,
     ) -> None:
         torch = _torch()
         if precision not in TORCH_PRECISIONS:
@@ -232,20 +297,38 @@ class TorchRunner(BaseRunner):
         self._channels_last = channels_last
         self._module = module.to(self.device, dtype=self.dtype, memory_format=fmt).eval()
         self._torch = torch
-        self._graphs: dict[int, tuple[Any, list[Any], tuple[Any, ...]]] = {}
-        self._replay = threading.Lock()  # a graph's static buffers serve one batch at a time
         self.graph_sizes: tuple[int, ...] = ()
-        if cuda_graphs and self.device.type == "cuda" and spec.batched:
-            self.graph_sizes = graph_batch_sizes(spec.max_batch_size, preferred_batch_sizes)
-            self._capture()
+        self._lanes: Lanes[_Lane] | None = None
+        if self.device.type == "cuda":
+            if cuda_graphs and spec.batched:
+                self.graph_sizes = graph_batch_sizes(spec.max_batch_size, preferred_batch_sizes)
+            self._lanes = Lanes(lambda i: self._capture(_Lane(self, i)), instances)
 
-    def _to_device(self, a: np.ndarray) -> Any:
-        t = self._torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+    @cached_property
+    def staging(self) -> StagingPool:
+        """Pinned host buffers on CUDA (the copy to the device is then one asynchronous
+        DMA), plain reused arrays on the CPU."""
+        if self.device.type != "cuda":
+            return StagingPool(self._spec.max_batch_size)
+        torch = self._torch
+
+        def pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            like = torch.from_numpy(np.empty(0, dtype)).dtype
+            return torch.empty(shape, dtype=like, pin_memory=True).numpy()  # type: ignore[no-any-return]
+
+        return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
+
+    def _on_device(self, t: Any) -> Any:
+        """A device tensor cast to the runner's precision and memory format."""
         if t.is_floating_point():
             t = t.to(self.dtype)
         if self._channels_last and t.dim() == 4:
             t = t.contiguous(memory_format=self._torch.channels_last)
         return t
+
+    def _to_device(self, a: np.ndarray) -> Any:
+        t = self._torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return self._on_device(t)
 
     def _outputs(self, values: Sequence[Any], rows: int | None) -> Arrays:
         out = {}
@@ -254,39 +337,54 @@ class TorchRunner(BaseRunner):
             out[t.name] = v.float().cpu().numpy().astype(t.dtype.numpy, copy=False)
         return out
 
-    def _capture(self) -> None:
+    def _capture(self, lane: _Lane) -> _Lane:
+        """Warm the kernels and capture one graph per size on ``lane``'s own stream."""
         torch = self._torch
-        stream = torch.cuda.Stream(self.device)
         with torch.inference_mode():
             for n in self.graph_sizes:
                 static = [self._to_device(a) for a in self._spec.sample_inputs(n).values()]
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm the kernels' autotuning outside the graph
+                lane.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(lane.stream):
+                    for _ in range(2):  # the kernels' autotuning, outside the graph
                         self._module(*static)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+                lane.stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, stream=lane.stream):
                     result = self._module(*static)
-                self._graphs[n] = (graph, static, result)
+                lane.graphs[n] = (graph, static, result)
+        return lane
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         torch = self._torch
-        ordered = [inputs[t.name] for t in self._spec.inputs]
-        rows = len(ordered[0]) if self._spec.batched else None
+        ordered = [(t.name, inputs[t.name]) for t in self._spec.inputs]
+        rows = len(ordered[0][1]) if self._spec.batched else None
+        if self._lanes is None:
+            with torch.inference_mode():
+                return self._outputs(self._module(*(self._to_device(a) for _, a in ordered)), None)
         size = next((n for n in self.graph_sizes if rows is not None and n >= rows), None)
-        with torch.inference_mode():
+        with self._lanes.use() as lane, torch.inference_mode(), torch.cuda.stream(lane.stream):
+            raw = [lane.upload(name, a) for name, a in ordered]
             if size is None:
-                return self._outputs(self._module(*map(self._to_device, ordered)), None)
-            graph, static, result = self._graphs[size]
-            with self._replay:
-                for dst, a in zip(static, ordered, strict=True):
-                    dst[:rows].copy_(self._to_device(a))
+                return lane.download(self._module(*map(self._on_device, raw)), None)
+            graph, static, result = lane.graphs[size]
+            for dst, x in zip(static, raw, strict=True):
+                dst[:rows].copy_(x)  # the cast and channels-last, one kernel on the device
+            graph.replay()
+            return lane.download(result, rows)
+
+    def replay(self, batch: int, times: int) -> None:
+        """Replay the first lane's graph for ``batch`` rows ``times`` times and wait: the
+        engine alone, with no host work (``bench/gpu.py``'s ceiling)."""
+        assert self._lanes is not None, "replay needs CUDA graphs"
+        lane = self._lanes.all[0]
+        graph = lane.graphs[batch][0]
+        with self._torch.cuda.stream(lane.stream):
+            for _ in range(times):
                 graph.replay()
-                return self._outputs(result, rows)
+        lane.stream.synchronize()
 
     def close(self) -> None:
-        self._graphs.clear()
+        self._lanes = None
         self._module = None
         if self.device.type == "cuda":
             self._torch.cuda.empty_cache()

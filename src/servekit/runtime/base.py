@@ -137,6 +137,7 @@ def load_model_runner(
             preferred_batch_sizes=model.batching.preferred_batch_sizes,
             threads=model.threads,
             device=model.device,
+            instances=model.instances,
         )
     except (ValueError, ServekitError):
         raise
