@@ -6,9 +6,9 @@ Raw: the runner's CUDA graph for each batch size, replayed back to back on devic
 tensors (the engine alone), and the same through ``runner.infer`` from host numpy
 arrays (copies in and out, as a server pays them). Served: one-image requests from
 ``--clients`` asyncio tasks through servekit's ``Batcher`` (max batch 128, preferred
-64/128) at each of ``--instances`` (Batcher instances sharing the GPU): one instance
-leaves the device idle while a batch is handed over, so the served figure over the
-engine's at batch 128 is the device's busy share. FP32 runs with TF32 off, FP16 and BF16 with
+64/128) at each of ``--instances`` (Batcher instances, and as many lanes of the runner:
+a stream, graphs and buffers each, fed from its pinned staging); the served figure over
+the engine's at batch 128 is the device's busy share. FP32 runs with TF32 off, FP16 and BF16 with
 channels_last. Weights are the zoo's seeded ResNet-50: throughput does not depend on them.
 """
 
@@ -32,14 +32,10 @@ BATCHES = (1, 8, 32, 64, 128, 256)
 
 
 def engine_images_per_s(runner: TorchRunner, batch: int, seconds: float) -> float:
-    graph = runner._graphs[batch][0]
-    graph.replay()
-    torch.cuda.synchronize()
+    runner.replay(batch, 1)
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
+        runner.replay(batch, 10)
         n += 10 * batch
     return n / (time.perf_counter() - start)
 
@@ -52,6 +48,7 @@ def runner_images_per_s(runner: TorchRunner, batch: int, seconds: float) -> floa
 async def served_images_per_s(
     runner: TorchRunner, clients: int, seconds: float, most: int, instances: int
 ) -> dict[str, float]:
+    """``runner`` must keep ``instances`` lanes (``TorchRunner(instances=)``)."""
     preferred = tuple(b for b in (64, 128) if b <= most) or (most,)
     policy = BatchingPolicy(
         max_batch_size=min(128, most), preferred_batch_sizes=preferred, max_queue_delay_us=2000
@@ -124,14 +121,22 @@ def main() -> None:
             "runner_images_per_s": {
                 b: round(runner_images_per_s(runner, b, args.seconds), 1) for b in batches
             },
-            "served": {
-                n: asyncio.run(
-                    served_images_per_s(runner, args.clients, 2 * args.seconds, max(batches), n)
-                )
-                for n in (int(i) for i in args.instances.split(","))
-            },
+            "served": {},
         }
         runner.close()
+        for n in (int(i) for i in args.instances.split(",")):
+            lanes = TorchRunner(
+                model,
+                device=args.device,
+                precision=precision,
+                max_batch_size=max(batches),
+                preferred_batch_sizes=batches,
+                instances=n,
+            )
+            row["served"][n] = asyncio.run(  # type: ignore[index]
+                served_images_per_s(lanes, args.clients, 2 * args.seconds, max(batches), n)
+            )
+            lanes.close()
         result["precisions"][precision] = row  # type: ignore[index]
         print(precision, json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,68 @@
 #!/usr/bin/env bash
-# ResNet-50 on the GPU through servekit's TorchRunner, in one command within the device
-# tool's limits (one call, under 10 minutes): raw images/s per batch size and precision,
-# and served images/s through the Batcher. Runs on the device image's own python3
-# (PyTorch, ONNX, numpy); servekit comes from this checkout's src/, nothing is installed.
-#   bash bench/gpu.sh [--seconds 3] [--precisions fp32,fp16,bf16]
+# ResNet-50 on the GPU through servekit, in one command within the device tool's limits
+# (one call, under 10 minutes), on the device image's own python3 (PyTorch, ONNX, numpy);
+# servekit comes from this checkout's src/, nothing of it is installed:
+#   1. the engine alone, runner.infer and the in-process Batcher at 1 and 2 instances
+#      (bench/gpu.py, every precision asked for);
+#   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime);
+#   3. the native server at FP16, 2 instances, over HTTP binary, HTTP with system shared
+#      memory and gRPC, 64 clients, with the server's CPU per request (servekit bench).
+# Steps 2 and 3 need servekit's HTTP/gRPC wheels, carried in .whl (../shared/device/wheels.sh
+# .whl, plus pytest and hypothesis): without them they are skipped, saying so.
+#   bash bench/gpu.sh [--seconds 3] [--precisions fp32,fp16]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 export SERVEKIT_CACHE="${SERVEKIT_CACHE:-/tmp/servekit-cache}"
-PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" exec python3 bench/gpu.py --out "$out/gpu.json" "$@"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+timeout 330 python3 bench/gpu.py --out "$out/gpu.json" "$@"
+
+if ! python3 -c "import pytest, hypothesis, tritonclient, uvicorn" 2> /dev/null; then
+    echo "gpu.sh: no pytest/hypothesis/tritonclient/uvicorn here (carry them in .whl): steps 2-3 skipped"
+    exit 0
+fi
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runners.py -k "cuda or lanes" \
+    2>&1 | tail -3 | tee "$out/gpu_tests.txt" || true
+
+cat > /tmp/gpu_serve.toml <<'TOML'
+[server]
+http_port = 8700
+grpc_port = 8701
+metrics_port = 8702
+
+[[models]]
+name = "resnet50"
+source = "resnet50"
+engine = "torch"
+precision = "fp16"
+instances = 2
+overlap = true
+
+[models.batching]
+max_batch_size = 128
+preferred_batch_sizes = [64, 128]
+max_queue_delay_us = 2000
+TOML
+python3 -m servekit.cli serve --runtime native --config /tmp/gpu_serve.toml \
+    --control-token gpu-bench > "$out/gpu_server.log" 2>&1 &
+pid=$!
+trap 'kill -INT $pid 2> /dev/null; wait $pid 2> /dev/null || true' EXIT
+for _ in $(seq 120); do
+    curl -sf http://127.0.0.1:8700/v2/models/resnet50/ready > /dev/null && break
+    sleep 1
+done
+for run in "http://127.0.0.1:8700 none http" "http://127.0.0.1:8700 system http_shm" \
+    "grpc://127.0.0.1:8701 none grpc"; do
+    set -- $run
+    timeout 60 python3 -m servekit.cli bench --url "$1" --model resnet50 --concurrency 64 \
+        --window 5 --warmup 3 --max-windows 3 --server-pid "$pid" --shared-memory "$2" \
+        --access-token gpu-bench --out "$out/gpu_native_$3" || echo "gpu.sh: $3 failed"
+done
