@@ -63,6 +63,27 @@ def service_methods(servicer: Any, service: Any, messages: Any) -> dict[bytes, M
     return table
 
 
+class Parts:
+    """A response serialized in pieces: a message's small fields, then large byte fields
+    as views of the arrays that hold them. The server sends the pieces as they are (no
+    copy joins them); ``SerializeToString`` joins them where one ``bytes`` is needed."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self.parts = parts
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return b"".join(self.parts)
+
+
+def bytes_field(number: int, value: bytes | memoryview) -> list[bytes | memoryview]:
+    """A length-delimited protobuf field (a ``bytes`` field's one entry) as two pieces: its
+    key and length, then ``value`` itself. Fields may follow a message's others in any
+    order, so these appended to a serialized message are that message with them added."""
+    return [varint(number << 3 | 2) + varint(len(value)), value]
+
+
 class Raw:
     """A message as its bytes: what a relayed method takes and answers, and a response
     already serialized (the server sends it as it is)."""
@@ -107,12 +128,14 @@ def code_number(code: Any) -> int:
 class CallContext:
     """What a servicer method may ask of its call (grpc.aio's ``ServicerContext``, in part)."""
 
-    __slots__ = ("_code", "_details", "_headers")
+    __slots__ = ("_code", "_details", "_headers", "size")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, headers: list[tuple[bytes, bytes]], size: int | None = None) -> None:
         self._headers = headers
         self._code: int | None = None
         self._details = ""
+        self.size = size
+        """The request message's size in bytes, where the server read it whole (unary)."""
 
     def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
         """The call's metadata: its headers but HTTP/2's own, values of -bin keys as bytes."""
@@ -164,7 +187,7 @@ def unary_message(data: bytes, encoding: bytes | None, limit: int) -> bytes:
     if len(data) != 5 + length:
         what = "more than one message" if len(data) > 5 + length else "a truncated message"
         raise Aborted(INVALID_ARGUMENT, f"a unary request carries {what}")
-    return inflated(bool(data[0]), data[5:], encoding, limit)
+    return inflated(bool(data[0]), memoryview(data)[5:], encoding, limit)  # type: ignore[arg-type]
 
 
 def deadline(value: bytes | None) -> float | None:

@@ -17,7 +17,8 @@ __all__ = [
     "RESPONSE_HEADERS", "RST_STREAM", "SETTINGS", "STATUS_200", "STREAM_CLOSED",
     "S_HEADER_TABLE_SIZE", "S_INITIAL_WINDOW_SIZE", "S_MAX_CONCURRENT_STREAMS",
     "S_MAX_FRAME_SIZE", "S_MAX_HEADER_LIST_SIZE", "TIMEOUT_UNITS", "UNAVAILABLE",
-    "UNIMPLEMENTED", "UNKNOWN", "WINDOW_UPDATE", "frame", "frame_length", "grpc_message",
+    "UNIMPLEMENTED", "UNKNOWN", "WINDOW_UPDATE", "frame", "frame_header", "frame_length",
+    "grpc_message", "grpc_prefix", "grpc_prefix_of",
     "hpack_int", "literal", "next_frame", "status_block",
 ]  # fmt: skip
 
@@ -41,9 +42,13 @@ TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
+    return frame_header(kind, flags, stream, len(payload)) + payload
+
+
+def frame_header(kind: int, flags: int, stream: int, length: int) -> bytes:
+    """The nine bytes before a frame's payload (written apart from a large payload, so the
+    payload is not copied to join them)."""
+    return length.to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
 
 
 def hpack_int(value: int, bits: int, first: int = 0) -> bytes:
@@ -94,7 +99,9 @@ def next_frame(buffer: bytes | bytearray, pos: int = 0) -> tuple[int, int, int, 
         return None
     kind, flags = buffer[pos + 3], buffer[pos + 4]
     stream = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & MAX_WINDOW
-    return kind, flags, stream, bytes(buffer[pos + 9 : pos + 9 + length]), pos + 9 + length
+    with memoryview(buffer) as view:  # one copy of the payload (a slice, then bytes(), is two)
+        payload = bytes(view[pos + 9 : pos + 9 + length])
+    return kind, flags, stream, payload, pos + 9 + length
 
 
 def frame_length(buffer: bytes | bytearray, pos: int = 0) -> int | None:
@@ -104,4 +111,14 @@ def frame_length(buffer: bytes | bytearray, pos: int = 0) -> int | None:
 
 def grpc_message(body: bytes, compressed: bool = False) -> bytes:
     """A gRPC length-prefixed message (the compressed flag, four length bytes, the body)."""
-    return bytes((int(compressed),)) + len(body).to_bytes(4, "big") + body
+    return grpc_prefix(body, compressed) + body
+
+
+def grpc_prefix(body: bytes, compressed: bool = False) -> bytes:
+    """The five bytes before a gRPC message's body (sent apart from a large body)."""
+    return grpc_prefix_of(len(body), compressed)
+
+
+def grpc_prefix_of(length: int, compressed: bool = False) -> bytes:
+    """The five bytes before a gRPC message body of ``length`` bytes."""
+    return bytes((int(compressed),)) + length.to_bytes(4, "big")

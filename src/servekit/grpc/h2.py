@@ -63,6 +63,9 @@ from .h2frames import MAX_FRAME, MAX_HEADER_BLOCK, MAX_STREAMS, BlockDecoder, Bu
 
 __all__ = ["GrpcH2Server"]
 
+LARGE_WRITE = 64 << 10
+"""A write at least this large goes to the socket as it is rather than joined with others."""
+
 log = logging.getLogger(__name__)
 
 RESETS = (1000, 100.0)
@@ -79,7 +82,7 @@ class _Connection(Frames, asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
         """Frames written this turn of the loop: sent together, one system call for all."""
         self.preface = False
         self.decoder = BlockDecoder()
@@ -204,14 +207,26 @@ class _Connection(Frames, asyncio.Protocol):
         wait = server.idle_timeout_s - idle if not self.streams else server.idle_timeout_s
         self.timer = server.loop.call_later(max(wait, 0.05), self._tick)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, *data: bytes | memoryview) -> None:
         if not self.out:
             self.server.loop.call_soon(self._send_out)
-        self.out.append(data)
+        self.out.extend(data)
 
     def _send_out(self) -> None:
+        """This turn's writes: small ones joined into one write, a large payload (a
+        message's view) written as it is, not copied to join it."""
         if self.out and self.transport is not None and not self.hanging_up:
-            self.transport.write(b"".join(self.out))
+            small: list[bytes | memoryview] = []
+            for piece in self.out:
+                if len(piece) < LARGE_WRITE:
+                    small.append(piece)
+                    continue
+                if small:
+                    self.transport.write(b"".join(small))
+                    small = []
+                self.transport.write(piece)
+            if small:
+                self.transport.write(b"".join(small))
         self.out.clear()
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ and the calls share: the ``Stream`` record and ``H2Error``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from .calls import Aborted, CallContext, Method, deadline, inflated, unary_message
+from .calls import Aborted, CallContext, Method, Parts, deadline, inflated, unary_message
 from .frames import (
     DATA,
     DEADLINE_EXCEEDED,
@@ -35,6 +36,9 @@ from .frames import (
     UNIMPLEMENTED,
     UNKNOWN,
     frame,
+    frame_header,
+    grpc_prefix,
+    grpc_prefix_of,
     status_block,
 )
 
@@ -45,6 +49,43 @@ log = logging.getLogger("servekit.grpc.h2")
 STREAM_BACKLOG = 1 << 20
 """Bytes of whole messages a streaming call may leave untaken before its connection stops
 being read (one message of any size is always taken in)."""
+
+
+class Outbox:
+    """A stream's message bytes waiting to be sent, as views of the serialized messages:
+    DATA frames are cut from them without copying (the connection joins a turn's writes
+    into one buffer for the socket, the one copy)."""
+
+    __slots__ = ("_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._pieces: collections.deque[memoryview] = collections.deque()
+        self._size = 0
+
+    def add(self, *pieces: bytes | memoryview) -> None:
+        for piece in pieces:
+            if piece:
+                self._pieces.append(memoryview(piece))
+                self._size += len(piece)
+
+    def take(self, n: int) -> list[memoryview]:
+        """The next ``n`` bytes (at most what is held), as views."""
+        taken: list[memoryview] = []
+        while n > 0 and self._pieces:
+            head = self._pieces[0]
+            if len(head) <= n:
+                taken.append(self._pieces.popleft())
+                n -= len(head)
+                self._size -= len(head)
+            else:
+                taken.append(head[:n])
+                self._pieces[0] = head[n:]
+                self._size -= n
+                n = 0
+        return taken
+
+    def __len__(self) -> int:
+        return self._size
 
 
 class Stream:
@@ -71,7 +112,7 @@ class Stream:
         self.size = 0
         """Request bytes held: arriving (unary), or not yet taken by the method (streaming)."""
         self.send_window = send_window
-        self.out = b""
+        self.out = Outbox()
         """Message bytes (framed) waiting for flow-control window."""
         self.trailers = b""
         self.task: asyncio.Task[None] | None = None
@@ -113,7 +154,7 @@ class Calls:
 
     if TYPE_CHECKING:  # the connection's own; declared for the type checker only
 
-        def _write(self, data: bytes) -> None: ...
+        def _write(self, *data: bytes | memoryview) -> None: ...
 
         def _pause(self, why: str) -> None: ...
 
@@ -279,7 +320,7 @@ class Calls:
                     if not stream.sent_headers:
                         self._write(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
                         stream.sent_headers = True
-                    stream.out += b"\x00" + len(body).to_bytes(4, "big") + body
+                    stream.out.add(grpc_prefix(body), body)
                     self._send(sid, stream)
                     if len(stream.out) > self.server.max_unsent_bytes:
                         stream.drained = asyncio.Event()
@@ -320,7 +361,7 @@ class Calls:
             self._finish(sid, stream, DEADLINE_EXCEEDED, "deadline exceeded")
 
     async def _call(self, sid: int, stream: Stream, method: Method, message: bytes) -> None:
-        context = CallContext(stream.headers)
+        context = CallContext(stream.headers, len(message))
         try:
             request = method.request_type.FromString(message)
         except DecodeError:
@@ -338,8 +379,8 @@ class Calls:
             if status is not None:
                 self._answer(sid, stream, *status)
             return
-        body = response.SerializeToString()
-        self._answer(sid, stream, OK, "", b"\x00" + len(body).to_bytes(4, "big") + body)
+        body = response.parts if isinstance(response, Parts) else [response.SerializeToString()]
+        self._answer(sid, stream, OK, "", body)
 
     def _answer(
         self,
@@ -347,11 +388,12 @@ class Calls:
         stream: Stream,
         code: int,
         message: str,
-        body: bytes = b"",
+        body: list[bytes | memoryview] | None = None,
         *,
         reset: bool = False,
     ) -> None:
-        """Headers, the message (if any) and the trailers; one write when the windows allow."""
+        """Headers, the message (if any: ``body``'s pieces, unframed) and the trailers; one
+        write when the windows allow."""
         if self.streams.get(sid) is not stream:
             return  # reset, expired or the connection is gone
         if stream.timer is not None:
@@ -364,30 +406,28 @@ class Calls:
             self._close(sid)
             return
         self._write(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
-        stream.out = body
+        stream.out.add(grpc_prefix_of(sum(len(p) for p in body)), *body)
         stream.trailers = OK_TRAILERS if code == OK else status_block(code, message)
         self._send(sid, stream)
 
     def _send(self, sid: int, stream: Stream) -> None:
         """As much of the stream's message as the windows allow, then (all sent) its trailers."""
         out = stream.out
-        frames: list[bytes] = []
-        sent = 0
-        while sent < len(out):
-            n = min(len(out) - sent, self.peer_frame, self.send_window, stream.send_window)
+        frames: list[bytes | memoryview] = []
+        while out:
+            n = min(len(out), self.peer_frame, self.send_window, stream.send_window)
             if n <= 0:
                 break
-            frames.append(frame(DATA, 0, sid, out[sent : sent + n]))
-            sent += n
+            frames.append(frame_header(DATA, 0, sid, n))
+            frames.extend(out.take(n))
             self.send_window -= n
             stream.send_window -= n
-        stream.out = out[sent:]
         done = not stream.out and stream.trailers
         if done:
             frames.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, stream.trailers))
             if stream.inbox is not None and not stream.ended:  # the client may stop sending
                 frames.append(frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big")))
-        self._write(b"".join(frames))
+        self._write(*frames)
         if done:
             self._close(sid)
         elif stream.drained is not None and len(stream.out) <= self.server.max_unsent_bytes:

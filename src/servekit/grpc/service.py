@@ -280,7 +280,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     f"model {name!r} has no version {wanted!r}; it has {list(model.versions)}"
                 )
             try:
-                inputs = decode_inputs(request, regions=self._shm)
+                inputs = decode_inputs(request, context.size, regions=self._shm)
             except InvalidInput:
                 self._on_failure(name)
                 raise
@@ -344,15 +344,13 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
             inputs = decode_inputs(request, regions=self._shm)
             wanted = [o.name for o in request.outputs]
             async for outputs in model.responses(inputs):
-                response = infer_response(request, outputs, wanted or list(outputs), "1", self._shm)
-                response.parameters["triton_final_response"].bool_param = False
-                yield response
+                yield infer_response(
+                    request, outputs, wanted or list(outputs), "1", self._shm, final=False
+                )
         except Exception as exc:
             await self.fail(context, exc)
         if final_empty:
-            response = infer_response(request, {}, [], "1")
-            response.parameters["triton_final_response"].bool_param = True
-            yield response
+            yield infer_response(request, {}, [], "1", final=True)
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         response = service_pb2.SystemSharedMemoryStatusResponse()

@@ -14,8 +14,14 @@ from ..errors import InvalidInput
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
 from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 from ..spec import as_dtype
+from .calls import Parts, bytes_field
 
-__all__ = ["decode_inputs", "infer_response", "output_refs", "parameter", "request_parameters"]
+RAW_OUTPUT_CONTENTS = 6
+"""``ModelInferResponse.raw_output_contents``' field number."""
+
+__all__ = [
+    "decode_inputs", "infer_response", "output_refs", "parameter", "raw_view", "request_parameters",
+]  # fmt: skip
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -116,26 +122,44 @@ def infer_response(
     wanted: list[str],
     version: str,
     regions: Regions | None = None,
-) -> Any:
+    final: bool | None = None,
+) -> Parts:
     """The ``ModelInferResponse`` carrying ``wanted`` of ``outputs`` as raw bytes, or
     written into the shared-memory region the request names for one (``regions``; its
-    raw contents then empty, so the others keep their places)."""
+    raw contents then empty, so the others keep their places). Serialized in pieces: the
+    raw contents are views of the output arrays, sent without a copy. ``final``: a
+    decoupled model's ``triton_final_response`` parameter."""
     response = service_pb2.ModelInferResponse(
         model_name=request.model_name, model_version=version, id=request.id
     )
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
     refs = output_refs(request)
+    contents: list[bytes | memoryview] = []
     for out in wanted:
         if out not in outputs:
             raise InvalidInput(
                 f"requested output {out!r}: {request.model_name} has {sorted(outputs)}"
             )
-        datatype, raw = tensor_to_raw(outputs[out])
-        tensor = response.outputs.add(name=out, datatype=datatype, shape=list(outputs[out].shape))
+        array = outputs[out]
+        tensor = response.outputs.add(
+            name=out, datatype=as_dtype(array.dtype).datatype, shape=list(array.shape)
+        )
         ref = refs.get(out)
         if ref is not None:
+            _, raw = tensor_to_raw(array)
             served(regions, ref, out).write(ref, out, raw)
             tensor.parameters[REGION].string_param = ref.region
             tensor.parameters[BYTE_SIZE].int64_param = len(raw)
-            raw = b""
-        response.raw_output_contents.append(raw)
-    return response
+            contents += bytes_field(RAW_OUTPUT_CONTENTS, b"")
+        else:
+            contents += bytes_field(RAW_OUTPUT_CONTENTS, raw_view(array))
+    return Parts([response.SerializeToString(), *contents])
+
+
+def raw_view(array: np.ndarray) -> bytes | memoryview:
+    """An output's raw bytes as ``tensor_to_raw`` lays them out, as a view of the array
+    where it is contiguous already (no copy)."""
+    if array.dtype != object and array.flags.c_contiguous:
+        return memoryview(array.reshape(-1)).cast("B")  # type: ignore[arg-type]
+    return tensor_to_raw(array)[1]
