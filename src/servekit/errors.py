@@ -56,6 +56,7 @@ __all__ = [
     "grpc_code",
     "http_status",
     "triton_code",
+    "worded",
 ]
 
 
@@ -212,6 +213,13 @@ def http_status(exc: BaseException) -> int:
 def grpc_code(exc: BaseException) -> str:
     """gRPC status code name (``grpc.StatusCode`` member name) for an exception."""
     return str(_lookup(_GRPC, exc, "INTERNAL"))
+
+
+def worded(exc: BaseException, model: str) -> str:
+    """What a client reads of ``exc`` from model ``model``, on every runtime: the model
+    named once (a model's own failure names it already: ``model m: ValueError: ...``)."""
+    text = str(exc)
+    return text if text.startswith((f"{model}: ", f"model {model}: ")) else f"{model}: {text}"
 
 
 def triton_code(exc: BaseException) -> str:

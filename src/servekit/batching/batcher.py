@@ -32,7 +32,7 @@ from ..spec import ModelSpec
 from .ahead import Ahead
 from .bridge import LoopBridge
 from .delivery import Delivery
-from .execute import BatchFn, Steps, batch_steps
+from .execute import BatchFn, Fit, Steps, batch_steps
 from .instances import Instances
 from .policy import BatchingPolicy
 from .request import Admission, Request
@@ -131,6 +131,7 @@ class Batcher:
         self.listeners = list(listeners)
         self._names = [t.name for t in spec.inputs]
         self._staging = staging_of(runner, spec)
+        self._fit = Fit()
         self._request = Admission(spec, policy, name, clock, self.stats)
         self._state = _State.OPEN
         self._scheduler = Scheduler(
@@ -261,6 +262,11 @@ class Batcher:
         return self._state is _State.CLOSED
 
     @property
+    def fitted_rows(self) -> int:
+        """The most rows a batch holds since the device ran out of memory (0: no limit)."""
+        return self._fit.rows
+
+    @property
     def pending(self) -> int:
         """Requests waiting in the queue (Triton's ``nv_inference_pending_request_count``)."""
         return len(self._scheduler)
@@ -316,6 +322,7 @@ class Batcher:
             self._check,
             self.name,
             self._staging,
+            self._fit,
         )
 
     def _check(self, outputs: Mapping[str, np.ndarray], rows: int) -> None:

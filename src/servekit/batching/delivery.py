@@ -83,9 +83,10 @@ class Delivery:
             for r in batch:
                 r.fail(error or RunnerError(f"{self.name}: batch failed"))
             return
+        failed = 0
         for r, out in zip(batch, parts, strict=True):
             if isinstance(out, BaseException):
-                self.stats.request_failure += 1
+                failed += 1
                 r.fail(out)
                 continue
             self.stats.request_success += 1
@@ -95,3 +96,7 @@ class Delivery:
                     fut.set_result(out)
                 except concurrent.futures.InvalidStateError:
                     pass  # a thread caller cancelled between the check and the set
+        if failed:
+            self.stats.request_failure += failed
+            if failed < len(batch):
+                self.stats.request_isolated += failed

@@ -1,14 +1,21 @@
-"""Run requests that a server already grouped (Triton, PyTriton, Ray), each failing alone.
+"""The one execution path of every batch, where one request's fault fails it alone.
 
-Servers hand a backend a list of requests; one bad request must not fail the others.
-``run_requests`` validates each, batches the valid ones by shape, and when a batch
-raises ``InvalidInput`` (a bad image found only while decoding, say) re-runs its
-requests one by one so only the culprit fails.
+A batch that raises (any exception: a bad image found while decoding, a user's
+``ValueError`` on one request's values, a device out of memory) is split in halves and
+each half run again, down to the requests that raise; every other request gets its own
+outputs. When both halves fail with the batch's own error the model is broken, not a
+request, and the whole batch fails at once (three runs, never log2(n) more). Two
+culprits in different halves raising the very same words are taken for a broken model.
+``run_requests`` does the same for requests a server already grouped (Triton, PyTriton,
+Ray), after validating each.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,8 +24,13 @@ from ..runners.base import batch_function, staging_of
 from ..runners.staging import Staging, StagingPool
 from ..spec import ModelSpec
 from .concat import concat, split
+from .faults import FAULTS, is_out_of_memory, same_fault
 
-__all__ = ["BatchFn", "Steps", "as_error", "batch_steps", "drive", "drive_async", "run_requests"]
+__all__ = [
+    "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "drive", "drive_async", "run_requests",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
 BatchFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -37,6 +49,14 @@ def as_error(exc: BaseException, name: str = "") -> ServekitError:
     return error
 
 
+@dataclass
+class Fit:
+    """What a model's device held: after an out-of-memory error, the most rows a batch
+    that then ran held (0: no limit learned). Larger batches run in parts of at most that."""
+
+    rows: int = 0
+
+
 def batch_steps(
     requests: Sequence[Mapping[str, np.ndarray]],
     rows: Sequence[int],
@@ -44,56 +64,134 @@ def batch_steps(
     check: Callable[[Mapping[str, np.ndarray], int], None],
     name: str = "",
     staging: StagingPool | None = None,
+    fit: Fit | None = None,
 ) -> Steps:
-    """Run ``requests`` as one batch, ``check`` its outputs and split them. When the batch
-    raises ``InvalidInput`` (a bad image found only while decoding, say), run them one by
-    one so only the culprit fails. Any other failure fails the batch: raised, whole.
+    """Run ``requests`` as one batch, ``check`` its outputs and split them; a failing
+    batch is split until only the requests that raise fail (the module's docstring).
 
-    With ``staging`` (the runner's, ``runners.staging``) the batch is gathered into a
-    borrowed staging's reused buffers instead of new arrays, and returned after its
-    outputs no longer share them.
+    With ``staging`` (the runner's, ``runners.staging``) each run is gathered into a
+    borrowed staging's reused buffers instead of new arrays, returned after its outputs no
+    longer share them. ``fit`` remembers the rows that fitted the device after an
+    out-of-memory error.
 
-    The one execution path of every batch, driven by ``drive`` (threads) or
-    ``drive_async`` (coroutine models)."""
+    Driven by ``drive`` (threads) or ``drive_async`` (coroutine models)."""
+    run = _Run(requests, rows, names, check, name, fit or Fit())
     if staging is None:
-        return (yield from _steps(requests, rows, names, check, name, None))
+        return (yield from run.all())
     with staging.lend() as borrowed:
-        return (yield from _steps(requests, rows, names, check, name, borrowed))
+        run.staging = borrowed
+        return (yield from run.all())
 
 
-def _steps(
-    requests: Sequence[Mapping[str, np.ndarray]],
-    rows: Sequence[int],
-    names: Sequence[str],
-    check: Callable[[Mapping[str, np.ndarray], int], None],
-    name: str,
-    staging: Staging | None,
-) -> Steps:
-    gather = concat if staging is None else staging.gather
-    try:
-        outputs = yield gather(requests, names)
-        if staging is not None:
-            outputs = staging.detach(outputs)
-        check(outputs, sum(rows))
-        return split(outputs, rows)  # type: ignore[return-value]
-    except InvalidInput:
-        if len(requests) == 1:
-            raise
-    except ServekitError:
-        raise
-    except Exception as exc:
-        raise as_error(exc, name) from exc
-    results: list[Arrays | ServekitError] = []
-    for one, n in zip(requests, rows, strict=True):
+class _Run:
+    """One batch's runs: the whole (in parts where a limit was learned), then halves of
+    what failed."""
+
+    def __init__(
+        self,
+        requests: Sequence[Mapping[str, np.ndarray]],
+        rows: Sequence[int],
+        names: Sequence[str],
+        check: Callable[[Mapping[str, np.ndarray], int], None],
+        name: str,
+        fit: Fit,
+    ) -> None:
+        self.requests, self.rows, self.names, self.check = requests, rows, names, check
+        self.name, self.fit = name, fit
+        self.staging: Staging | None = None
+        self.results: list[Arrays | ServekitError | None] = [None] * len(requests)
+
+    def all(self) -> Steps:
+        members = list(range(len(self.requests)))
+        parts = _within(members, self.rows, self.fit.rows) if self.fit.rows else [members]
+        for part in parts:
+            exc = yield from self._run(part)
+            if exc is not None:
+                yield from self._isolate(part, exc)
+        if len(self.requests) == 1 and isinstance(self.results[0], ServekitError):
+            raise self.results[0]  # the batch's error: it was its only request
+        return self.results  # type: ignore[return-value]
+
+    def _run(
+        self, members: list[int]
+    ) -> Generator[Arrays, Mapping[str, np.ndarray], Exception | None]:
+        """Run ``members`` together: their outputs placed, or the exception they raised."""
+        gather = concat if self.staging is None else self.staging.gather
         try:
-            outputs = yield gather([one], names)
-            if staging is not None:
-                outputs = staging.detach(outputs)
-            check(outputs, n)
-            results.append(split(outputs, [n])[0])
+            outputs = yield gather([self.requests[i] for i in members], self.names)
+            if self.staging is not None:
+                outputs = self.staging.detach(outputs)
+            rows = [self.rows[i] for i in members]
+            self.check(outputs, sum(rows))
+            for i, part in zip(members, split(outputs, rows), strict=True):
+                self.results[i] = part
         except Exception as exc:
-            results.append(as_error(exc, name))
-    return results
+            return exc
+        return None
+
+    def _isolate(
+        self, members: list[int], exc: Exception
+    ) -> Generator[Arrays, Mapping[str, np.ndarray], None]:
+        """``members`` failed together with ``exc``: run their halves to find who raises."""
+        if len(members) == 1:
+            self._fail(members, exc)
+            return
+        oom = is_out_of_memory(exc)
+        half = len(members) // 2
+        left, right = members[:half], members[half:]
+        first = yield from self._run(left)
+        second = yield from self._run(right)
+        if oom:
+            self._fitted([m for m, e in ((left, first), (right, second)) if e is None])
+        elif first and second and same_fault(first, exc) and same_fault(second, exc):
+            self._fail(members, exc)  # the model, not a request: no more runs
+            return
+        if first is not None:
+            yield from self._isolate(left, first)
+        if second is not None:
+            yield from self._isolate(right, second)
+
+    def _fail(self, members: list[int], exc: Exception) -> None:
+        error = as_error(exc, self.name)
+        if not isinstance(exc, InvalidInput):  # a request's fault is not the model's
+            FAULTS(self.name, exc)
+        for i in members:
+            self.results[i] = error
+
+    def _fitted(self, ran: list[list[int]]) -> None:
+        rows = max((sum(self.rows[i] for i in part) for part in ran), default=0)
+        if rows > self.fit.rows:
+            if not self.fit.rows:
+                log.warning(
+                    "%s: the device ran out of memory on a batch of %d rows; batches of at "
+                    "most %d rows fitted and are run from now on",
+                    self.name, sum(self.rows), rows,
+                )  # fmt: skip
+            self.fit.rows = rows
+
+
+_FITS: weakref.WeakKeyDictionary[object, Fit] = weakref.WeakKeyDictionary()
+
+
+def _fit_of(runner: object) -> Fit:
+    """The rows that fitted ``runner``'s device, kept as long as the runner lives."""
+    try:
+        return _FITS.setdefault(runner, Fit())
+    except TypeError:  # not weakly referable: nothing is remembered across calls
+        return Fit()
+
+
+def _within(members: list[int], rows: Sequence[int], most: int) -> list[list[int]]:
+    """``members`` in consecutive parts of at most ``most`` rows (a larger request alone)."""
+    parts: list[list[int]] = [[]]
+    held = 0
+    for i in members:
+        if parts[-1] and held + rows[i] > most:
+            parts.append([])
+            held = 0
+        parts[-1].append(i)
+        held += rows[i]
+    return parts
 
 
 def drive(steps: Steps, fn: BatchFn) -> list[Arrays | ServekitError]:
@@ -140,6 +238,7 @@ def run_requests(
     spec = spec or runner.spec  # type: ignore[attr-defined]
     fn = batch_function(runner)  # type: ignore[arg-type]
     staging = staging_of(runner, spec)
+    fit = _fit_of(runner)
     names = [t.name for t in spec.inputs]
     results: list[Arrays | ServekitError | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
@@ -158,12 +257,12 @@ def run_requests(
         chunk_rows = 0
         for i in members:  # never more than max_batch_size rows in one call
             if chunk and (chunk_rows + rows[i] > limit or not spec.batched):
-                _run_group(fn, spec, requests, chunk, rows, results, names, staging)
+                _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit)
                 chunk, chunk_rows = [], 0
             chunk.append(i)
             chunk_rows += rows[i]
         if chunk:
-            _run_group(fn, spec, requests, chunk, rows, results, names, staging)
+            _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit)
     return results  # type: ignore[return-value]
 
 
@@ -176,6 +275,7 @@ def _run_group(
     results: list[Arrays | ServekitError | None],
     names: list[str],
     staging: StagingPool,
+    fit: Fit,
 ) -> None:
     steps = batch_steps(
         [requests[i] for i in members],
@@ -183,6 +283,7 @@ def _run_group(
         names,
         spec.check_outputs,
         staging=staging,
+        fit=fit,
     )
     try:
         parts = drive(steps, fn)

@@ -33,6 +33,8 @@ class BatcherStats:
     request_invalid: int = 0
     """Refused at admission: inputs that break the signature (not in request_failure,
     which the event loop alone updates; metrics report the two together)."""
+    request_isolated: int = 0
+    """Failed alone while the rest of their batch was answered (also in failures)."""
     request_cancelled: int = 0
     request_rejected: int = 0
     """Rejected at admission because the queue was full (also counted in failures)."""

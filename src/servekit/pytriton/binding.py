@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import tracing
 from ..batching.execute import run_requests
-from ..errors import ServekitError, triton_code
+from ..errors import ServekitError, triton_code, worded
 from ..runners.simulated import HANDED
 from ..spec import TensorSpec
 from ..triton.env import TritonSetupError
@@ -62,7 +62,7 @@ def pytriton_tensors(tensors: Sequence[TensorSpec]) -> list[Any]:
 
 def error_response(exc: ServekitError, model: str) -> dict[str, np.ndarray]:
     """The one-request error the stub shim turns into a coded Triton error."""
-    message = f"{model}: {exc}"
+    message = worded(exc, model)
     return {ERROR_OUTPUT: np.array([triton_code(exc).encode(), message.encode()], dtype=object)}
 
 

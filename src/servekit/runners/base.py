@@ -7,19 +7,22 @@ The batcher and every runtime wrapper speak only this contract.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import RunnerError, ServekitError
+from ..errors import InvalidInput, RunnerError, ServekitError
 from ..spec import ModelSpec
 from .staging import StagingPool
 
 __all__ = ["BaseRunner", "FunctionRunner", "Lender", "Runner", "batch_function", "staging_of"]
 
 Arrays = dict[str, np.ndarray]
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -90,10 +93,26 @@ class BaseRunner:
         raise NotImplementedError
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
-        """Run sample inputs once per batch size so first requests do not pay for lazy init."""
+        """Run sample inputs once per batch size so first requests do not pay for lazy init.
+
+        A model that refuses them (``InvalidInput``: its own validation) is not warmed up,
+        said in one log line: warm-up never stops a server from starting. Override
+        ``warmup_inputs`` to give inputs it accepts (Triton's ``model_warmup``)."""
         sizes = batch_sizes if self._spec.batched else (1,)
         for n in sizes:
-            self.infer(self._spec.sample_inputs(min(n, max(self._spec.max_batch_size, 1))))
+            try:
+                self.infer(self.warmup_inputs(min(n, max(self._spec.max_batch_size, 1))))
+            except InvalidInput as exc:
+                log.warning(
+                    "%s: warm-up skipped: the model refused its sample inputs (%s); give it "
+                    "inputs it accepts with warmup_inputs", type(self).__name__, exc,
+                )  # fmt: skip
+                return
+
+    def warmup_inputs(self, rows: int) -> dict[str, np.ndarray]:
+        """The inputs warm-up runs, ``rows`` rows (1 where the model does not batch): random
+        samples of the signature by default."""
+        return self._spec.sample_inputs(rows)
 
     def close(self) -> None:
         """Release engine resources; the default has none."""

@@ -31,7 +31,7 @@ from .. import tracing
 from ..batching.execute import as_error, run_requests
 from ..batching.sequence import SequenceFlags, SequencePolicy
 from ..batching.sequencer import Row, SequenceState
-from ..errors import ServekitError, triton_code
+from ..errors import ServekitError, triton_code, worded
 from ..runners.base import Runner, batch_function, overlaps
 from ..spec import ModelSpec, spec_from_config
 from ..tracing import EnvTracer
@@ -346,7 +346,7 @@ class TritonPythonModel:
             error = result if isinstance(result, ServekitError) else as_error(result, self.name)
             self.failures.count(triton_code(error))
             code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
-            return pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {error}", code))
+            return pb.InferenceResponse(error=pb.TritonError(worded(error, self.name), code))
         tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]
         return pb.InferenceResponse(output_tensors=tensors)
 
@@ -378,7 +378,7 @@ class TritonPythonModel:
             self.failures.count(triton_code(error))
             code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
             return [
-                pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {error}", code))
+                pb.InferenceResponse(error=pb.TritonError(worded(error, self.name), code))
                 for _ in requests
             ]
         responses = []

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..batching.execute import as_error
-from ..errors import ServekitError, triton_code
+from ..errors import ServekitError, triton_code, worded
 from ..protocol.models import DECOUPLED_METRICS
 from ..runners.base import Runner
 
@@ -60,7 +60,7 @@ class DecoupledStreams:
         except Exception as exc:
             error = exc if isinstance(exc, ServekitError) else as_error(exc, self.name)
             code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
-            response = pb.InferenceResponse(error=pb.TritonError(f"{self.name}: {error}", code))
+            response = pb.InferenceResponse(error=pb.TritonError(worded(error, self.name), code))
             sender.send(response, flags=final)
             return
         finally:

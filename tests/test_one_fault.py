@@ -1,0 +1,144 @@
+"""One fault, one consequence, served: on native, PyTriton, the Triton backend and Ray, a
+client whose inputs make the user's model raise gets that error alone while seven others,
+batched with it, are all answered right; a Runner that refuses warm-up's random samples
+with ``InvalidInput`` still starts and serves."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import serve_on_runtime
+from servekit import BatchingPolicy, ModelConfig
+
+pytest.importorskip("tritonclient", reason="needs the triton extra")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+PICKY = '''
+import numpy as np
+import servekit
+
+
+class Picky(servekit.Model):
+    """Doubles x; a plain ValueError for values below -1000, as a user's code raises it."""
+
+    inputs = [("X", "FP32", [4])]
+    outputs = [("Y", "FP32", [4])]
+    max_batch_size = 16
+
+    def infer(self, batch):
+        x = batch["X"]
+        if (x < -1000).any():
+            raise ValueError("x below -1000 is not supported")
+        return {"Y": x * 2}
+'''
+
+POSITIVE = '''
+import numpy as np
+
+from servekit import InvalidInput, ModelSpec, TensorSpec
+from servekit.runners import BaseRunner
+
+
+class PositiveOnly(BaseRunner):
+    """A Runner of its own, named by import path, that refuses negative inputs."""
+
+    def __init__(self):
+        self._spec = ModelSpec(
+            (TensorSpec("X", np.float32, [4]),), (TensorSpec("Y", np.float32, [4]),), 8
+        )
+
+    def _run(self, inputs):
+        if (inputs["X"] < 0).any():
+            raise InvalidInput("X: negative values are not allowed")
+        return {"Y": np.sqrt(inputs["X"])}
+'''
+
+
+@pytest.fixture(params=["native", "pytriton", "triton", "ray"])
+def serving(request):
+    return serve_on_runtime(request, request.param)
+
+
+def clients_of(served) -> list:
+    made = [(httpclient, httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}"))]
+    if served.grpc_port is not None:
+        made.append((grpcclient, grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")))
+    return made
+
+
+def call(module, client, model: str, x: np.ndarray) -> np.ndarray:
+    t = module.InferInput("X", list(x.shape), "FP32")
+    t.set_data_from_numpy(x)
+    return client.infer(model, [t]).as_numpy("Y")
+
+
+def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answered(
+    serving, tmp_path
+):
+    (tmp_path / "picky.py").write_text(PICKY)
+    model = ModelConfig(
+        "picky:Picky", "picky", path=str(tmp_path),
+        batching=BatchingPolicy(max_batch_size=16, max_queue_delay_us=3000),
+    )  # fmt: skip
+    with serving(model) as served:
+        wrong: list[str] = []
+        bad_errors: list[str] = []
+        answered = [0]
+
+        def client(k: int) -> None:
+            own = clients_of(served)
+            module, c = own[k % len(own)]
+            try:
+                for i in range(25):
+                    rows = 1 + (k + i) % 2
+                    x = np.full((rows, 4), float(k * 100 + i), np.float32)
+                    if k == 0:
+                        x[-1, 0] = -5000.0
+                        try:
+                            call(module, c, "picky", x)
+                            wrong.append("the bad client was answered")
+                        except InferenceServerException as exc:
+                            bad_errors.append(exc.message())
+                        continue
+                    try:
+                        y = call(module, c, "picky", x)
+                    except InferenceServerException as exc:
+                        wrong.append(f"client {k} request {i}: {exc.message()}")
+                        continue
+                    if not np.array_equal(y, x * 2):
+                        wrong.append(f"client {k} request {i}: wrong answer")
+                    answered[0] += 1
+            finally:
+                for _, each in own:
+                    each.close()
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not wrong, wrong[:5]
+        assert answered[0] == 7 * 25
+        assert len(bad_errors) == 25
+        # Worded the same on every runtime: the model named once, the exception, its words.
+        said = "model picky: ValueError: x below -1000 is not supported"
+        assert all(m == said for m in bad_errors), bad_errors[:2]
+
+
+def test_a_runner_that_refuses_warm_up_samples_starts_and_serves(serving, tmp_path):
+    (tmp_path / "positive.py").write_text(POSITIVE)
+    model = ModelConfig("positive:PositiveOnly", "positive", path=str(tmp_path))
+    with serving(model) as served:
+        for module, c in clients_of(served):
+            try:
+                x = np.full((2, 4), 9.0, np.float32)
+                assert call(module, c, "positive", x).tolist() == [[3.0] * 4] * 2
+                with pytest.raises(InferenceServerException, match="negative values"):
+                    call(module, c, "positive", -x)
+            finally:
+                c.close()
