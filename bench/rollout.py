@@ -9,6 +9,8 @@ reported with the requests each version had in its window and the time since the
 
     python bench/rollout.py --out bench/results/rollout
     python bench/rollout.py --runtime triton --out bench/results/rollout_triton
+    python bench/rollout.py --repeat 50 --min-requests 60 --scenario "identical canary at 20 %, limit 1.5x" \
+        --scenario "1.5x slower canary at 20 %, limit 1.25x" --out bench/results/canary_noise
 """
 
 from __future__ import annotations
@@ -38,13 +40,32 @@ BODY = json.dumps(
     }
 )
 
-SCENARIOS = {
-    "slow canary at 20 %": ({"heavy": 200}, TrafficPolicy({1: 80, 2: 20}), "rolled back"),
-    "identical canary from 10 %": ({}, TrafficPolicy({1: 90, 2: 10}), "promoted"),
+ENDS = ("promoted", "rolled back", "held")
+
+SCENARIOS = {  # version 1's and 2's build_add_sub arguments, the split, the end, max_p99_ratio
+    "slow canary at 20 %": ({}, {"heavy": 200}, TrafficPolicy({1: 80, 2: 20}), "rolled back", 1.5),
+    "identical canary from 10 %": ({}, {}, TrafficPolicy({1: 90, 2: 10}), "promoted", 20.0),
     "other answers, shadowed at 0 %": (
+        {},
         {"offset": 1.0},
         TrafficPolicy({1: 100}, shadow=2),
         "rolled back",
+        20.0,
+    ),
+    # The canary's false and true alarms at the default limits (--repeat 50):
+    "identical canary at 20 %, limit 1.5x": (
+        {},
+        {},
+        TrafficPolicy({1: 80, 2: 20}),
+        "promoted",
+        1.5,
+    ),
+    "1.5x slower canary at 20 %, limit 1.25x": (
+        {"heavy": 100},
+        {"heavy": 150},
+        TrafficPolicy({1: 80, 2: 20}),
+        "rolled back",
+        1.25,
     ),
 }
 
@@ -52,10 +73,10 @@ SCENARIOS = {
 def run(
     name: str, folder: Path, min_requests: int, threads: int, timeout_s: float, runtime: str
 ) -> dict:
-    v2_args, traffic, until = SCENARIOS[name]
-    onnx.save(build_add_sub(), folder / "v1.onnx")
+    v1_args, v2_args, traffic, until, ratio = SCENARIOS[name]
+    onnx.save(build_add_sub(**v1_args), folder / "v1.onnx")
     onnx.save(build_add_sub(**v2_args), folder / "v2.onnx")
-    canary = CanaryPolicy(min_requests=min_requests, max_p99_ratio=1.5 if "slow" in name else 20.0)
+    canary = CanaryPolicy(min_requests=min_requests, max_p99_ratio=ratio)
     model = ModelConfig(
         str(folder / "v1.onnx"), "m", batching=BatchingPolicy(max_batch_size=8),
         versions=(ModelVersion(2, str(folder / "v2.onnx")),), traffic=traffic, canary=canary,
@@ -79,15 +100,25 @@ def run(
     start = time.monotonic()
     for w in workers:
         w.start()
-    traffic_state = server.traffic["m"]  # type: ignore[attr-defined]
+
+    def traffic_state() -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", config.server.http_port, timeout=30)
+        try:
+            conn.request("GET", "/v2/models/m/traffic")
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
     try:
-        while traffic_state.state != until and time.monotonic() - start < timeout_s:
+        while time.monotonic() - start < timeout_s:  # until judging ends, either way
+            if traffic_state()["canary"]["state"] in (until, *ENDS):
+                break
             time.sleep(0.05)
     finally:
         stop.set()
         for w in workers:
             w.join()
-        state = traffic_state.state_dict()
+        state = traffic_state()
         server.stop()
     return {
         "scenario": name,
@@ -115,15 +146,23 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=200)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--scenario", action="append", help="run only these (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each scenario")
     ap.add_argument("--out", type=Path, default=Path("bench/results/rollout"))
     args = ap.parse_args()
     results = []
-    for name in SCENARIOS:
-        with tempfile.TemporaryDirectory() as tmp:
-            results.append(
-                run(name, Path(tmp), args.min_requests, args.threads, args.timeout, args.runtime)
-            )
-        print(json.dumps(results[-1]), flush=True)
+    for name in args.scenario or list(SCENARIOS)[:3]:
+        reached = []
+        for _ in range(args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                results.append(
+                    run(
+                        name, Path(tmp), args.min_requests, args.threads, args.timeout, args.runtime
+                    )
+                )
+            reached.append(results[-1]["reached"])
+            print(json.dumps(results[-1]), flush=True)
+        print(f"{name}: {', '.join(f'{reached.count(r)} {r}' for r in sorted(set(reached)))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
 

@@ -22,6 +22,7 @@ from servekit.rollout import (
     judge,
     same_answer,
 )
+from servekit.rollout.stats import more_errors_p, slower_p, tail_p
 
 # ------------------------------------------------------------------ the split
 
@@ -131,8 +132,15 @@ def test_no_verdict_before_each_version_has_its_minimum():
 @pytest.mark.parametrize(
     ("canary", "reason"),
     [
-        (window(200, 0.01, errors=3), "error rate 0.0150 > 0.01 (3 of 200)"),
-        (window(200, 0.02), "p99 20.00 ms is 2.00x the baseline's 10.00 ms > 1.5x"),
+        (
+            window(200, 0.01, errors=10),
+            "error rate 0.0500 > 0.01 (10 of 200; the baseline's 0.0000, p 0.0007)",
+        ),
+        (
+            window(200, 0.02),
+            "p99 20.00 ms is 2.00x the baseline's 10.00 ms > 1.5x (+10.00 ms; slower with "
+            "p < 0.0001)",
+        ),
         (
             window(200, 0.01, mismatches=1),
             "mismatch rate 0.0050 > 0.0 (1 of 200 shadow answers differ)",
@@ -142,6 +150,44 @@ def test_no_verdict_before_each_version_has_its_minimum():
 def test_each_limit_fails_the_canary_with_its_figures(canary, reason):
     verdict = judge(canary, window(200, 0.01), POLICY)
     assert verdict.kind == "fail" and verdict.reasons == (reason,)
+
+
+def test_a_difference_within_chance_or_under_the_floor_passes():
+    """3 errors in 200 against none is not evidence at 99 %; a p99 twice as high but only
+    0.4 ms higher is under the absolute floor; a noisy tail alike in both passes."""
+    assert judge(window(200, 0.01, errors=3), window(200, 0.01), POLICY).kind == "pass"
+    assert judge(window(200, 0.0008), window(200, 0.0004), POLICY).kind == "pass"
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # one distribution, two samples: p99s of 200 differ a lot
+        a, b = Window(), Window()
+        for w in (a, b):
+            for v in rng.lognormal(np.log(0.002), 0.8, 200):
+                w.add(float(v), ok=True)
+        assert judge(a, b, POLICY).kind == "pass"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(30, 300), st.floats(1.2, 3.0))
+def test_a_canary_slower_throughout_is_found_slower(n, factor):
+    rng = np.random.default_rng(n)
+    base = rng.lognormal(np.log(0.01), 0.2, n)
+    assert slower_p(base * factor, base[::-1].copy()) < 0.01
+    assert slower_p(base, base[::-1].copy()) > 0.01
+
+
+def test_a_canary_slow_only_in_its_tail_is_caught_by_the_tail_test():
+    rng = np.random.default_rng(1)
+    base = rng.lognormal(np.log(0.01), 0.1, 2000)
+    canary = base.copy()
+    canary[::20] *= 10  # 5 % of requests ten times slower: the median hardly moves
+    assert tail_p(list(canary), list(base)) < 1e-6
+    assert tail_p(list(base), list(base)) > 0.05
+
+
+def test_more_errors_needs_evidence():
+    assert more_errors_p(10, 200, 0, 200) < 0.001
+    assert more_errors_p(3, 200, 0, 200) > 0.01
+    assert more_errors_p(0, 200, 5, 200) > 0.5
 
 
 def feed(traffic: Traffic, version: int, n: int, latency_s: float, ok: bool = True) -> None:

@@ -2,8 +2,9 @@
 
 A window holds what one version did since the last verdict: requests, errors, latencies
 and, where a shadow ran beside the answer, how many answers matched the baseline's.
-No verdict before both versions have ``min_requests``; then the canary fails on the
-first limit it breaks (each reason named with its figures), else it passes.
+No verdict before both versions have ``min_requests``; then the canary fails on each
+limit it breaks beyond chance (``rollout.stats``: each reason named with its figures and
+its p-value), else it passes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from ..window import percentile
 from .policy import CanaryPolicy
+from .stats import more_errors_p, slower_p, tail_p
 
 __all__ = ["Verdict", "Window", "judge"]
 
@@ -80,20 +82,37 @@ def judge(canary: Window, baseline: Window, policy: CanaryPolicy) -> Verdict:
             (f"{canary.requests} and {baseline.requests} requests of the {need} each needs",),
         )
     reasons = []
+    alpha = 1 - policy.confidence
     if canary.error_rate() > policy.max_error_rate:
-        reasons.append(
-            f"error rate {canary.error_rate():.4f} > {policy.max_error_rate} "
-            f"({canary.errors} of {canary.requests})"
-        )
-    ratio = canary.p99() / baseline.p99() if baseline.p99() > 0 else math.inf
-    if not math.isnan(ratio) and ratio > policy.max_p99_ratio:
-        reasons.append(
-            f"p99 {canary.p99() * 1e3:.2f} ms is {ratio:.2f}x the baseline's "
-            f"{baseline.p99() * 1e3:.2f} ms > {policy.max_p99_ratio}x"
-        )
+        p = more_errors_p(canary.errors, canary.requests, baseline.errors, baseline.requests)
+        if p < alpha:
+            reasons.append(
+                f"error rate {canary.error_rate():.4f} > {policy.max_error_rate} "
+                f"({canary.errors} of {canary.requests}; the baseline's "
+                f"{baseline.error_rate():.4f}, p {_p(p)})"
+            )
+    p99, base = canary.p99(), baseline.p99()
+    ratio = p99 / base if base > 0 else math.inf
+    increase_ms = (p99 - base) * 1e3
+    if (
+        not math.isnan(ratio)
+        and ratio > policy.max_p99_ratio
+        and increase_ms > policy.max_p99_increase_ms
+    ):
+        c, b = list(canary.latencies), list(baseline.latencies)
+        p = min(1.0, 2 * min(slower_p(c, b), tail_p(c, b)))  # either test, Bonferroni
+        if p < alpha:
+            reasons.append(
+                f"p99 {p99 * 1e3:.2f} ms is {ratio:.2f}x the baseline's {base * 1e3:.2f} ms "
+                f"> {policy.max_p99_ratio}x (+{increase_ms:.2f} ms; slower with p {_p(p)})"
+            )
     if canary.compared and canary.mismatch_rate() > policy.max_mismatch_rate:
         reasons.append(
             f"mismatch rate {canary.mismatch_rate():.4f} > {policy.max_mismatch_rate} "
             f"({canary.mismatches} of {canary.compared} shadow answers differ)"
         )
     return Verdict("fail", tuple(reasons)) if reasons else Verdict("pass")
+
+
+def _p(p: float) -> str:
+    return "< 0.0001" if p < 1e-4 else f"{p:.4f}"

@@ -105,9 +105,18 @@ class CanaryPolicy:
     min_requests: int = 200
     """Requests per version in a window before any verdict."""
     max_error_rate: float = 0.01
-    """The canary's failed share of its requests, absolute."""
+    """The canary's failed share of its requests, absolute: above it, and more than the
+    baseline's beyond chance (``confidence``), the canary fails."""
     max_p99_ratio: float = 1.5
-    """The canary's p99 latency over the baseline's, in the same window."""
+    """The canary's p99 latency over the baseline's, in the same window: above it, by more
+    than ``max_p99_increase_ms``, and slower beyond chance, the canary fails."""
+    max_p99_increase_ms: float = 1.0
+    """The least p99 increase that can fail a canary: differences of sub-millisecond
+    latencies are noise, whatever their ratio (Flagger's and Argo's absolute limits)."""
+    confidence: float = 0.99
+    """How sure a verdict must be that the canary is worse than the baseline, given both
+    windows' sizes (Mann-Whitney U and a tail test for latency, a two-proportion test
+    for errors; Kayenta's way): 1 - the false-failure rate of each comparison."""
     max_mismatch_rate: float = 0.0
     """The share of the canary's shadow answers that differ from the baseline's."""
     step: tuple[int, ...] = (10, 50, 100)
@@ -125,6 +134,14 @@ class CanaryPolicy:
                 raise ValueError(f"[models.canary] {key} must be in [0, 1], got {value}")
         if self.max_p99_ratio <= 0:
             raise ValueError(f"[models.canary] max_p99_ratio must be > 0, got {self.max_p99_ratio}")
+        if self.max_p99_increase_ms < 0:
+            raise ValueError(
+                f"[models.canary] max_p99_increase_ms must be >= 0, got {self.max_p99_increase_ms}"
+            )
+        if not 0.5 <= self.confidence < 1.0:
+            raise ValueError(
+                f"[models.canary] confidence must be in [0.5, 1), got {self.confidence}"
+            )
         steps = self.step
         if (
             not steps
