@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import typer
 
 from .batch import batch
@@ -29,4 +31,11 @@ app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options"
 
 
 def main() -> None:
+    # A SIGTERM before a command installs its own handlers (the Supervisor's) ends the
+    # process at once with 0: nothing has started yet that must be stopped.
+    signal.signal(signal.SIGTERM, _stop_before_start)
     app()
+
+
+def _stop_before_start(signum: int, frame: object) -> None:
+    raise SystemExit(0)

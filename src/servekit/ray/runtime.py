@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import ServeConfig
@@ -35,6 +38,8 @@ class RayRuntime:
         self.address = address or self.config.ray.address or "local"
         self.num_cpus = num_cpus if self.address == "local" else None
         self._owns_ray = False
+        self._imported = False
+        """Whether Ray imported whole (a stop during ``import ray`` has nothing to stop)."""
         self._origins: dict[str, object] | None = None
         self.run_id = f"{APP_NAME}/{uuid.uuid4().hex}"
         """This run's keys in Ray's KV store: its drain flag (``servekit.ray.drain``: SIGTERM
@@ -48,11 +53,13 @@ class RayRuntime:
         import ray
         from ray import serve
 
+        self._imported = True
         app = build_app(self.config, run_id=self.run_id)  # fails before the cluster is touched
         self._origins = _origins(self.config)
         if not ray.is_initialized():
-            ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
-            self._owns_ray = True
+            self._owns_ray = True  # first: a stop while Ray starts still shuts down its part
+            with _signal_handlers_kept():
+                ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
         s = self.config.server
         if self.config.ray.direct:  # the ingress replicas listen themselves (ray.direct)
             serve.start(proxy_location="Disabled")
@@ -102,6 +109,8 @@ class RayRuntime:
 
     def stop(self) -> None:
         """Drain, then stop Serve (and Ray, when this runtime started it)."""
+        if not self._imported:
+            return
         import ray
         from ray import serve
 
@@ -113,15 +122,38 @@ class RayRuntime:
             serve.shutdown()
             with contextlib.suppress(Exception):  # the GCS is gone: nothing to forget
                 drain.clear(self.run_id)
-            if self._owns_ray:
-                ray.shutdown()
-                self._owns_ray = False
+        if self._owns_ray:  # also when a signal cut ray.init short: what it started stops
+            ray.shutdown()
+            self._owns_ray = False
 
     def __enter__(self) -> RayRuntime:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Put SIGINT's and SIGTERM's handlers back after ``ray.init``: it installs its own
+    for SIGTERM (one that exits with 15 while it starts a cluster, then one that aborts
+    the process: exit 134, Ray's agents left running) in place of the clean stop the
+    ``Supervisor``'s handler makes. A SIGTERM that Ray's handler took during ``ray.init``
+    becomes the ``KeyboardInterrupt`` a stop during start is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _origins(config: ServeConfig) -> dict[str, object] | None:

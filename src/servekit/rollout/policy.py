@@ -113,10 +113,12 @@ class CanaryPolicy:
     max_p99_increase_ms: float = 1.0
     """The least p99 increase that can fail a canary: differences of sub-millisecond
     latencies are noise, whatever their ratio (Flagger's and Argo's absolute limits)."""
-    confidence: float = 0.99
+    confidence: float = 0.999
     """How sure a verdict must be that the canary is worse than the baseline, given both
-    windows' sizes (Mann-Whitney U and a tail test for latency, a two-proportion test
-    for errors; Kayenta's way): 1 - the false-failure rate of each comparison."""
+    windows' sizes (Mann-Whitney U and a tail test for latency, Fisher's exact test
+    for errors; Kayenta's way): 1 - the false-failure rate of each comparison. A canary
+    is judged two or three times on its way to 100 %, so 0.999 keeps a same-speed
+    version's false rollbacks near one in 500; a slower one gives p-values far smaller."""
     max_mismatch_rate: float = 0.0
     """The share of the canary's shadow answers that differ from the baseline's."""
     step: tuple[int, ...] = (10, 50, 100)

@@ -6,7 +6,7 @@ window, beyond what chance gives samples of its size? Pure functions, no depende
   requests a version; a verdict waits for ``min_requests``, 200 by default);
 - ``tail_p``: how many more of the canary's latencies than the baseline's pass both's
   pooled p99: a canary slow only in its tail, which a rank test can miss;
-- ``more_errors_p``: the two-proportion z-test, one-sided, of the error rates.
+- ``more_errors_p``: Fisher's exact test, one-sided, of the error counts.
 
 Each returns a p-value: the chance of a difference at least this large between two
 versions that are in truth the same.
@@ -54,9 +54,9 @@ def slower_p(canary: Sequence[float], baseline: Sequence[float]) -> float:
 
 def tail_p(canary: Sequence[float], baseline: Sequence[float], quantile: float = 0.99) -> float:
     """The p-value of the canary having as many more latencies past the two versions'
-    pooled ``quantile`` than the baseline has, were both from one distribution (the
-    two-proportion test on those counts: both samples' sizes count, the line's own
-    uncertainty with them)."""
+    pooled ``quantile`` than the baseline has, were both from one distribution (both
+    samples' sizes count, the line's own
+    uncertainty with them: Fisher's exact test on those counts)."""
     if not canary or not baseline:
         return 1.0
     pooled = sorted([*canary, *baseline])
@@ -69,12 +69,21 @@ def tail_p(canary: Sequence[float], baseline: Sequence[float], quantile: float =
 def more_errors_p(
     canary_errors: int, canary_n: int, baseline_errors: int, baseline_n: int
 ) -> float:
-    """One-sided two-proportion z-test: the p-value of the canary's share (of errors, or
-    of anything counted) being this much above the baseline's, were both the same."""
+    """One-sided Fisher exact test: the p-value of the canary holding at least this many of
+    the two versions' counted requests (errors, or latencies past a line), were both the
+    same; exact at the small counts a window has (a normal approximation is not)."""
     if not canary_n or not baseline_n:
         return 1.0
-    pooled = (canary_errors + baseline_errors) / (canary_n + baseline_n)
-    if pooled in (0.0, 1.0):
+    total, counted = canary_n + baseline_n, canary_errors + baseline_errors
+    if counted == 0 or counted == total:
         return 1.0
-    se = math.sqrt(pooled * (1 - pooled) * (1 / canary_n + 1 / baseline_n))
-    return _normal_sf((canary_errors / canary_n - baseline_errors / baseline_n) / se)
+
+    def log_comb(n: int, k: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+    whole = log_comb(total, canary_n)
+    p = 0.0
+    for x in range(canary_errors, min(counted, canary_n) + 1):  # the hypergeometric tail
+        if canary_n - x <= total - counted:
+            p += math.exp(log_comb(counted, x) + log_comb(total - counted, canary_n - x) - whole)
+    return min(1.0, p)
