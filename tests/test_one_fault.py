@@ -142,3 +142,31 @@ def test_a_runner_that_refuses_warm_up_samples_starts_and_serves(serving, tmp_pa
                     call(module, c, "positive", -x)
             finally:
                 c.close()
+
+
+@pytest.mark.parametrize("runtime", ["native", "pytriton", "triton"])
+def test_the_log_holds_the_models_traceback_once(runtime, tmp_path, caplog, capfd):
+    """Once per error and place, wherever the model runs (in tritonserver's stub the line
+    reaches servekit's console through tritonserver's log). Ray's replicas log to Ray's
+    own files."""
+    import logging
+    import time
+
+    from conftest import on
+
+    module = f"picky_{runtime}"  # its own: this process imports each module once
+    (tmp_path / f"{module}.py").write_text(PICKY)
+    model = ModelConfig(f"{module}:Picky", "picky", path=str(tmp_path))
+    with caplog.at_level(logging.INFO), on(runtime)(model) as served:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        try:
+            for _ in range(4):
+                with pytest.raises(InferenceServerException, match="below -1000"):
+                    call(httpclient, c, "picky", np.full((1, 4), -5000.0, np.float32))
+        finally:
+            c.close()
+        time.sleep(1.0)  # tritonserver's log is followed, not pushed
+    out = capfd.readouterr()
+    text = caplog.text + out.out + out.err
+    assert text.count("model picky failed: ValueError: x below -1000 is not supported") == 1
+    assert text.count(f'{module}.py", line 16, in infer') == 1  # the user's line, once

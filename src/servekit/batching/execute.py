@@ -227,13 +227,18 @@ async def drive_async(
 
 
 def run_requests(
-    runner: object, requests: Sequence[Mapping[str, np.ndarray]], spec: ModelSpec | None = None
+    runner: object,
+    requests: Sequence[Mapping[str, np.ndarray]],
+    spec: ModelSpec | None = None,
+    *,
+    name: str = "",
 ) -> list[Arrays | ServekitError]:
     """One result per request: its outputs, or the ``ServekitError`` that belongs to it alone.
 
     Args:
         runner: a Runner (its ``spec`` is used unless ``spec`` is given).
         requests: each a dict of input arrays with the batch dim first.
+        name: the model's, for the log of its failures.
     """
     spec = spec or runner.spec  # type: ignore[attr-defined]
     fn = batch_function(runner)  # type: ignore[arg-type]
@@ -257,12 +262,12 @@ def run_requests(
         chunk_rows = 0
         for i in members:  # never more than max_batch_size rows in one call
             if chunk and (chunk_rows + rows[i] > limit or not spec.batched):
-                _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit)
+                _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit, name)
                 chunk, chunk_rows = [], 0
             chunk.append(i)
             chunk_rows += rows[i]
         if chunk:
-            _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit)
+            _run_group(fn, spec, requests, chunk, rows, results, names, staging, fit, name)
     return results  # type: ignore[return-value]
 
 
@@ -276,12 +281,14 @@ def _run_group(
     names: list[str],
     staging: StagingPool,
     fit: Fit,
+    name: str,
 ) -> None:
     steps = batch_steps(
         [requests[i] for i in members],
         [rows[i] for i in members],
         names,
         spec.check_outputs,
+        name,
         staging=staging,
         fit=fit,
     )

@@ -88,10 +88,10 @@ def infer_callable(
             else []
         )
         if not spans or tracer is None:
-            results = run_requests(runner, inputs, spec)
+            results = run_requests(runner, inputs, spec, name=model)
         else:
             with tracing.recording([]) as trace:
-                results = run_requests(runner, inputs, spec)
+                results = run_requests(runner, inputs, spec, name=model)
             for span in spans:
                 tracing.step_spans(span, tracer.tracer, trace.steps)
         return [

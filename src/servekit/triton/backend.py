@@ -310,7 +310,7 @@ class TritonPythonModel:
         inputs = [x for x, _ in items]
         carriers = [c for _, c in items]
         if self.tracer is None or all(c is None for c in carriers):
-            return run_requests(self.runner, inputs, self.runner.spec)
+            return run_requests(self.runner, inputs, self.runner.spec, name=self.name)
         return self._traced(carriers, items, self.tracer)
 
     def _traced(
@@ -323,7 +323,7 @@ class TritonPythonModel:
         parents = [c["traceparent"] for c in carriers if c is not None]
         start = time.monotonic()
         with tracing.recording(parents) as batch:
-            results = run_requests(self.runner, inputs, self.runner.spec)
+            results = run_requests(self.runner, inputs, self.runner.spec, name=self.name)
         end = time.monotonic()
         rows = self._rows(items)
         for carrier, result in zip(carriers, results, strict=True):
