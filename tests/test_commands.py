@@ -354,6 +354,25 @@ def test_serve_names_your_own_model_by_import_path_from_its_folder():
         assert stop(proc) == 0
 
 
+def test_a_config_file_serves_from_any_directory(tmp_path):
+    # Its relative paths are the file's (the example's `path = "."`), not the shell's.
+    http, grpc = free_port(), free_port()
+    config = Path(__file__).parent.parent / "examples" / "sentiment" / "serve.toml"
+    proc = spawn(
+        [sys.executable, "-m", "servekit", "serve", "--config", str(config), "--host",
+         "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+         str(free_port())],
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{http}", "sentiment", proc)
+        with Client(f"http://127.0.0.1:{http}") as c:
+            answer = c.infer("sentiment", {"TEXT": np.array([[b"great"]], dtype=object)})
+            assert answer["SCORE"].tolist() == [[2.0]]
+    finally:
+        assert stop(proc) == 0
+
+
 def test_serve_natively_answers_both_protocols_reloads_on_sighup_and_stops_cleanly(
     tmp_path, tiny_cnn_path
 ):

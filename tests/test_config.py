@@ -356,3 +356,32 @@ def test_rays_own_signal_may_be_asked_for_by_name():
         {"autoscale_signal": "ray", "autoscaling": {"target_ongoing_requests": 4}}
     )
     assert ray.autoscaling == {"target_ongoing_requests": 4}
+
+
+def test_relative_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    from servekit.zoo.tiny import build_add_sub
+
+    folder = tmp_path / "conf"
+    (folder / "store").mkdir(parents=True)
+    import onnx
+
+    onnx.save(build_add_sub(), folder / "m.onnx")
+    (folder / "serve.toml").write_text(
+        'cache_dir = "cache"\n[store]\nroot = "store"\n[storage]\ncache = "objects"\n'
+        '[[models]]\nname = "a"\nsource = "m.onnx"\nlabels = "labels.txt"\n'
+        '[[models.versions]]\nversion = 2\nsource = "m.onnx"\n'
+        '[[models]]\nname = "b"\nsource = "mine:Model"\npath = "."\n'
+        '[[models]]\nname = "c"\nsource = "resnet50"\n'
+        '[[models]]\nname = "d"\nsource = "s3://bucket/m.onnx"\n'
+    )
+    monkeypatch.chdir(tmp_path)  # elsewhere than the file
+    config = ServeConfig.load("conf/serve.toml")
+    a, b, c, d = config.models
+    here = folder.resolve()
+    assert a.source == str(here / "m.onnx") and a.labels == str(here / "labels.txt")
+    assert a.versions[0].source == str(here / "m.onnx")
+    assert (b.source, b.path) == ("mine:Model", str(here / "."))
+    assert (c.source, d.source) == ("resnet50", "s3://bucket/m.onnx")  # not files there
+    assert config.cache_dir == str(here / "cache")
+    assert config.store.root == str(here / "store")
+    assert config.storage.cache == str(here / "objects")

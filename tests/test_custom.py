@@ -291,8 +291,12 @@ def test_the_docs_example_is_the_example_file_and_runs(monkeypatch):
     (cls, function) = re.findall(r"```python\n(.*?)```", section, re.S)
     toml, pipeline = re.findall(r"```toml\n(.*?)```", section, re.S)
     assert cls in (root / "examples" / "sentiment" / "sentiment.py").read_text()
-    monkeypatch.chdir(root)
-    (model,) = ServeConfig.from_dict(__import__("tomllib").loads(toml)).models
+    from servekit.config.serve import anchored
+
+    monkeypatch.chdir(root / "docs")  # anywhere: paths are relative to the config file
+    (model,) = ServeConfig.from_dict(
+        anchored(__import__("tomllib").loads(toml), root / "examples" / "sentiment")
+    ).models
     (served,) = load_models(model)
     answer = served.runner.infer({"TEXT": np.array([[b"I love it"], [b"bad"]], dtype=object)})
     assert answer["SCORE"].tolist() == [[2.5], [-1.0]]

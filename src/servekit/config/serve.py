@@ -241,9 +241,14 @@ class ServeConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ServeConfig:
-        """Read a ``.toml`` / ``.yaml`` file; errors name the file and the bad key."""
+        """Read a ``.toml`` / ``.yaml`` file; errors name the file and the bad key.
+
+        Relative paths in the file are relative to the file's folder, wherever the command
+        runs from (as Docker Compose and Triton's repository paths are): a model's ``path``
+        and ``labels``, ``[store] root``, ``cache_dir``, ``[storage] cache``, and a
+        ``source`` (of a model, a version or a step) that names a file there."""
         try:
-            return cls.from_dict(load_config(path))
+            return cls.from_dict(anchored(load_config(path), Path(path).resolve().parent))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -297,6 +302,54 @@ class ServeConfig:
             runtime=runtime or self.runtime,
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else self.cache_dir,
         )
+
+
+def anchored(data: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """``data`` (a config file's tables) with its relative paths made relative to
+    ``folder``. A ``source`` is anchored only where that file exists there: it may name a
+    zoo model, a Python import (``module:attr``) or an object-store URL instead."""
+
+    def place(value: Any) -> Any:
+        if not isinstance(value, str) or not value or os.path.isabs(value) or "://" in value:
+            return value
+        return os.fspath(folder / value)
+
+    def source(value: Any) -> Any:
+        anchored_value = place(value)
+        return (
+            anchored_value
+            if anchored_value is not value and os.path.exists(anchored_value)
+            else value
+        )
+
+    def model(table: Any) -> Any:
+        if not isinstance(table, Mapping):
+            return table
+        out = dict(table)
+        for key in ("source", "model"):
+            if key in out:
+                out[key] = source(out[key])
+        for key in ("path", "labels"):
+            if key in out:
+                out[key] = place(out[key])
+        if isinstance(out.get("versions"), Sequence):
+            out["versions"] = [
+                {**v, "source": source(v.get("source"))} if isinstance(v, Mapping) else v
+                for v in out["versions"]
+            ]
+        if isinstance(out.get("steps"), Sequence):
+            out["steps"] = [model(step) for step in out["steps"]]
+        return out
+
+    out = model(data)  # the one-model shorthand's keys sit at the top level
+    if isinstance(out.get("models"), Sequence) and not isinstance(out["models"], str):
+        out["models"] = [model(m) for m in out["models"]]
+    if "cache_dir" in out:
+        out["cache_dir"] = place(out["cache_dir"])
+    for table, key in (("store", "root"), ("storage", "cache")):
+        if isinstance(out.get(table), Mapping) and key in out[table]:
+            out[table] = {**out[table], key: place(out[table][key])}
+    return out
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
