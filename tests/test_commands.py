@@ -371,6 +371,8 @@ def test_a_config_file_serves_from_any_directory(tmp_path):
             assert answer["SCORE"].tolist() == [[2.0]]
     finally:
         assert stop(proc) == 0
+    # The startup line names what is bound: the address and every port.
+    assert f"on 127.0.0.1 (127.0.0.1): HTTP {http}, gRPC {grpc}, metrics " in proc.stdout_text
 
 
 def test_serve_natively_answers_both_protocols_reloads_on_sighup_and_stops_cleanly(

@@ -385,3 +385,11 @@ def test_relative_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monk
     assert config.cache_dir == str(here / "cache")
     assert config.store.root == str(here / "store")
     assert config.storage.cache == str(here / "objects")
+
+
+def test_the_startup_line_names_the_address_bound_and_every_port():
+    s = ServerConfig(host="0.0.0.0", http_port=8000, grpc_port=8001, metrics_port=8002)
+    assert s.listening() == "0.0.0.0 (every interface): HTTP 8000, gRPC 8001, metrics 8002"
+    assert ServerConfig(host="10.0.0.5", http_port=80).listening(
+        grpc=False, metrics_port=False
+    ) == ("10.0.0.5 (10.0.0.5): HTTP 80, metrics at HTTP's /metrics")

@@ -31,6 +31,18 @@ class Endpoints:
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
+    def listening(self, grpc: bool = True, metrics_port: bool = True) -> str:
+        """What is bound, as a startup line says it: the address and every port."""
+        ports = [f"HTTP {self.http_port}"]
+        if grpc:
+            ports.append(f"gRPC {self.grpc_port}")
+        ports.append(
+            f"metrics {self.metrics_port}" if metrics_port else "metrics at HTTP's /metrics"
+        )
+        host = self.host or "0.0.0.0"
+        where = "every interface" if host in ("0.0.0.0", "::") else host
+        return f"{host} ({where}): {', '.join(ports)}"
+
     @classmethod
     def on_loopback(cls, **fields: Any) -> Any:
         """This config on 127.0.0.1 with three free ports (tests, benchmarks, ``compare``)."""

@@ -156,10 +156,10 @@ def serve(
     cfg = read()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     s = cfg.server
+    ray = cfg.runtime == "ray"  # Ray's ingress is HTTP only, its metrics on that port
     console.print(
-        f"starting the {cfg.runtime} runtime with {[m.name for m in cfg.models]} on {s.http_url}"
-        + ("" if cfg.runtime in ("ray", "native") else f" (gRPC {s.grpc_url})")
-        + "; ready once every model is loaded"
+        f"starting the {cfg.runtime} runtime with {[m.name for m in cfg.models]} on "
+        f"{s.listening(grpc=not ray, metrics_port=not ray)}; ready once every model is loaded"
     )
     try:
         code = run(
