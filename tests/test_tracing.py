@@ -327,3 +327,28 @@ def test_each_step_of_a_pipeline_is_a_span_of_the_batch_it_ran_in(served, receiv
     assert batch["start"] <= first["start"] and second["end"] <= batch["end"]
     if runtime == "ray":
         assert batch["parent"] == by_name["replica chain"]["id"]
+
+
+def test_an_unreachable_endpoint_is_said_once_and_costs_a_stop_at_most_a_second(caplog):
+    import logging
+    import time
+
+    from conftest import free_port
+    from servekit.tracing import Tracing
+
+    endpoint = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens there
+    tracing = Tracing(endpoint, rate=1.0)
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(3):  # three batches, a second apart
+            for _ in range(5):
+                tracing.tracer.start_span("request").end()
+            time.sleep(1.2)
+        for _ in range(5):
+            tracing.tracer.start_span("request").end()
+        start = time.monotonic()
+        tracing.shutdown()
+        stopped = time.monotonic() - start
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [f"trace endpoint {endpoint} does not answer: spans are dropped until it does"]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert stopped < 2.0, f"the stop took {stopped:.1f} s"

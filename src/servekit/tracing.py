@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .spans import STOP_FLUSH_MS, span_processor
+
 __all__ = [
     "BATCH",
     "CURRENT",
@@ -133,16 +135,12 @@ class Tracing:
     """Sampling, settings and export for one server (thread-safe)."""
 
     def __init__(self, endpoint: str, rate: float = 0.001, level: str = "timestamps") -> None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self.endpoint = endpoint
         self._provider = TracerProvider(resource=Resource({"service.name": "servekit"}))
-        exporter = OTLPSpanExporter(endpoint)
-        # Sent a second after they end (the SDK's default waits five).
-        self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
+        self._provider.add_span_processor(span_processor(endpoint))
         self.tracer = self._provider.get_tracer("servekit")
         self._lock = threading.Lock()
         self.settings: dict[str, TraceSettings] = {"": TraceSettings(level.upper(), rate_of(rate))}
@@ -283,7 +281,8 @@ class Tracing:
         )
 
     def shutdown(self) -> None:
-        """Send what is still buffered, then stop the exporter."""
+        """Send what is still buffered (a second at most), then stop the exporter."""
+        self._provider.force_flush(STOP_FLUSH_MS)
         self._provider.shutdown()
 
 
@@ -300,14 +299,11 @@ class EnvTracer:
     request it traces), so every span asked for here is recorded."""
 
     def __init__(self, service: str, endpoint: str) -> None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self._provider = TracerProvider(resource=Resource({"service.name": service}))
-        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint), schedule_delay_millis=1000)
-        self._provider.add_span_processor(processor)
+        self._provider.add_span_processor(span_processor(endpoint))
         self.tracer = self._provider.get_tracer("servekit")
 
     @classmethod
@@ -349,7 +345,8 @@ class EnvTracer:
         return span
 
     def shutdown(self) -> None:
-        """Send what is still buffered, then stop the exporter."""
+        """Send what is still buffered (a second at most), then stop the exporter."""
+        self._provider.force_flush(STOP_FLUSH_MS)
         self._provider.shutdown()
 
 
