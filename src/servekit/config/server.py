@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..endpoints import Endpoints
+from ..endpoints import Endpoints, free_port
 from ..recovery import Recovery
 from ..tables import check_keys
 from .names import MAX_BODY_BYTES
@@ -126,6 +126,11 @@ class ServerConfig(Endpoints):
     front: bool = True
     """Serve ``http_port`` with servekit's hardened KServe v2 front (Triton runtimes: Triton's
     own HTTP moves to a private loopback port). Always on for ``native`` and ``ray``."""
+    triton_http_port: int = 0
+    triton_grpc_port: int = 0
+    """With the front (pytriton, triton): tritonserver's own HTTP and gRPC ports, on
+    127.0.0.1 only, behind the front's public ones; 0 (default) picks free ones at start.
+    Set them where a firewall or a port range must know every port servekit opens."""
     inference_token: str | None = None
     """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
     control_token: str | None = None
@@ -168,12 +173,20 @@ class ServerConfig(Endpoints):
             port = getattr(self, key)
             if not 0 < port < 65536:
                 raise ValueError(f"{key} must be in [1, 65535], got {port}")
+        for key in ("triton_http_port", "triton_grpc_port"):
+            port = getattr(self, key)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{key} must be in [0, 65535] (0: a free one), got {port}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         for key in ("keep_alive_s", "max_connections", "grpc_handshake_timeout_s",
                     "grpc_idle_timeout_s", "request_timeout_s", "max_worker_deaths"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+    def triton_ports(self) -> tuple[int, int]:
+        """tritonserver's private HTTP and gRPC ports behind the front: as set, or free ones."""
+        return self.triton_http_port or free_port(), self.triton_grpc_port or free_port()
 
     def http_limits(self) -> dict[str, Any]:
         """servekit's HTTP/1.1 server's connection limits (``H1Server``'s keywords)."""

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import ServeConfig, ServerConfig
-from ..endpoints import free_port
 from ..runners.base import Runner
 from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled
 from ..runtime.processes import kill_leftovers, processes
@@ -102,10 +101,7 @@ class TritonServer:
         # The front serves the public HTTP and gRPC ports; tritonserver's are private and
         # outlive a restart: the front keeps sending there.
         if self._ports is None:
-            self._ports = (
-                free_port() if c.front else c.http_port,
-                free_port() if c.front else c.grpc_port,
-            )
+            self._ports = c.triton_ports() if c.front else (c.http_port, c.grpc_port)
         triton_http_port, triton_grpc_port = self._ports
         if self._front is None:  # one per run: the front's spans and the binding's
             self._tracing = c.tracing.tracing()

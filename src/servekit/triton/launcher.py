@@ -24,7 +24,6 @@ from typing import Any
 
 from ..autoscale import AutoscalePolicy
 from ..config import ServerConfig
-from ..endpoints import free_port
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
 from ..runtime.processes import processes
@@ -135,13 +134,15 @@ class TritonProcess:
         self.log_path: Path | None = None
         self._front: Any = None
         # With the front, tritonserver's endpoints keep private ports across restarts.
-        front = options.server.front
-        self.triton_http_url = (
-            f"http://127.0.0.1:{free_port()}" if front else options.server.http_url
-        )
-        self.triton_grpc_url = (
-            f"grpc://127.0.0.1:{free_port()}" if front else options.server.grpc_url
-        )
+        s = options.server
+        if s.front:
+            http, grpc = s.triton_ports()
+            self.triton_http_url, self.triton_grpc_url = (
+                f"http://127.0.0.1:{http}",
+                f"grpc://127.0.0.1:{grpc}",
+            )
+        else:
+            self.triton_http_url, self.triton_grpc_url = s.http_url, s.grpc_url
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
         o, s = self.options, self.options.server
