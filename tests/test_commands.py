@@ -117,6 +117,11 @@ max_queue_delay_us = 1000
     assert "tiny_cnn: reloaded from" in log and "(reload 1)" in log
     assert "reload failed, the serving version stays" in log and "tiny_cnn.onnx" in log
     assert "model instance(s) ['tiny_cnn_0_0']: worker process died; restarting (1/5)" in log
+    # Into a pipe: whole lines, and PyTriton's own banner and chatter stay at debug level.
+    assert "; ready once every model is loaded\n" in log.split("starting the pytriton", 1)[1]
+    assert log.split("starting the pytriton", 1)[1].index("\n") > 120
+    for chatter in ("Patch ModelClient", "Infer function available", "Read more about"):
+        assert chatter not in log, chatter
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:

@@ -16,7 +16,8 @@ from ..config import RUNTIMES, ServeConfig
 __all__ = ["console", "fail", "serve_config", "zoo_model"]
 
 # Rich reads the terminal's width; with none (a pipe, CI logs) it would wrap at 80.
-console = Console(width=None if os.isatty(1) else 120)
+# Into a file or a pipe: whole lines (no wrapping), tables laid out 120 wide.
+console = Console(width=None if os.isatty(1) else 120, soft_wrap=not os.isatty(1))
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

@@ -77,6 +77,8 @@ class TritonServer:
         Python backend stubs.)
         """
         apply_triton_environment()
+        if self.server.log_verbose == 0:  # PyTriton's own banner and chatter: debug
+            logging.getLogger("pytriton").setLevel(logging.WARNING)
         from pytriton.triton import (
             Triton,
             TritonConfig,
