@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import serve_on_runtime
+from conftest import sample, scrape, serve_on_runtime
 from servekit import BatchingPolicy, ModelConfig
 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
@@ -128,6 +128,16 @@ def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answer
         # Worded the same on every runtime: the model named once, the exception, its words.
         said = "model picky: ValueError: x below -1000 is not supported"
         assert all(m == said for m in bad_errors), bad_errors[:2]
+        # Each failure counted, and those that failed alone beside answers counted so.
+        url = served.triton_metrics or f"http://127.0.0.1:{served.http_port}/metrics"
+        samples = scrape(url)
+        failed = sum(
+            v for (name, labels), v in samples.items()
+            if name in ("servekit_request_failure", "nv_inference_request_failure")
+            and dict(labels).get("model") == "picky"
+        )  # fmt: skip
+        isolated = sample(samples, "servekit_request_isolated", model="picky", version="1")
+        assert failed >= 25 and 0 < isolated <= 25, (failed, isolated)
 
 
 def test_a_runner_that_refuses_warm_up_samples_starts_and_serves(serving, tmp_path):

@@ -89,8 +89,8 @@ def test_the_infer_callable_answers_each_request_and_codes_its_errors():
     bad = FakeRequest(x=np.zeros((1, 2), np.float64))
     out = fn([good, bad, good])
     np.testing.assert_array_equal(out[0]["y"], np.ones((2, 2)))
-    code, message = out[1][ERROR_OUTPUT]
-    assert code == b"INVALID_ARG"
+    code, message, flags = out[1][ERROR_OUTPUT]
+    assert code == b"INVALID_ARG" and flags == b"isolated"  # the others were answered
     assert message.decode() == "plus1: input 'x': expected dtype FP32, got FP64"
     np.testing.assert_array_equal(out[2]["y"], np.ones((2, 2)))
 

@@ -53,6 +53,11 @@ COUNTERS = {
 }
 FAILURE_METRIC = "servekit_request_failure"
 FAILURE_HELP = "Requests a servekit model answered with an error response"
+ISOLATED_METRIC = "servekit_request_isolated"
+ISOLATED_HELP = (
+    "Requests that failed alone while the rest of their batch was answered "
+    "(servekit.batching.execute); each is in the failures too"
+)
 OVERLAP_METRIC = "servekit_batch_overlapped"
 OVERLAP_HELP = (
     "Batches handed to a Triton instance while it still ran the one before (model overlap)"
@@ -242,6 +247,9 @@ class Metrics:
                 values[DEMAND].append((w.labels, self._needed(w, s)))
             for name, help_text in COUNTERS.items():
                 _family(lines, name, "counter", help_text, values[name])
+            isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
+            if isolated:
+                _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)
             for name, help_text in GAUGES.items():
                 if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])

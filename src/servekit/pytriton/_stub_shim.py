@@ -32,9 +32,10 @@ def _wrap_response_or_error(response, requested_output_names, model_outputs_dict
     if data is not None and RAN_OUTPUT in data:
         _ran = tuple(float(t) for t in data.pop(RAN_OUTPUT))
     if data is not None and ERROR_OUTPUT in data:
-        code, message = (v.decode("utf-8", "replace") for v in data[ERROR_OUTPUT].reshape(-1)[:2])
+        fields = [v.decode("utf-8", "replace") for v in data[ERROR_OUTPUT].reshape(-1)]
+        code, message = fields[:2]
         if _failures is not None:
-            _failures.count(code)
+            _failures.count(code, len(fields) > 2 and fields[2] == "isolated")
         error_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code))
     return _wrap_response(response, requested_output_names, model_outputs_dict)

@@ -60,10 +60,14 @@ def pytriton_tensors(tensors: Sequence[TensorSpec]) -> list[Any]:
     ]
 
 
-def error_response(exc: ServekitError, model: str) -> dict[str, np.ndarray]:
-    """The one-request error the stub shim turns into a coded Triton error."""
+def error_response(exc: ServekitError, model: str, isolated: bool = False) -> dict[str, np.ndarray]:
+    """The one-request error the stub shim turns into a coded Triton error (``isolated``:
+    the rest of its batch was answered, counted so in the stub)."""
     message = worded(exc, model)
-    return {ERROR_OUTPUT: np.array([triton_code(exc).encode(), message.encode()], dtype=object)}
+    flags = b"isolated" if isolated else b""
+    return {
+        ERROR_OUTPUT: np.array([triton_code(exc).encode(), message.encode(), flags], dtype=object)
+    }
 
 
 def infer_callable(
@@ -94,8 +98,10 @@ def infer_callable(
                 results = run_requests(runner, inputs, spec, name=model)
             for span in spans:
                 tracing.step_spans(span, tracer.tracer, trace.steps)
+        failed = sum(isinstance(r, ServekitError) for r in results)
+        isolated = 0 < failed < len(results)
         return [
-            error_response(result, model) if isinstance(result, ServekitError) else result
+            error_response(result, model, isolated) if isinstance(result, ServekitError) else result
             for result in results
         ]
 

@@ -294,7 +294,7 @@ class TritonPythonModel:
             for r in requests
         ]
         if self.pipeline is None:
-            return [self._response(result) for result in self._run(items)]
+            return self._responses(self._run(items))
         self.pipeline.submit(items, [r.get_response_sender() for r in requests])
         return None  # answered through the senders (``pipeline``)
 
@@ -337,14 +337,21 @@ class TritonPythonModel:
 
     def _send(self, senders: list[Any], results: Sequence[Any]) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        send_each(senders, results, lambda s, r: s.send(self._response(r), flags=final))
+        responses = self._responses(results)
+        send_each(senders, responses, lambda s, r: s.send(r, flags=final))
 
-    def _response(self, result: Any) -> Any:
+    def _responses(self, results: Sequence[Any]) -> list[Any]:
+        """A batch's responses; an error beside answers is counted as isolated."""
+        failed = sum(isinstance(r, BaseException) for r in results)
+        isolated = 0 < failed < len(results)
+        return [self._response(result, isolated) for result in results]
+
+    def _response(self, result: Any, isolated: bool = False) -> Any:
         """One request's response: its outputs, or its error with Triton's code for it."""
         pb = self._pb
         if isinstance(result, BaseException):
             error = result if isinstance(result, ServekitError) else as_error(result, self.name)
-            self.failures.count(triton_code(error))
+            self.failures.count(triton_code(error), isolated)
             code = getattr(pb.TritonError, triton_code(error), pb.TritonError.INTERNAL)
             return pb.InferenceResponse(error=pb.TritonError(worded(error, self.name), code))
         tensors = [pb.Tensor(n, np.ascontiguousarray(result[n])) for n in self.outputs]

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..metrics import FAILURE_HELP, FAILURE_METRIC, OVERLAP_HELP, OVERLAP_METRIC
+from ..metrics import (
+    FAILURE_HELP,
+    FAILURE_METRIC,
+    ISOLATED_HELP,
+    ISOLATED_METRIC,
+    OVERLAP_HELP,
+    OVERLAP_METRIC,
+)
 
 __all__ = ["FAILURE_METRIC", "OVERLAP_METRIC", "FailureCounter", "overlap_counter"]
 
@@ -35,7 +42,18 @@ class FailureCounter:
         except Exception:  # metrics disabled in this tritonserver
             self._family = None
 
-    def count(self, code: str) -> None:
+        self._isolated: Any = None
+        try:
+            self._isolated_family = pb_utils.MetricFamily(
+                name=ISOLATED_METRIC, description=ISOLATED_HELP,
+                kind=pb_utils.MetricFamily.COUNTER,
+            )  # fmt: skip
+            self._isolated = self._isolated_family.Metric(labels=self._labels)
+        except Exception:
+            self._isolated = None
+
+    def count(self, code: str, isolated: bool = False) -> None:
+        """One error response (``isolated``: the rest of its batch was answered)."""
         if self._family is None:
             return
         metric = self._metrics.get(code)
@@ -43,6 +61,8 @@ class FailureCounter:
             metric = self._family.Metric(labels={**self._labels, "code": code})
             self._metrics[code] = metric
         metric.increment(1)
+        if isolated and self._isolated is not None:
+            self._isolated.increment(1)
 
 
 class _Counted:
