@@ -1,33 +1,17 @@
 """An OTLP/HTTP traces endpoint for tests: a real receiver on loopback that decodes each
-export with the ``opentelemetry-proto`` messages (protobuf, or OTLP/JSON as tritonserver
-sends it)."""
+export as ``servekit traces`` does (``servekit.traces.decode_export``: the
+``opentelemetry-proto`` messages, protobuf or OTLP/JSON as tritonserver sends it)."""
 
 from __future__ import annotations
 
-import base64
-import gzip
+import dataclasses
 import http.server
-import json
 import threading
 
-from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from conftest import free_port
-
-
-def otlp_json(value):
-    """OTLP/JSON as protobuf's JSON mapping reads it: ids are hex there, base64 here."""
-    if isinstance(value, dict):
-        return {
-            k: base64.b64encode(bytes.fromhex(v)).decode()
-            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str)
-            else otlp_json(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [otlp_json(v) for v in value]
-    return value
+from servekit.traces import decode_export
 
 
 class Receiver:
@@ -41,33 +25,12 @@ class Receiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                kind = trace_service_pb2.ExportTraceServiceRequest
-                if "json" in self.headers.get("Content-Type", ""):  # tritonserver's exporter
-                    export = json_format.ParseDict(
-                        otlp_json(json.loads(body)), kind(), ignore_unknown_fields=True
-                    )
-                else:
-                    export = kind.FromString(body)
-                got = [
-                    {
-                        "trace": s.trace_id.hex(),
-                        "id": s.span_id.hex(),
-                        "parent": s.parent_span_id.hex(),
-                        "name": s.name,
-                        "start": s.start_time_unix_nano,
-                        "end": s.end_time_unix_nano,
-                        "attributes": {
-                            a.key: getattr(a.value, a.value.WhichOneof("value"))
-                            for a in s.attributes
-                        },
-                        "error": s.status.code == 2,
-                    }
-                    for r in export.resource_spans
-                    for scope in r.scope_spans
-                    for s in scope.spans
-                ]
+                decoded = decode_export(
+                    body,
+                    self.headers.get("Content-Type", ""),
+                    self.headers.get("Content-Encoding", ""),
+                )
+                got = [dataclasses.asdict(s) for s in decoded]
                 with lock:
                     spans.extend(got)
                 self.send_response(200)

@@ -12,6 +12,7 @@ from .infer import demo, infer
 from .models import models_app, repo_app
 from .precision import accuracy, optimize
 from .serve import serve, triton
+from .traces import traces
 from .tune import tune
 
 __all__ = ["app", "main"]
@@ -25,7 +26,7 @@ app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 app.add_typer(repo_app, name="repo")
-for command in (infer, serve, bench, compare, tune, optimize, accuracy, batch, demo):
+for command in (infer, serve, bench, compare, tune, optimize, accuracy, batch, demo, traces):
     app.command()(command)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(triton)
 
