@@ -352,4 +352,3 @@ def test_an_unreachable_endpoint_is_said_once_and_costs_a_stop_at_most_a_second(
     assert said == [f"trace endpoint {endpoint} does not answer: spans are dropped until it does"]
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
     assert stopped < 2.0, f"the stop took {stopped:.1f} s"
-
