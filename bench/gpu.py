@@ -104,14 +104,19 @@ def main() -> None:
         "precisions": {},
     }
     for precision in args.precisions.split(","):
+
+        def runner_of(instances: int, precision: str = precision) -> TorchRunner:
+            return TorchRunner(
+                model,
+                device=args.device,
+                precision=precision,
+                max_batch_size=max(batches),
+                preferred_batch_sizes=batches,
+                instances=instances,
+            )
+
         start = time.perf_counter()
-        runner = TorchRunner(
-            model,
-            device=args.device,
-            precision=precision,
-            max_batch_size=max(batches),
-            preferred_batch_sizes=batches,
-        )
+        runner = runner_of(1)
         row = {
             "capture_s": round(time.perf_counter() - start, 1),
             "engine_images_per_s": {
@@ -125,14 +130,7 @@ def main() -> None:
         }
         runner.close()
         for n in (int(i) for i in args.instances.split(",")):
-            lanes = TorchRunner(
-                model,
-                device=args.device,
-                precision=precision,
-                max_batch_size=max(batches),
-                preferred_batch_sizes=batches,
-                instances=n,
-            )
+            lanes = runner_of(n)
             row["served"][n] = asyncio.run(  # type: ignore[index]
                 served_images_per_s(lanes, args.clients, 2 * args.seconds, max(batches), n)
             )

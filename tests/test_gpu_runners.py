@@ -321,8 +321,7 @@ def test_cuda_graphs_answer_every_batch_size_like_onnx_runtime(precision, tiny_c
 def test_two_lanes_interleaving_under_eight_clients_answer_like_onnx_runtime(tiny_cnn_path):
     """Two instances on one GPU, each on its own lane (stream, graphs, buffers), fed from
     the runner's pinned staging by eight threads: every caller gets its own rows' answer."""
-    import threading
-
+    from conftest import each_client
     from servekit import Batcher, BatchingPolicy
     from servekit.runners.torch import TorchRunner
 
@@ -343,11 +342,7 @@ def test_two_lanes_interleaving_under_eight_clients_answer_like_onnx_runtime(tin
             ):
                 wrong.append(f"client {c} request {k}")
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each_client(client)
     batcher.close()
     runner.close()
     assert not wrong, wrong[:5]

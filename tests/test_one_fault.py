@@ -5,12 +5,10 @@ with ``InvalidInput`` still starts and serves."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
-from conftest import sample, scrape, serve_on_runtime
+from conftest import each_client, sample, scrape, serve_on_runtime
 from servekit import BatchingPolicy, ModelConfig
 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
@@ -117,11 +115,7 @@ def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answer
                 for _, each in own:
                     each.close()
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        each_client(client, timeout_s=180)
         assert not wrong, wrong[:5]
         assert answered[0] == 7 * 25
         assert len(bad_errors) == 25

@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import each_client
 from servekit import Batcher, BatchingPolicy, FunctionRunner, ModelSpec, TensorSpec
 from servekit.batching.execute import run_requests
 from servekit.runners.staging import StagingPool
@@ -115,11 +116,7 @@ def test_an_identity_model_returns_each_caller_its_own_rows_from_eight_threads()
             if not np.array_equal(y, x):
                 wrong.append(f"client {c} request {k}: {y.tolist()}")
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each_client(client)
     batcher.close()
     assert not wrong, wrong[:5]
     assert batcher.stats.execution_count < 1600  # it did batch
