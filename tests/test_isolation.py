@@ -146,3 +146,22 @@ def test_a_traceback_is_logged_once_per_error_and_place_then_counted(caplog):
     assert "test_isolation.py" in lines[0].getMessage()  # the place in the user's code
     assert "another error" in lines[1].getMessage()
     assert "5 more in the last 60 s" in lines[2].getMessage() and lines[2].exc_info is None
+
+
+def test_the_rows_that_fitted_are_in_the_models_metrics():
+    from servekit import Metrics
+
+    batcher = Batcher(
+        FunctionRunner(Picky(most_rows=8), SPEC), BatchingPolicy(max_queue_delay_us=5000)
+    )
+    metrics = Metrics()
+    metrics.watch(batcher, "m")
+    assert "servekit_fitted_batch_rows" not in metrics.render()
+
+    async def main():
+        return await asyncio.gather(*(batcher.infer(r) for r in requests([1] * 16, set())))
+
+    assert len(asyncio.run(main())) == 16
+    batcher.close()
+    assert batcher.fitted_rows == 8
+    assert 'servekit_fitted_batch_rows{model="m",version="1"} 8' in metrics.render()

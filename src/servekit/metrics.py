@@ -53,6 +53,11 @@ COUNTERS = {
 }
 FAILURE_METRIC = "servekit_request_failure"
 FAILURE_HELP = "Requests a servekit model answered with an error response"
+FITTED_METRIC = "servekit_fitted_batch_rows"
+FITTED_HELP = (
+    "The most rows a batch holds since the device ran out of memory on a larger one "
+    "(larger batches run in parts); absent until it has"
+)
 ISOLATED_METRIC = "servekit_request_isolated"
 ISOLATED_HELP = (
     "Requests that failed alone while the rest of their batch was answered "
@@ -250,6 +255,13 @@ class Metrics:
             isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
             if isolated:
                 _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)
+            fitted = [
+                (w.labels, float(w.batcher.fitted_rows))
+                for w, _, _ in rows
+                if isinstance(w.batcher, Batcher) and w.batcher.fitted_rows
+            ]
+            if fitted:
+                _family(lines, FITTED_METRIC, "gauge", FITTED_HELP, fitted)
             for name, help_text in GAUGES.items():
                 if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])
