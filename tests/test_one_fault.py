@@ -174,3 +174,52 @@ def test_the_log_holds_the_models_traceback_once(runtime, tmp_path, caplog, capf
     text = caplog.text + out.out + out.err
     assert text.count("model picky failed: ValueError: x below -1000 is not supported") == 1
     assert text.count(f'{module}.py", line 16, in infer') == 1  # the user's line, once
+
+
+def test_on_ray_the_models_traceback_reaches_the_servers_console_once(tmp_path):
+    """``servekit serve --runtime ray``: the replica logs it, Ray forwards it to the driver."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import free_port, wait_until
+
+    (tmp_path / "picky_ray.py").write_text(PICKY)
+    (tmp_path / "serve.toml").write_text(
+        'runtime = "ray"\n[[models]]\nname = "picky"\nsource = "picky_ray:Picky"\npath = "."\n'
+    )
+    http = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("servekit")), "serve", "--config",
+             str(tmp_path / "serve.toml"), "--host", "127.0.0.1", "--http-port", str(http)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
+        wait_until(lambda: _ready(c), "picky ready on Ray", 180)
+        for _ in range(3):
+            with pytest.raises(InferenceServerException, match="below -1000"):
+                call(httpclient, c, "picky", np.full((1, 4), -5000.0, np.float32))
+        c.close()
+        wait_until(
+            lambda: 'picky_ray.py", line 16, in infer' in log.read_text(), "the traceback", 30
+        )
+        time.sleep(2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    text = log.read_text()
+    assert text.count("model picky failed: ValueError: x below -1000 is not supported") == 1
+    assert text.count('picky_ray.py", line 16, in infer') == 1
+
+
+def _ready(client) -> bool:
+    try:
+        return bool(client.is_model_ready("picky"))
+    except Exception:
+        return False
