@@ -52,7 +52,7 @@ from ..tracing import Tracing
 from .calls import Method, each_answered, service_methods
 from .h2 import GrpcH2Server
 from .streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream_response
-from .tensors import decode_inputs, infer_response, parameter, request_parameters
+from .tensors import ModelInferRequest, decode_inputs, infer_response, parameter, request_parameters
 
 __all__ = [
     "GrpcOnLoop",
@@ -90,9 +90,14 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         self._on_failure = on_failure
 
     def methods(self) -> Mapping[bytes, Method | None]:
-        """The service's methods for ``GrpcH2Server``."""
+        """The service's methods for ``GrpcH2Server``: ``ModelInfer`` reads its request
+        with the tensors' bytes left in place (``ModelInferRequest``)."""
         descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-        return service_methods(self, descriptor, service_pb2)
+        table = dict(service_methods(self, descriptor, service_pb2))
+        for path, method in table.items():
+            if method is not None and method.name == "ModelInfer":
+                table[path] = Method(method.name, ModelInferRequest, method.handler)
+        return table
 
     async def fail(self, context: Any, exc: BaseException) -> None:
         """End the call with ``exc``'s status (an unexpected error as INTERNAL, logged)."""
