@@ -147,6 +147,8 @@ def test_the_triton_runtimes_keep_tritonservers_answers_in_the_front(runtime, tm
         assert sample(front, "nv_cache_num_misses_per_model", model="add_sub") == 8 * 2
         triton = scrape(s.metrics_url)  # tritonserver ran the model for the misses only
         assert sample(triton, "nv_inference_request_success", model="add_sub", version="1") == 16
+        # The metrics port holds the cache's families too, beside tritonserver's.
+        assert sample(triton, "nv_cache_num_hits_per_model", model="add_sub") == 8 * 3
         pending = ("nv_inference_pending_request_count",
                    frozenset({("model", "add_sub"), ("version", "1")}))  # fmt: skip
         assert triton.get(pending) == 0  # idle again once the clients stop

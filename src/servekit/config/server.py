@@ -128,9 +128,11 @@ class ServerConfig(Endpoints):
     own HTTP moves to a private loopback port). Always on for ``native`` and ``ray``."""
     triton_http_port: int = 0
     triton_grpc_port: int = 0
-    """With the front (pytriton, triton): tritonserver's own HTTP and gRPC ports, on
-    127.0.0.1 only, behind the front's public ones; 0 (default) picks free ones at start.
-    Set them where a firewall or a port range must know every port servekit opens."""
+    triton_metrics_port: int = 0
+    """With the front (pytriton, triton): tritonserver's own HTTP, gRPC and metrics ports,
+    on 127.0.0.1 only, behind the front's public ones (the front serves ``metrics_port``
+    with tritonserver's families and its own); 0 (default) picks free ones at start. Set
+    them where a firewall or a port range must know every port servekit opens."""
     inference_token: str | None = None
     """When set, inference needs it in the ``servekit-inference-token`` header / metadata."""
     control_token: str | None = None
@@ -173,7 +175,7 @@ class ServerConfig(Endpoints):
             port = getattr(self, key)
             if not 0 < port < 65536:
                 raise ValueError(f"{key} must be in [1, 65535], got {port}")
-        for key in ("triton_http_port", "triton_grpc_port"):
+        for key in ("triton_http_port", "triton_grpc_port", "triton_metrics_port"):
             port = getattr(self, key)
             if not 0 <= port < 65536:
                 raise ValueError(f"{key} must be in [0, 65535] (0: a free one), got {port}")
@@ -184,9 +186,14 @@ class ServerConfig(Endpoints):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
 
-    def triton_ports(self) -> tuple[int, int]:
-        """tritonserver's private HTTP and gRPC ports behind the front: as set, or free ones."""
-        return self.triton_http_port or free_port(), self.triton_grpc_port or free_port()
+    def triton_ports(self) -> tuple[int, int, int]:
+        """tritonserver's private HTTP, gRPC and metrics ports behind the front: as set, or
+        free ones."""
+        return (
+            self.triton_http_port or free_port(),
+            self.triton_grpc_port or free_port(),
+            self.triton_metrics_port or free_port(),
+        )
 
     def http_limits(self) -> dict[str, Any]:
         """servekit's HTTP/1.1 server's connection limits (``H1Server``'s keywords)."""

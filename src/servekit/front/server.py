@@ -18,6 +18,7 @@ from ..rollout import Traffic
 from ..spec import ModelSpec
 from ..tracing import Tracing
 from .cached import FrontCache
+from .exposition import merged_metrics_handler
 from .forwarded import ForwardedModel
 from .models import PyTritonModels, TritonModels
 from .relay import GrpcRelay
@@ -41,7 +42,9 @@ class Front:
     ``http_limits``: the HTTP server's connection limits (``ServerConfig.http_limits``);
     ``recovery``: re-send requests whose worker died (``servekit.recovery``); the
     registry's models share it. ``local`` (PyTriton): models the front serves itself from
-    servekit's core (``PyTritonModels``).
+    servekit's core (``PyTritonModels``). ``metrics_port``: the public metrics port, where
+    tritonserver's exposition (``triton_metrics_url``, a private port) is served merged
+    with the front's own (``front.exposition``).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class Front:
         cached: Mapping[str, Callable[[], str]] | None = None,
         cache: ResponseCache | None = None,
         local: Mapping[str, Any] | None = None,
+        metrics_port: int | None = None,
+        triton_metrics_url: str | None = None,
     ) -> None:
         self.recovery, self.tracing, self.cache = recovery, tracing, cache
         self.registry: TritonModels | PyTritonModels = (
@@ -141,12 +146,18 @@ class Front:
             if self._relay is not None and grpc_port is not None
             else None
         )
+        ports = (
+            {metrics_port: merged_metrics_handler(triton_metrics_url, self.app.metrics.render)}
+            if metrics_port is not None and triton_metrics_url is not None
+            else {}
+        )
         self._http = H1Server(
             self.app.handle,
             host,
             port,
             fast=self.app.forward_now,
             max_body_bytes=max_body_bytes,
+            ports=ports,
             **(http_limits or {}),
             name="servekit-front",
             on_start=self._grpc.start if self._grpc is not None else None,

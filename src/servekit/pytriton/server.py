@@ -54,7 +54,7 @@ class TritonServer:
         self._front: Any = None
         self._tracing: Tracing | None = None
         self._stubs: dict[int, str] = {}
-        self._ports: tuple[int, int] | None = None
+        self._ports: tuple[int, int, int] | None = None
         """tritonserver's HTTP and gRPC ports, chosen once."""
         self.restarting = False
         self.restarts = 0
@@ -103,8 +103,11 @@ class TritonServer:
         # The front serves the public HTTP and gRPC ports; tritonserver's are private and
         # outlive a restart: the front keeps sending there.
         if self._ports is None:
-            self._ports = c.triton_ports() if c.front else (c.http_port, c.grpc_port)
-        triton_http_port, triton_grpc_port = self._ports
+            self._ports = (
+                c.triton_ports() if c.front else (c.http_port, c.grpc_port, c.metrics_port)
+            )
+        triton_http_port, triton_grpc_port, triton_metrics_port = self._ports
+        triton_metrics = f"http://127.0.0.1:{triton_metrics_port}/metrics"
         if self._front is None:  # one per run: the front's spans and the binding's
             self._tracing = c.tracing.tracing()
         self._workdir = Workdir("servekit-triton-", verbose=c.log_verbose > 0)
@@ -117,8 +120,8 @@ class TritonServer:
                 http_port=triton_http_port,
                 grpc_address="127.0.0.1" if c.front else c.host,
                 grpc_port=triton_grpc_port,
-                metrics_address=c.host,
-                metrics_port=c.metrics_port,
+                metrics_address="127.0.0.1" if c.front else c.host,
+                metrics_port=triton_metrics_port,
                 metrics_config=["summary_latencies=true"],
                 allow_gpu_metrics=gpu_present(),
                 log_verbose=c.log_verbose,
@@ -172,7 +175,7 @@ class TritonServer:
                     http_limits=c.http_limits(),
                     grpc_limits=c.grpc_limits(),
                     demand=TritonDemand(
-                        c.metrics_url,
+                        triton_metrics,
                         f"http://127.0.0.1:{triton_http_port}",
                         self.config.autoscale_policies() if self.config else {},
                     ),
@@ -185,6 +188,8 @@ class TritonServer:
                         if m.response_cache and m.name not in local
                     },
                     cache=cache,
+                    metrics_port=c.metrics_port,
+                    triton_metrics_url=triton_metrics,
                 ).start()
         except BaseException:
             if self._front is not None and not self.restarting:

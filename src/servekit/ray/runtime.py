@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..config import ServeConfig
+from ..runtime.processes import descendants, end_processes
 from . import drain
 from .app import APP_NAME, build_app, ray_config
 
@@ -38,6 +39,9 @@ class RayRuntime:
         self.address = address or self.config.ray.address or "local"
         self.num_cpus = num_cpus if self.address == "local" else None
         self._owns_ray = False
+        self._before: set[int] | None = None
+        """This process's descendants before ``ray.init``, while it runs (and after, if cut
+        short): what Ray started is what is new."""
         self._imported = False
         """Whether Ray imported whole (a stop during ``import ray`` has nothing to stop)."""
         self._origins: dict[str, object] | None = None
@@ -58,8 +62,10 @@ class RayRuntime:
         self._origins = _origins(self.config)
         if not ray.is_initialized():
             self._owns_ray = True  # first: a stop while Ray starts still shuts down its part
+            self._before = set(descendants())
             with _signal_handlers_kept():
                 ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
+            self._before = None  # started whole: ray.shutdown knows all it started
         s = self.config.server
         if self.config.ray.direct:  # the ingress replicas listen themselves (ray.direct)
             serve.start(proxy_location="Disabled")
@@ -125,6 +131,15 @@ class RayRuntime:
         if self._owns_ray:  # also when a signal cut ray.init short: what it started stops
             ray.shutdown()
             self._owns_ray = False
+            if self._before is not None:  # cut short: Ray may not know its own processes
+                started = {
+                    pid for pid, argv in descendants().items()
+                    if pid not in self._before and _is_ray(argv)
+                }  # fmt: skip
+                if started:
+                    log.warning("stopping %d process(es) of a Ray start cut short", len(started))
+                    end_processes(started)
+                self._before = None
 
     def __enter__(self) -> RayRuntime:
         return self.start()
@@ -154,6 +169,12 @@ def _signal_handlers_kept() -> Iterator[None]:
         for sig, handler in kept.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _is_ray(argv: list[str]) -> bool:
+    """Whether a process is one of Ray's (a worker or agent, or a binary or script of the
+    ``ray`` package)."""
+    return argv[0].startswith("ray::") or any("/ray/" in a for a in argv[:3])
 
 
 def _origins(config: ServeConfig) -> dict[str, object] | None:

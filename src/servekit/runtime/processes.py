@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["kill_leftovers", "processes"]
+__all__ = ["descendants", "end_processes", "kill_leftovers", "processes"]
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +53,60 @@ def kill_leftovers(prefix: str) -> int:
     if killed:
         log.warning("killed %d process(es) left behind under %s", killed, prefix)
     return killed
+
+
+def descendants(root: int | None = None) -> dict[int, list[str]]:
+    """Live (not zombie) processes below ``root`` (default: this one): pid -> argv (Linux
+    ``/proc``; empty elsewhere)."""
+    root = os.getpid() if root is None else root
+    parent: dict[int, int] = {}
+    argv: dict[int, list[str]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            pid = int(entry.name)
+            parent[pid] = int(fields[1])
+            argv[pid] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+    below: dict[int, list[str]] = {}
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in below}
+        below.update({pid: argv[pid] for pid in frontier})
+    return below
+
+
+def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> int:
+    """SIGTERM ``pids``, SIGKILL those still alive after ``grace_s``; returns how many
+    were still running."""
+    alive = [pid for pid in pids if _signal(pid, signal.SIGTERM)]
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if _running(pid)]
+    for pid in alive:
+        _signal(pid, signal.SIGKILL)
+    return len(alive)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        return False
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

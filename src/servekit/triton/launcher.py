@@ -136,13 +136,16 @@ class TritonProcess:
         # With the front, tritonserver's endpoints keep private ports across restarts.
         s = options.server
         if s.front:
-            http, grpc = s.triton_ports()
+            http, grpc, metrics = s.triton_ports()
             self.triton_http_url, self.triton_grpc_url = (
                 f"http://127.0.0.1:{http}",
                 f"grpc://127.0.0.1:{grpc}",
             )
+            self.triton_metrics_port = metrics
         else:
             self.triton_http_url, self.triton_grpc_url = s.http_url, s.grpc_url
+            self.triton_metrics_port = s.metrics_port
+        self.triton_metrics_url = f"http://127.0.0.1:{self.triton_metrics_port}/metrics"
 
     def command(self, backends: Path, env: TritonEnvironment) -> list[str]:
         o, s = self.options, self.options.server
@@ -154,8 +157,8 @@ class TritonProcess:
             f"--http-port={self.triton_http_url.rsplit(':', 1)[1]}",
             f"--grpc-address={'127.0.0.1' if s.front else s.host}",
             f"--grpc-port={self.triton_grpc_url.rsplit(':', 1)[1]}",
-            f"--metrics-address={s.host}",
-            f"--metrics-port={s.metrics_port}",
+            f"--metrics-address={'127.0.0.1' if s.front else s.host}",
+            f"--metrics-port={self.triton_metrics_port}",
             f"--model-control-mode={o.model_control_mode}",
             f"--log-verbose={s.log_verbose}",
             f"--exit-timeout-secs={s.exit_timeout_s}",
@@ -248,10 +251,12 @@ class TritonProcess:
             exit_timeout_s=s.exit_timeout_s,
             http_limits=s.http_limits(),
             grpc_limits=s.grpc_limits(),
-            demand=TritonDemand(s.metrics_url, self.triton_http_url, self.autoscale),
+            demand=TritonDemand(self.triton_metrics_url, self.triton_http_url, self.autoscale),
             recovery=recovery,
             tracing=s.tracing.tracing(),
             cache=cache,
+            metrics_port=s.metrics_port,
+            triton_metrics_url=self.triton_metrics_url,
         ).start()
 
     def _http_ok(self, path: str) -> bool:
