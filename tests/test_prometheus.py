@@ -206,12 +206,12 @@ def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runt
     s = config.server
     http = s.http_url.removeprefix("http://")
     metrics = s.metrics_url.removeprefix("http://").removesuffix("/metrics")
-    # Where each runtime's series are: the metrics port (tritonserver's on the Triton
-    # runtimes), plus servekit's front on the HTTP port there; Ray's on its HTTP port.
+    # Where each runtime's series are: the metrics port (on the Triton runtimes the front
+    # serves it, tritonserver's families and its own together); Ray's on its HTTP port.
     targets = {
         "native": {"servekit": (metrics, "/metrics")},
-        "pytriton": {"servekit": (metrics, "/metrics"), "servekit-front": (http, "/metrics")},
-        "triton": {"servekit": (metrics, "/metrics"), "servekit-front": (http, "/metrics")},
+        "pytriton": {"servekit": (metrics, "/metrics")},
+        "triton": {"servekit": (metrics, "/metrics")},
         "ray": {"servekit": (http, "/metrics")},
     }[runtime]
     server = create_runtime(config)
@@ -226,8 +226,8 @@ def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runt
             drive(s.http_url, "add_sub", 1)
             wait_until(lambda: total(prom, f"sum(nv_inference_request_success{model})") == 1,
                        "the first request scraped", 60)  # fmt: skip
-            # ... and the signal's source scraped once (the Triton runtimes' front is a
-            # target of its own), so the burst is inside the window it reports on.
+            # ... and the signal's source scraped once (on the Triton runtimes the front
+            # adds it to the metrics port), so the burst is inside the window it reports on.
             wait_until(lambda: query(prom, f"servekit_replicas_needed{model}"),
                        "the signal scraped", 60)  # fmt: skip
             drive(s.http_url, "add_sub", REQUESTS - 1, BAD)
