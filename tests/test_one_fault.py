@@ -132,6 +132,9 @@ def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answer
         )  # fmt: skip
         isolated = sample(samples, "servekit_request_isolated", model="picky", version="1")
         assert failed >= 25 and 0 < isolated <= 25, (failed, isolated)
+        pending = ("nv_inference_pending_request_count",
+                   frozenset({("model", "picky"), ("version", "1")}))  # fmt: skip
+        assert samples.get(pending) == 0  # idle again once the clients stop
 
 
 def test_a_runner_that_refuses_warm_up_samples_starts_and_serves(serving, tmp_path):
