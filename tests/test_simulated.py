@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import each_client
 from servekit import FunctionRunner, ModelConfig, ModelSpec, ServeConfig, TensorSpec, zoo
 from servekit.runners import load_runner
 from servekit.runners.simulated import DeviceProfile, SimulatedDevice
@@ -139,11 +140,7 @@ def test_a_queued_device_runs_batches_handed_over_while_busy_back_to_back(tmp_pa
     x = {"x": np.zeros((2, 2), np.float32)}
     outs: list = []
     start = time.time()
-    threads = [threading.Thread(target=lambda r=r: outs.append(r.infer(x))) for r in runners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    each_client(lambda k: outs.append(runners[k].infer(x)), clients=3)  # names a failure
     for r in runners:
         r.close()
     assert [o["y"].shape for o in outs] == [(2, 3)] * 3
