@@ -335,6 +335,66 @@ def test_a_models_version_number_comes_from_a_store_s_layout_and_is_refused_in_m
     assert "version" not in ModelConfig("m.onnx", "m").to_dict()
 
 
+def test_a_store_s_version_folders_are_served_by_policy_and_by_the_split_that_names_them(
+    tmp_path,
+):
+    from servekit.store.catalog import catalog
+
+    for number in (1, 2, 3):
+        (tmp_path / "models" / "m" / str(number)).mkdir(parents=True)
+        (tmp_path / "models" / "m" / str(number) / "model.onnx").write_bytes(b"")
+    (tmp_path / "models" / "flat.onnx").write_bytes(b"")
+    path = tmp_path / "serve.toml"
+
+    def served(models: str) -> dict[str, ModelConfig]:
+        path.write_text(f'runtime = "native"\n[store]\nroot = "models"\n{models}')
+        return catalog(ServeConfig.load(path))
+
+    def folder(number: int) -> str:
+        return str(tmp_path / "models" / "m" / str(number) / "model.onnx")
+
+    latest = served("")["m"]  # Triton's default: the highest version, keeping its number
+    assert latest.version_numbers == (3,) and latest.source == folder(3)
+    split = served(
+        '[[models]]\nname = "m"\ninstances = 2\n[models.traffic]\nsplit = { 1 = 50, 2 = 50 }'
+    )
+    m = split["m"]
+    assert m.instances == 2 and m.version_numbers == (3, 1, 2)  # its own first: the latest
+    assert [m.for_version(v).source for v in (1, 2, 3)] == [folder(1), folder(2), folder(3)]
+    assert m.traffic.split == {1: 50, 2: 50} and split["flat"].version_numbers == (1,)
+    assert served('[[models]]\nname = "m"\nversion_policy = "all"')["m"].version_numbers == (
+        3,
+        1,
+        2,
+    )
+    assert served('[[models]]\nname = "m"\nversion_policy = [1, 2]')["m"].version_numbers == (2, 1)
+    for models, message in [
+        (
+            '[[models]]\nname = "m"\n[models.traffic]\nsplit = { 1 = 50, 4 = 50 }',
+            r"model 'm' has no version folder \[4\] .*; it holds \[1, 2, 3\]",
+        ),
+        ('[[models]]\nname = "m"\nversion_policy = [5]', r"no version folder \[5\]"),
+        ('[[models]]\nname = "gone"', r"\['gone'\] give no source and \[store\] root .* holds no"),
+        (
+            '[[models]]\nname = "m"\nversion_policy = "newest"',
+            r"version_policy: expected \"latest\", \"all\" or a list of version numbers",
+        ),
+        (
+            '[[models]]\nname = "m"\nsource = "models/m/1/model.onnx"\nversion_policy = "all"',
+            r"version_policy chooses among a \[store\] root's version folders; leave out source",
+        ),
+        (
+            '[[models]]\nname = "m"\nsource = "models/m/1/model.onnx"\n'
+            "[models.traffic]\nsplit = { 1 = 50, 2 = 50 }",
+            r"names version\(s\) \[2\]; the model has \[1\] .*leave out source",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            served(models)
+    with pytest.raises(ValueError, match=r"model 'm' has no source, and no \[store\] root"):
+        ServeConfig((ModelConfig("", "m"),))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -87,7 +87,7 @@ def test_the_shadow_runs_beside_every_other_version_never_beside_itself():
         (lambda: CanaryPolicy(step=(10, 50)), r"ending at 100"),
         (lambda: CanaryPolicy(on_failure="panic"), r"on_failure must be one of"),
         (lambda: CanaryPolicy(max_error_rate=2.0), r"max_error_rate must be in \[0, 1\]"),
-        (lambda: ModelVersion(1, "a.onnx"), r"version must be an integer >= 2"),
+        (lambda: ModelVersion(0, "a.onnx"), r"version must be an integer >= 1"),
         (
             lambda: Traffic("m", [1, 2], TrafficPolicy({1: 50, 3: 50})),
             r"unknown version\(s\) \[3\]",

@@ -720,3 +720,58 @@ def test_a_stored_model_s_split_outlives_its_unload_and_each_version_loads_on_it
             assert index == {("1", "UNAVAILABLE"), ("2", "READY")}
         finally:
             c.close()
+
+
+def test_a_split_over_a_store_s_version_folders_serves_each_folder_to_eight_clients(
+    tmp_path, add_sub_path
+):
+    from conftest import each_client
+    from servekit.zoo.tiny import build_add_sub as adder
+
+    for number in (1, 2, 3):  # version N adds N - 1 to the sum
+        (tmp_path / "models" / "adder" / str(number)).mkdir(parents=True)
+        onnx.save(
+            adder(offset=float(number - 1)), tmp_path / "models/adder" / str(number) / "model.onnx"
+        )
+    (tmp_path / "serve.toml").write_text(
+        'runtime = "native"\n[store]\nroot = "models"\nload = "on_demand"\n'
+        '[[models]]\nname = "adder"\n[models.traffic]\nsplit = { 1 = 50, 2 = 50 }\n'
+    )
+    config = ServeConfig.load(tmp_path / "serve.toml").on_loopback()
+    x = np.ones((1, 16), np.float32)
+    seen: list[tuple[str, float]] = []
+    with NativeServer(config) as server:
+        url = config.server.http_url.removeprefix("http://")
+
+        def work(k: int) -> None:
+            c = httpclient.InferenceServerClient(url)
+            try:
+                for _ in range(25):
+                    inputs = [
+                        httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")
+                    ]
+                    for t in inputs:
+                        t.set_data_from_numpy(x)
+                    r = c.infer("adder", inputs)
+                    got = r.as_numpy("OUTPUT0")
+                    assert np.all(got == got.flat[0]), got
+                    seen.append((r.get_response()["model_version"], float(got.flat[0])))
+            finally:
+                c.close()
+
+        each_client(work)
+        c = httpclient.InferenceServerClient(url)
+        try:
+            assert c.get_model_metadata("adder")["versions"] == ["1", "2", "3"]
+            inputs = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+            for t in inputs:
+                t.set_data_from_numpy(x)
+            assert c.infer("adder", inputs, model_version="3").as_numpy("OUTPUT0").flat[0] == 4.0
+        finally:
+            c.close()
+        assert server.store.state("adder", 3) == "READY"
+    # Each answer is its folder's (version N: 2 + N - 1); the split reaches both folders.
+    assert all(value == 2 + int(version) - 1 for version, value in seen)
+    counts = {v: sum(1 for version, _ in seen if version == v) for v in ("1", "2", "3")}
+    assert counts["3"] == 0 and counts["1"] + counts["2"] == 200
+    assert 60 <= counts["1"] <= 140, counts  # 50 % of 200, far beyond chance either way

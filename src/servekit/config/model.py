@@ -28,7 +28,7 @@ class ModelConfig:
     source: str = "resnet50"
     """Zoo model name, path to an ONNX file, or your own model's import path
     (``module:attribute``: a ``servekit.Model`` subclass, an ``@infer_function``, or a
-    ``Runner`` class)."""
+    ``Runner`` class); empty: the ``[store]`` root's model of this name (its folders)."""
     name: str = ""
     """Served name; empty = ``model_name(source)``."""
     engine: str = "onnxruntime"
@@ -51,6 +51,10 @@ class ModelConfig:
     version: int = 1
     """The number ``source`` is served as: 1, except where a ``[store]`` root's Triton
     layout says otherwise (``<name>/3/model.onnx`` is version 3)."""
+    version_policy: str | tuple[int, ...] = "latest"
+    """Which of a ``[store]`` root's version folders (``<name>/<N>/model.onnx``) are served,
+    as Triton's ``version_policy``: ``"latest"`` (the highest), ``"all"``, or the numbers.
+    The versions a ``[models.traffic]`` split or shadow names are served too."""
     versions: tuple[ModelVersion, ...] = ()
     """Versions beside version 1 (``source``), each with the same signature; every one is
     loaded and served under the model's name (``/versions/<v>/`` names one)."""
@@ -95,6 +99,11 @@ class ModelConfig:
         object.__setattr__(self, "source", os.fspath(self.source))
         if self.steps:
             self._check_steps()
+        if not self.source and not self.name:
+            raise ValueError(
+                "a model needs a source (a zoo name, a file, your code), or a name that a "
+                "[store] root holds"
+            )
         if not self.name:
             object.__setattr__(self, "name", model_name(self.source))
         if not NAME.match(self.name):
@@ -189,6 +198,7 @@ class ModelConfig:
         object.__setattr__(self, "versions", versions)
         if self.version < 1:
             raise ValueError(f"model {self.name!r}: version must be >= 1, got {self.version}")
+        self._check_version_policy()
         numbers = [self.version, *(v.version for v in versions)]
         if len(set(numbers)) != len(numbers):
             raise ValueError(f"model {self.name!r}: versions must be unique, got {numbers}")
@@ -197,13 +207,13 @@ class ModelConfig:
         if isinstance(self.canary, Mapping):
             object.__setattr__(self, "canary", CanaryPolicy.from_dict(self.canary))
         traffic = self.traffic
-        if traffic is not None:
-            named = sorted({*traffic.split, *([traffic.shadow] if traffic.shadow else [])})
-            unknown = [v for v in named if v not in numbers]
+        if traffic is not None and self.source:  # a store's model: its folders tell (catalog)
+            unknown = [v for v in self.named_versions if v not in numbers]
             if unknown:
                 raise ValueError(
                     f"model {self.name!r}: [models.traffic] names version(s) {unknown}; "
-                    f"the model has {numbers} (add them under [[models.versions]])"
+                    f"the model has {numbers} (add them under [[models.versions]], or leave "
+                    "out source to serve a [store] root's version folders)"
                 )
         judged = {*traffic.split, traffic.shadow} - {None} if traffic is not None else set()
         if self.canary is not None and len(judged) < 2:
@@ -211,6 +221,32 @@ class ModelConfig:
                 f"model {self.name!r}: [models.canary] needs a [models.traffic] split over "
                 "two versions, or a shadow beside one (the canary is the smaller share)"
             )
+
+    def _check_version_policy(self) -> None:
+        policy = self.version_policy
+        if isinstance(policy, Sequence) and not isinstance(policy, str):
+            numbers = tuple(policy)
+            if not numbers or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers
+            ):
+                raise ValueError(
+                    f"model {self.name!r}: version_policy: expected \"latest\", \"all\" or "
+                    f"a list of version numbers >= 1, got {list(policy)!r}"
+                )
+            object.__setattr__(self, "version_policy", tuple(sorted(set(numbers))))
+        elif policy not in ("latest", "all"):
+            raise ValueError(
+                f"model {self.name!r}: version_policy: expected \"latest\", \"all\" or a "
+                f"list of version numbers, got {policy!r}"
+            )
+
+    @property
+    def named_versions(self) -> tuple[int, ...]:
+        """The versions ``[models.traffic]`` names (its split and its shadow)."""
+        if self.traffic is None:
+            return ()
+        shadow = [self.traffic.shadow] if self.traffic.shadow else []
+        return tuple(sorted({*self.traffic.split, *shadow}))
 
     @property
     def version_numbers(self) -> tuple[int, ...]:
@@ -242,6 +278,10 @@ class ModelConfig:
         data["batching"] = self.batching.to_dict()
         if self.version == 1:
             del data["version"]
+        if self.version_policy == "latest":
+            del data["version_policy"]
+        elif not isinstance(self.version_policy, str):
+            data["version_policy"] = list(self.version_policy)
         if not self.args:
             del data["args"]
         if self.steps:

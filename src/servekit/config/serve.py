@@ -96,6 +96,16 @@ class ServeConfig:
         ]
         if len(set(served)) != len(served):
             raise ValueError(f"served model names must be unique, got {served}")
+        for m in self.models:
+            if m.source and m.version_policy != "latest":
+                raise ValueError(
+                    f"model {m.name!r}: version_policy chooses among a [store] root's version "
+                    f"folders; leave out source ({m.source!r}) to serve the stored model"
+                )
+            if not m.source and not m.steps and self.store.root is None:
+                raise ValueError(
+                    f"model {m.name!r} has no source, and no [store] root holds it"
+                )
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 
@@ -228,6 +238,13 @@ class ServeConfig:
             raw = data.get("models", [] if store_root else [{}])
             if not isinstance(raw, Sequence) or isinstance(raw, str):
                 raise ValueError(f"[[models]]: expected a list of tables, got {raw!r}")
+            if store_root:  # a [[models]] entry that names a stored model gives its settings
+                raw = [
+                    {**m, "source": ""}
+                    if isinstance(m, Mapping) and "name" in m and not {"source", "steps"} & set(m)
+                    else m
+                    for m in raw
+                ]
             models = [ModelConfig.from_dict(m, f"models.{i}") for i, m in enumerate(raw)]
         return cls(
             models=tuple(models),

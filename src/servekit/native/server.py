@@ -19,7 +19,7 @@ from ..http.app import KServeApp, metrics_handler
 from ..http.h1 import H1Server
 from ..protocol.shm import SharedMemory
 from ..runtime.registry import ServedModels, response_cache
-from ..store import ModelStore, store_app
+from ..store import ModelStore, StoreModels, store_app
 
 __all__ = ["NativeServer"]
 
@@ -116,6 +116,8 @@ class NativeServer:
         self.app, self.store = store_app(
             c, ready=lambda: self._ready, shared_memory=self.shared_memory, tracing=self.tracing
         )
+        assert isinstance(self.app.models, StoreModels)
+        self.models.traffic = self.app.models.traffic  # what SIGHUP's re-read file changes
         server = self._listen(self.app)
         asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
         self._ready = True

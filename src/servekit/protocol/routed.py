@@ -222,7 +222,9 @@ async def infer_answered(
 def traffic_of(models: Iterable[ModelConfig]) -> dict[str, Traffic]:
     """A ``Traffic`` for each model served in several versions or with a traffic table."""
     return {
-        m.name: Traffic(m.name, m.version_numbers, m.traffic or TrafficPolicy(), m.canary)
+        m.name: Traffic(
+            m.name, m.version_numbers, m.traffic or TrafficPolicy({m.version: 100}), m.canary
+        )
         for m in models
         if m.versions or m.traffic
     }

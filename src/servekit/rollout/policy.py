@@ -18,16 +18,16 @@ ON_FAILURE = ("rollback", "hold")
 
 @dataclass(frozen=True)
 class ModelVersion:
-    """A version of a model beside version 1 (the model's own ``source``)."""
+    """A version of a model beside its own (``source``, version 1 but in a store)."""
 
     version: int
     source: str
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 2:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
             raise ValueError(
-                f"[[models.versions]]: version must be an integer >= 2 (1 is the model's own "
-                f"source), got {self.version!r}"
+                f"[[models.versions]]: version must be an integer >= 1 (other than the "
+                f"model's own), got {self.version!r}"
             )
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(

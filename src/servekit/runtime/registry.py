@@ -76,7 +76,9 @@ class ServedModels:
             else dataclasses.replace(m, runner=VersionedRunner(m.runner, name=m.name))
             for m in models
         ]
-        self.traffic: dict[str, Traffic] = traffic_of(config.models) if config else {}
+        self.traffic: dict[str, Traffic] = (
+            traffic_of(config.models) if config and not config.store.active else {}
+        )  # a store keeps its models' own
         """Each versioned model's split, shadow and canary, kept across restarts."""
         self.batchers: dict[str, Batcher | SequenceBatcher] = {}
         """Served name -> its Batcher, while ``batch`` has them running."""
