@@ -230,13 +230,13 @@ class ModelConfig:
                 isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers
             ):
                 raise ValueError(
-                    f"model {self.name!r}: version_policy: expected \"latest\", \"all\" or "
+                    f'model {self.name!r}: version_policy: expected "latest", "all" or '
                     f"a list of version numbers >= 1, got {list(policy)!r}"
                 )
             object.__setattr__(self, "version_policy", tuple(sorted(set(numbers))))
         elif policy not in ("latest", "all"):
             raise ValueError(
-                f"model {self.name!r}: version_policy: expected \"latest\", \"all\" or a "
+                f'model {self.name!r}: version_policy: expected "latest", "all" or a '
                 f"list of version numbers, got {policy!r}"
             )
 

@@ -103,9 +103,7 @@ class ServeConfig:
                     f"folders; leave out source ({m.source!r}) to serve the stored model"
                 )
             if not m.source and not m.steps and self.store.root is None:
-                raise ValueError(
-                    f"model {m.name!r} has no source, and no [store] root holds it"
-                )
+                raise ValueError(f"model {m.name!r} has no source, and no [store] root holds it")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 

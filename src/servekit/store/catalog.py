@@ -43,7 +43,10 @@ def _served(model: ModelConfig, held: dict[int, str], where: str) -> list[int]:
     """The versions of a stored model that are served: its ``version_policy`` (Triton's;
     the highest by default) and every version its traffic names, each one a folder."""
     policy = model.version_policy
-    chosen = {max(held)} if policy == "latest" else set(held) if policy == "all" else set(policy)
+    if isinstance(policy, tuple):
+        chosen = set(policy)
+    else:
+        chosen = set(held) if policy == "all" else {max(held)}
     chosen |= set(model.named_versions)
     missing = sorted(chosen - set(held))
     if missing:
@@ -77,14 +80,14 @@ def catalog(config: ServeConfig) -> dict[str, ModelConfig]:
     version, or at the versions its ``version_policy`` and traffic name (the highest is
     its own, the others beside it)."""
     models = {m.name: m for m in config.models}
-    root = config.store.root
-    found = _found(_files(root, config.storage), root) if root is not None else {}
+    root = config.store.root or ""
+    found = _found(_files(root, config.storage), root) if root else {}
     template = ModelConfig(image=False)
     for name, held in found.items():
         model = models.get(name, template)
         if name in models and model.source:
             continue
-        numbers = _served(model, held, root or "")
+        numbers = _served(model, held, root)
         sources = {
             v: f"{root.rstrip('/')}/{held[v]}" if is_remote(root) else str(Path(root, held[v]))
             for v in numbers
