@@ -43,6 +43,16 @@ def test_the_docs_have_runnable_blocks_and_the_finder_sees_them(tmp_path):
     assert {"docs/storage.md", "docs/operations.md", "docs/rollout.md"} <= where
 
 
+@pytest.mark.parametrize("page", ["models.md", "operations.md", "streaming.md"])
+def test_a_user_page_opens_with_a_task_to_run_and_leaves_the_tests_to_development(page):
+    text = (ROOT / "docs" / page).read_text()
+    first = min(
+        int(w.split(":")[1]) for w, _ in runnable_blocks() if w == f"docs/{page}:{w.split(':')[1]}"
+    )
+    assert first <= 12, f"docs/{page}: the first runnable block starts on line {first}"
+    assert "tests/" not in text, f"docs/{page} names the tests: they belong in development.md"
+
+
 @pytest.mark.parametrize(("where", "code"), runnable_blocks(), ids=lambda v: v.split("\n")[0])
 def test_a_runnable_block_runs_as_written(where, code, tmp_path):
     bin_dir = Path(sys.executable).parent

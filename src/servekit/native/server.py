@@ -76,7 +76,7 @@ class NativeServer:
             self._shutdown()
             raise
         self._ready = True
-        log.info("serving %s on %s", self.models.names(), c.server.http_url)
+        log.info("serving %s on %s", self.models.names(), c.server.listening())
         return self
 
     def _listen(self, app: KServeApp) -> H1Server:
@@ -121,7 +121,9 @@ class NativeServer:
         server = self._listen(self.app)
         asyncio.run_coroutine_threadsafe(self.store.start(), server.loop).result()
         self._ready = True
-        log.info("serving a store of %d models on %s", len(self.store.known()), c.server.http_url)
+        log.info(
+            "serving a store of %d models on %s", len(self.store.known()), c.server.listening()
+        )
 
     def problem(self) -> str | None:
         dead = [t.name for t in self._threads if not t.is_alive()]
