@@ -31,6 +31,7 @@ from ..runners.base import Runner, batch_function, staging_of
 from ..spec import ModelSpec
 from .ahead import Ahead
 from .bridge import LoopBridge
+from .budget import Budget
 from .delivery import Delivery
 from .execute import BatchFn, Fit, Steps, batch_steps
 from .instances import Instances
@@ -149,6 +150,7 @@ class Batcher:
             self.listeners,
             ordered=policy.preserve_ordering,
             release=self._scheduler.release,
+            finished=self._scheduler.finished,
         )
         self._bridge = LoopBridge(name, self._admit_from_thread)
         self._bridge.on_bind = self._on_bind
@@ -265,6 +267,11 @@ class Batcher:
     def fitted_rows(self) -> int:
         """The most rows a batch holds since the device ran out of memory (0: no limit)."""
         return self._fit.rows
+
+    @property
+    def budget(self) -> Budget | None:
+        """The latency budget's learned state (``latency_budget_ms``), where one is set."""
+        return self._scheduler.budget
 
     @property
     def pending(self) -> int:

@@ -32,9 +32,10 @@ class Delivery:
         *,
         ordered: bool,
         release: Callable[[], None],
+        finished: Callable[[list[Request], float], None] = lambda batch, compute_us: None,
     ) -> None:
         self.name, self.stats, self.listeners = name, stats, listeners
-        self._ordered, self._release = ordered, release
+        self._ordered, self._release, self._finished = ordered, release, finished
         self._next = 0
         self._due = 0
         self._held: dict[int, tuple[list[Request], Outcome]] = {}
@@ -70,6 +71,7 @@ class Delivery:
                     listener(record)
                 except Exception:
                     log.exception("batch listener %r failed", listener)
+        self._finished(batch, compute_us)
         self._release()
 
     def _deliver(

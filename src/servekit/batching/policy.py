@@ -131,11 +131,20 @@ class BatchingPolicy:
       from the queue, even when instances finish out of order.
 
     ``max_batch_size`` 0 means "the model's ``max_batch_size``".
+
+    ``latency_budget_ms`` (servekit's own; 0: off) replaces the queue delay and the
+    preferred sizes: each batch's wait and rows are chosen online so that a request's
+    time in the server (queue plus compute) stays within the budget at
+    ``latency_percentile`` while the device keeps up (``batching.budget``). Where
+    tritonserver's batcher assembles the batches it is rendered as a fixed delay
+    (``static_delay_us``).
     """
 
     max_batch_size: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 0
+    latency_budget_ms: float = 0.0
+    latency_percentile: float = 99.0
     preserve_ordering: bool = False
     priority_levels: int = 0
     default_priority_level: int = 0
@@ -156,6 +165,18 @@ class BatchingPolicy:
         object.__setattr__(self, "preferred_batch_sizes", sizes)
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if self.latency_budget_ms < 0:
+            raise ValueError(f"latency_budget_ms must be >= 0, got {self.latency_budget_ms}")
+        if not 0 < self.latency_percentile <= 100:
+            raise ValueError(
+                f"latency_percentile must be in (0, 100], got {self.latency_percentile}"
+            )
+        if self.latency_budget_ms and (self.max_queue_delay_us or sizes):
+            given = "max_queue_delay_us" if self.max_queue_delay_us else "preferred_batch_sizes"
+            raise ValueError(
+                f"latency_budget_ms chooses each batch's wait and rows itself: leave out {given} "
+                "(max_batch_size stays the upper bound)"
+            )
         if self.priority_levels < 0:
             raise ValueError(f"priority_levels must be >= 0, got {self.priority_levels}")
         if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
@@ -196,6 +217,8 @@ class BatchingPolicy:
                 self.max_batch_size,
                 self.preferred_batch_sizes,
                 self.max_queue_delay_us,
+                self.latency_budget_ms,
+                self.latency_percentile,
                 self.preserve_ordering,
                 self.priority_levels,
                 self.default_priority_level,
@@ -227,6 +250,12 @@ class BatchingPolicy:
     def queue_policy(self, level: int) -> QueuePolicy:
         return self.priority_queue_policies.get(level, self.default_queue_policy)
 
+    def static_delay_us(self) -> int:
+        """The fixed queue delay a latency budget is rendered as where tritonserver's own
+        batcher assembles the batches: a tenth of the budget, what the budget leaves a
+        queue beside a batch that takes most of the rest."""
+        return round(self.latency_budget_ms * 100)
+
     def batch_limit(self, model_max_batch_size: int) -> int:
         """Most rows one batch may hold: the largest preferred size, else max_batch_size."""
         if self.preferred_batch_sizes:
@@ -254,6 +283,8 @@ class BatchingPolicy:
             "max_batch_size": self.max_batch_size,
             "preferred_batch_sizes": list(self.preferred_batch_sizes),
             "max_queue_delay_us": self.max_queue_delay_us,
+            "latency_budget_ms": self.latency_budget_ms,
+            "latency_percentile": self.latency_percentile,
             "preserve_ordering": self.preserve_ordering,
             "priority_levels": self.priority_levels,
             "default_priority_level": self.default_priority_level,
@@ -277,6 +308,8 @@ class BatchingPolicy:
             "max_batch_size",
             "preferred_batch_sizes",
             "max_queue_delay_us",
+            "latency_budget_ms",
+            "latency_percentile",
             "preserve_ordering",
             "priority_levels",
             "default_priority_level",
@@ -307,7 +340,9 @@ class BatchingPolicy:
         db = config.dynamic_batching
         db.SetInParent()
         db.preferred_batch_size.extend(self.preferred_batch_sizes)
-        db.max_queue_delay_microseconds = self.max_queue_delay_us
+        db.max_queue_delay_microseconds = (
+            self.static_delay_us() if self.latency_budget_ms else self.max_queue_delay_us
+        )
         db.preserve_ordering = self.preserve_ordering
         db.priority_levels = self.priority_levels
         db.default_priority_level = self.default_priority_level
@@ -348,7 +383,9 @@ class BatchingPolicy:
         if not max_batch:
             return ModelConfig(batching=False)
         batcher = DynamicBatcher(
-            max_queue_delay_microseconds=self.max_queue_delay_us,
+            max_queue_delay_microseconds=(
+                self.static_delay_us() if self.latency_budget_ms else self.max_queue_delay_us
+            ),
             preferred_batch_size=list(self.preferred_batch_sizes) or None,
             preserve_ordering=self.preserve_ordering,
             priority_levels=self.priority_levels,

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 
 from .ahead import Ahead
+from .budget import Budget
 from .decision import decide
 from .policy import BatchingPolicy
 from .queue import RequestQueue
@@ -66,6 +67,18 @@ class Scheduler:
         self._launch = launch
         self._on_timeout = on_timeout
         self.ahead = ahead
+        self.budget = (
+            Budget(
+                policy.latency_budget_ms / 1e3,
+                policy.latency_percentile,
+                limit=limit,
+                instances=instance_count,
+                clock=clock,
+            )  # fmt: skip
+            if policy.latency_budget_ms
+            else None
+        )
+        """The latency budget's learned state (``batching.budget``), where one is set."""
         self._poke_pending = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf  # on the injected clock
@@ -76,9 +89,13 @@ class Scheduler:
         Raises:
             Overloaded: the queue is full.
         """
+        budget = self.budget
+        if budget is not None:
+            budget.arrived(request.rows, request.arrival)
         if (
             self.free
             and not self._delay_s
+            and (budget is None or budget.target <= request.rows)
             and self.queue.idle()
             and self._may_leave(request, request.arrival)
         ):
@@ -88,7 +105,7 @@ class Scheduler:
             self._start([request], request.arrival)
             return
         self.queue.push(request)  # raises Overloaded
-        if self.free and not self._delay_s:
+        if self.free and not self._delay_s and budget is None:
             self.poke()  # an idle instance and nothing to wait for: start now
         elif not self._poke_pending:
             # Coalesce: one decision per loop iteration however many requests arrive in it.
@@ -116,14 +133,17 @@ class Scheduler:
             pending = self.queue.peek(self._limit + 1)
             if not pending:
                 break
-            d = decide(
-                pending,
-                now,
-                limit=self._limit,
-                preferred=self._preferred,
-                delay_s=self._delay_s,
-                flush=self.flush,
-            )
+            if self.budget is not None:
+                d = self.budget.decide(pending, now, self.flush)
+            else:
+                d = decide(
+                    pending,
+                    now,
+                    limit=self._limit,
+                    preferred=self._preferred,
+                    delay_s=self._delay_s,
+                    flush=self.flush,
+                )
             if not d.take:
                 wait = d.wait_s if d.wait_s is not None else math.inf
                 break
@@ -143,6 +163,13 @@ class Scheduler:
             self._arm(now, wait)
         if self.drained is not None and self.free == self.instance_count and not self.queue.peek(1):
             self.drained.set()
+
+    def finished(self, batch: list[Request], compute_us: float) -> None:
+        """A batch ran (before its instance is released): what the budget learns from."""
+        if self.budget is not None:
+            now = self._clock()
+            self.budget.ran(sum(r.rows for r in batch), compute_us / 1e6)
+            self.budget.answered([now - r.arrival for r in batch], now)
 
     def _may_leave(self, request: Request, now: float) -> bool:
         return self.ahead is None or self.ahead.may_leave(request.rows, now) == 0.0
