@@ -124,7 +124,7 @@ def simulate(arrivals, fixed, per_row, budget_s, limit=32, instances=1):
         elif what != wake:
             continue  # a wake-up since replaced
         while free and queue:
-            d = budget.decide(queue, now)
+            d = budget.decide(queue, now, busy=instances - free)
             if not d.take:
                 rows = sum(r.rows for r in queue)
                 t = budget.times.at_percentile(max(budget.target, rows))

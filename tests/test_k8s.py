@@ -17,7 +17,7 @@ kv = pytest.importorskip("kubernetes_validate")
 from conftest import parse_metrics
 from kustomize import KustomizeError, render
 from servekit import Batcher, FunctionRunner, ModelSpec, TensorSpec
-from servekit.metrics import FAILURE_METRIC, GPU_GAUGES, ROLLOUT, Metrics
+from servekit.metrics import BUDGET_GAUGES, FAILURE_METRIC, GPU_GAUGES, ROLLOUT, Metrics
 from servekit.ray.app import ray_config
 from servekit.storage.cache import COUNTERS as STORAGE
 from servekit.store import ModelStore
@@ -38,7 +38,8 @@ def exported_metric_names() -> set[str]:
         re.sub(r"(_summary_us)_(count|sum)$", r"\1", n) for n, _ in parse_metrics(metrics.render())
     }
     store = {family for family, *_ in ModelStore({}).figures()}
-    return names | set(GPU_GAUGES) | {FAILURE_METRIC} | set(ROLLOUT) | store | set(STORAGE)
+    budget = set(BUDGET_GAUGES)  # a model with a latency budget
+    return names | set(GPU_GAUGES) | {FAILURE_METRIC} | set(ROLLOUT) | store | set(STORAGE) | budget
 
 
 def pod_specs(doc: dict) -> list[tuple[dict, dict]]:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import free_port, needs_runtime, scrape, terminate, wait_until
-from servekit import Client, InvalidInput, ModelConfig, ServeConfig, ServerConfig
+from servekit import BatchingPolicy, Client, InvalidInput, ModelConfig, ServeConfig, ServerConfig
 
 INSTALL = "apt-get install -y prometheus"
 pytestmark = pytest.mark.skipif(
@@ -38,9 +38,12 @@ GPU_PANELS = ("GPU utilisation", "GPU memory used")  # no GPU here: NVML exports
 REQUESTS, BAD = 120, 3
 
 
-FEATURES = ("servekit_version_", "servekit_traffic_", "servekit_store_", "servekit_storage_")
-"""Series a server exports only with a rollout, a model store or an object-storage source:
-their panels are checked by the test that configures them."""
+FEATURES = (
+    "servekit_version_", "servekit_traffic_", "servekit_store_", "servekit_storage_",
+    "servekit_latency_budget_", "servekit_batch_target_", "servekit_batch_delay_",
+)  # fmt: skip
+"""Series a server exports only with a rollout, a model store, an object-storage source or
+a latency budget: their panels are checked by the test that configures them."""
 
 
 def dashboard_exprs(features: bool = False) -> list[tuple[str, str]]:
@@ -268,7 +271,7 @@ def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule_on_each_runt
 
 def test_the_rollout_store_and_object_storage_panels_on_servers_that_use_them(tmp_path):
     """One native server splitting add_sub between two versions fetched from a loopback S3
-    server, one serving a store of three models under a budget that holds about one: every
+    server under a latency budget, one serving a store of three models under a budget that holds about one: every
     feature panel has a series, and the counts are the traffic's."""
     pytest.importorskip("s3fs", reason="needs the cloud extra (servekit[cloud])")
     pytest.importorskip("moto", reason="needs moto[server] (the dev extra)")
@@ -297,7 +300,8 @@ def test_the_rollout_store_and_object_storage_panels_on_servers_that_use_them(tm
         rollout = ServeConfig(
             (ModelConfig("s3://models/adder/1/model.onnx", "adder",
                          versions=(ModelVersion(2, "s3://models/adder/2/model.onnx"),),
-                         traffic=TrafficPolicy({1: 50, 2: 50})),),
+                         traffic=TrafficPolicy({1: 50, 2: 50}),
+                         batching=BatchingPolicy(latency_budget_ms=100)),),
             ServerConfig(exit_timeout_s=2), runtime="native",
             storage=StorageConfig(cache=str(tmp_path / "cache"), s3_endpoint_url=s3),
         ).on_loopback()  # fmt: skip

@@ -67,6 +67,13 @@ def test_brute_and_quick_find_the_known_best_and_constraints_prune(device, tmp_p
         if t.best and t.knobs.max_batch_size == 4
     )
 
+    # With a p99 budget, the best candidate's batch and instances are measured once more
+    # with the batcher holding that budget itself (latency_budget_ms), for comparison.
+    adaptive = every.adaptive
+    assert adaptive is not None and adaptive.knobs == every.best.knobs
+    assert adaptive.status == "ok", adaptive.reason
+    assert adaptive.best.stats.p99_ms <= 150  # type: ignore[union-attr]
+
     climbed = tune(base, space, constraints, how, search="quick", baseline=False)
     assert climbed.best is not None and climbed.best.knobs.max_batch_size == 16
     assert len(climbed.trials) < len(every.trials)
@@ -74,6 +81,8 @@ def test_brute_and_quick_find_the_known_best_and_constraints_prune(device, tmp_p
     written = write_outputs([every], tmp_path, "servekit tune ...", "test machine")
     report = (tmp_path / "report.md").read_text()
     assert "max_batch_size 128 does not fit device" in report and "(Pareto)" in report
+    assert "Adaptive batching (`latency_budget_ms = 150`, batch 16, instances 1):" in report
+    assert "the best fixed configuration's rows/s" in report
     assert {p.name for p in written} >= {"best.toml", "report.md", "pareto.png", "memory.png"}
     assert ServeConfig.load(tmp_path / "best.toml") == every.best_config()
 

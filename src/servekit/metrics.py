@@ -79,6 +79,25 @@ GAUGES = {
     DEMAND: "Replicas of this server the model's traffic over the autoscaling window needs "
     "(servekit.autoscale); summed over servers, the replicas to ask for",
 }
+BUDGET_GAUGES = {
+    "servekit_latency_budget_seconds": (
+        "budget_s",
+        "The latency budget the batcher holds (latency_budget_ms): queue plus compute",
+    ),
+    "servekit_latency_budget_attainment": (
+        "attainment",
+        "Share of the recent requests answered within the latency budget",
+    ),
+    "servekit_batch_target_rows": (
+        "target_rows",
+        "Rows the budget's batcher aims each batch at: the fewest that keep up with the arrivals",
+    ),
+    "servekit_batch_delay_seconds": (
+        "held_s",
+        "How long the budget's batcher held the last batch's oldest request for more rows",
+    ),
+}
+"""The latency budget's choices (``batching.budget``), for models that set one."""
 SUMMARIES = {
     "nv_inference_request_summary_us": "Summary of inference request duration in microseconds",
     "nv_inference_queue_summary_us": "Summary of inference queuing duration in microseconds",
@@ -207,7 +226,12 @@ class Metrics:
         counters = Counters(
             s.request_success, s.inference_count, s.execution_count, s.queue_us, w.compute_us
         )
-        return w.demand.observe(counters)
+        needed = w.demand.observe(counters)
+        budget = getattr(w.batcher, "budget", None)
+        if budget is None:
+            return needed
+        # The batcher's own budget: the replicas the arrivals need with batches held to it.
+        return budget.replicas_needed()
 
     def _observe(self, watched: _Watched, record: BatchRecord) -> None:
         now = self._clock()
@@ -265,6 +289,15 @@ class Metrics:
             for name, help_text in GAUGES.items():
                 if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])
+            budgets = [
+                (w.labels, budget.figures())
+                for w, _, _ in rows
+                if (budget := getattr(w.batcher, "budget", None)) is not None
+            ]
+            for name, (key, help_text) in BUDGET_GAUGES.items():
+                samples = [(labels, f[key]) for labels, f in budgets if key in f]
+                if samples:
+                    _family(lines, name, "gauge", help_text, samples)
             for name, help_text in SUMMARIES.items():
                 lines.append(f"# HELP {name} {help_text}")
                 lines.append(f"# TYPE {name} summary")

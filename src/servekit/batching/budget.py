@@ -9,13 +9,15 @@ batcher has learned online (as Clipper adapts its batches to a latency objective
 - how many requests were answered within the budget lately.
 
 From these: the *target* is the fewest rows a batch needs for the instances to keep up
-with the arrivals, with ``HEADROOM`` to spare (1 at a light load: nothing waits). A free
-instance takes a batch at once when that many rows wait; otherwise it holds them only
-while the oldest can still wait and be answered within the budget once a batch of the
-target runs (``decide_within``). Batches stop growing where one would take more than half
-the budget (a request may wait for the batch before its own). When requests miss the
-budget regardless, the budget the decisions use shrinks (by a tenth a step) and grows
-back slowly once they stop.
+with the arrivals, with ``HEADROOM`` to spare (1 at a light load). A free instance takes
+what waits at once when the device is idle (no other instance running: holding rows then
+never serves more of them, and batches grow by themselves as the load does), or when the
+target's rows wait. Otherwise it holds them only while the oldest can still be answered
+within the budget after a batch of the target, and no longer than the target takes to
+arrive (``decide_within``). When requests miss the budget regardless, the budget the
+holds use shrinks (by a tenth a step) and grows back slowly once they stop. Past what one
+replica can serve within the budget, ``replicas_needed`` asks for more replicas rather
+than smaller batches.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ _RATE_TAU_S = 1.0
 _ADAPT_EVERY_S = 0.5
 """How often the budget the decisions use is adjusted."""
 _PLAN_EVERY_S = 0.01
-"""How often the target and the most rows are worked out again."""
+"""How often the target is worked out again."""
 _ANSWERS_KEPT = 512
 """Answers the attainment is counted over (and no older than ``_ANSWERS_S``)."""
 _ANSWERS_S = 10.0
@@ -126,8 +128,6 @@ class Budget:
         self._adapted_at = -math.inf
         self.target = 1
         """The rows the last decision aimed at."""
-        self.most = limit
-        """The most rows the last decisions let a batch hold."""
         self._planned_at = -math.inf
         self.held_s = 0.0
         """How long the oldest request of the last batch waited for it to leave."""
@@ -193,19 +193,22 @@ class Budget:
                     return rows
         return most
 
-    def decide(self, pending: Sequence[Request], now: float, flush: bool = False) -> Decision:
+    def decide(
+        self, pending: Sequence[Request], now: float, flush: bool = False, busy: int = 0
+    ) -> Decision:
+        """The next batch for a free instance while ``busy`` others run one. With none
+        running, whatever waits leaves at once: holding rows while the device idles never
+        serves more of them (batches then grow by themselves with the load)."""
         if now - self._planned_at >= _PLAN_EVERY_S:
             self._planned_at = now
             self.target = self.target_rows(now, self.limit)
-            # Capacity first: past what the budget allows, batches still grow to keep up.
-            self.most = max(self.rows_within(), self.target)
-        most, rate = self.most, self.rate(now)
+        rate = self.rate(now)
         d = decide_within(
             pending,
             now,
-            limit=most,
+            limit=self.limit,
             budget_s=self.working_s,
-            target=self.target,
+            target=self.target if busy else 1,
             batch_s=self.times.at_percentile,
             fill_s=(self.target - 1) / rate if rate > 0 else 0.0,
             flush=flush,
@@ -214,10 +217,24 @@ class Budget:
             self.held_s = max(now - min(r.arrival for r in pending[: d.take]), 0.0)
         return d
 
-    def replicas_needed(self, now: float) -> float:
+    def figures(self) -> dict[str, float]:
+        """What it chose and how it fares, now: the budget, the share of recent answers
+        within it (while there are any), the target rows and the last batch's hold."""
+        now = self._clock()
+        out = {
+            "budget_s": self.budget_s,
+            "target_rows": float(self.target),
+            "held_s": self.held_s,
+        }
+        attained = self.attainment(now)
+        if attained is not None:
+            out["attainment"] = attained
+        return out
+
+    def replicas_needed(self, now: float | None = None) -> float:
         """Replicas of this model that the arrivals need within the budget: the rate over
         what one replica serves at ``HEADROOM`` with batches held to the budget."""
-        rate = self.rate(now)
+        rate = self.rate(self._clock() if now is None else now)
         if rate <= 0:
             return 0.0
         rows = self.rows_within()

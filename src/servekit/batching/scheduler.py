@@ -95,7 +95,9 @@ class Scheduler:
         if (
             self.free
             and not self._delay_s
-            and (budget is None or budget.target <= request.rows)
+            and (
+                budget is None or self.free == self.instance_count or budget.target <= request.rows
+            )
             and self.queue.idle()
             and self._may_leave(request, request.arrival)
         ):
@@ -134,7 +136,9 @@ class Scheduler:
             if not pending:
                 break
             if self.budget is not None:
-                d = self.budget.decide(pending, now, self.flush)
+                d = self.budget.decide(
+                    pending, now, self.flush, busy=self.instance_count - self.free
+                )
             else:
                 d = decide(
                     pending,

@@ -96,6 +96,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.autoscale, Mapping):
             object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
+        self._one_budget()
         object.__setattr__(self, "source", os.fspath(self.source))
         if self.steps:
             self._check_steps()
@@ -134,6 +135,21 @@ class ModelConfig:
                 f"model {self.name!r}: sequence_batching with versions, a traffic split or "
                 "pipeline steps is not served (a sequence's state lives on one model)"
             )
+
+    def _one_budget(self) -> None:
+        """A batching budget is the autoscaling signal's budget too (one number)."""
+        budget = self.batching.latency_budget_ms
+        scaling = self.autoscale.latency_budget_ms
+        if not budget or scaling == budget:
+            return
+        if scaling != AutoscalePolicy.latency_budget_ms:
+            raise ValueError(
+                f"model {self.name or self.source!r}: [models.batching] latency_budget_ms = "
+                f"{budget:g} and [models.autoscale] latency_budget_ms = {scaling:g}: give the "
+                "budget once, in [models.batching] (the autoscaling signal takes it from there)"
+            )
+        autoscale = dataclasses.replace(self.autoscale, latency_budget_ms=budget)
+        object.__setattr__(self, "autoscale", autoscale)
 
     @property
     def is_code(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import ServeConfig, ServerConfig
 from ..runners.base import Runner
-from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled
+from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled, static_budgets
 from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
 from ..tracing import Tracing, triton_trace_config
@@ -77,6 +77,8 @@ class TritonServer:
         Python backend stubs.)
         """
         apply_triton_environment()
+        for line in static_budgets(self.config) if self.config else ():
+            log.warning("%s", line)
         if self.server.log_verbose == 0:  # PyTriton's own banner and chatter: debug
             logging.getLogger("pytriton").setLevel(logging.WARNING)
         from pytriton.triton import (

@@ -88,6 +88,19 @@ class Runtime(Protocol):
         ...
 
 
+def static_budgets(config: ServeConfig) -> list[str]:
+    """One line per model whose latency budget tritonserver's own batcher cannot adapt to
+    (the Triton runtimes): the fixed delay it is served with instead."""
+    return [
+        f"model {m.name}: tritonserver's dynamic batcher assembles its batches, so "
+        f"latency_budget_ms = {m.batching.latency_budget_ms:g} is served as a fixed "
+        f"max_queue_delay_us = {m.batching.static_delay_us()} (the budget adapts each batch "
+        "on the native and ray runtimes)"
+        for m in config.models
+        if m.batching.latency_budget_ms and not m.steps
+    ]
+
+
 def is_decoupled(runner: Runner) -> bool:
     """Whether ``runner`` answers a request with any number of responses (``decoupled``)."""
     return bool(getattr(runner, "decoupled", False))

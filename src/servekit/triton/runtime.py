@@ -8,17 +8,21 @@ writes the same repository to a folder of your own for ``servekit triton``.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 from ..config import ServeConfig
 from ..protocol.routed import traffic_of
+from ..runtime.base import static_budgets
 from ..runtime.registry import watched_identity
 from .launcher import TritonOptions, TritonProcess
 from .repo import build_repository, model_repository
 
 __all__ = ["TritonRuntime"]
+
+log = logging.getLogger(__name__)
 
 
 class TritonRuntime:
@@ -41,6 +45,8 @@ class TritonRuntime:
 
     def start(self) -> TritonRuntime:
         """Render and build the repository, start tritonserver, wait for every model."""
+        for line in static_budgets(self.config):
+            log.warning("%s", line)
         self._root = Path(tempfile.mkdtemp(prefix="servekit-repository-"))
         try:
             models = model_repository(self.config)

@@ -118,6 +118,7 @@ def _section(result: TuneResult, folder: str) -> list[str]:
                 f"{result.baseline.reason}.",
                 "",
             ]
+    lines += _adaptive(result)
     lines += [
         f"{len(result.trials)} trials ({result.search} search over {result.space.size} points).",
         "",
@@ -132,6 +133,34 @@ def _section(result: TuneResult, folder: str) -> list[str]:
         "",
     ]
     return lines
+
+
+def _adaptive(result: TuneResult) -> list[str]:
+    """The batcher holding the p99 budget itself, against the best fixed configuration."""
+    adaptive = result.adaptive
+    if adaptive is None:
+        return []
+    k = adaptive.knobs
+    batch = k.max_batch_size or "the model's own"
+    what = (
+        f"Adaptive batching (`latency_budget_ms = {result.constraints.p99_ms:g}`, batch "
+        f"{batch}, instances {k.instances})"
+    )
+    p = adaptive.best
+    if p is None:
+        return [f"{what}: {adaptive.status}, {adaptive.reason}.", ""]
+    line = (
+        f"{what}: {p.stats.inferences_per_s:.1f} rows/s at concurrency {p.level:g}, "
+        f"p99 {p.stats.p99_ms:.1f} ms"
+    )
+    best = result.best.best if result.best else None
+    if best is not None:
+        line += (
+            f"; {p.stats.inferences_per_s / best.stats.inferences_per_s:.2f}x the best fixed "
+            f"configuration's rows/s ({best.stats.inferences_per_s:.1f}, p99 "
+            f"{best.stats.p99_ms:.1f} ms)"
+        )
+    return [line + ".", ""]
 
 
 def _plots(result: TuneResult, folder: Path) -> None:

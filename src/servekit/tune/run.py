@@ -35,6 +35,9 @@ class TuneResult:
     trials: list[Trial] = field(default_factory=list)
     baseline: Trial | None = None
     """The base configuration's own knobs, measured first for comparison."""
+    adaptive: Trial | None = None
+    """With a p99 budget: the best trial's max batch size and instances with the batcher
+    holding that budget itself (``latency_budget_ms``) instead of a fixed delay."""
     interrupted: bool = False
 
     @property
@@ -118,6 +121,14 @@ def tune(
             brute(space, evaluate)
         else:
             quick(space, evaluate, constraints)
+        budget = constraints.p99_ms
+        if budget is not None:
+            chosen = result.best or result.baseline
+            knobs = chosen.knobs if chosen else baseline_knobs(base)
+            on_start("adaptive", knobs)
+            adaptive = space.adaptive(base, knobs, budget)
+            result.adaptive = measure(adaptive, knobs, setup, how, constraints)
+            on_trial(result, result.adaptive)
     except KeyboardInterrupt:
         result.interrupted = True
     return result
@@ -144,5 +155,6 @@ def as_dict(result: TuneResult) -> dict[str, object]:
         "constraints": dataclasses.asdict(result.constraints),
         "interrupted": result.interrupted,
         "baseline": trial(result.baseline) if result.baseline else None,
+        "adaptive": trial(result.adaptive) if result.adaptive else None,
         "trials": [trial(t) for t in result.trials],
     }

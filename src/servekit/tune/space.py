@@ -99,8 +99,8 @@ class SearchSpace:
                     yield (*index[:axis], moved, *index[axis + 1 :])
 
     def config(self, base: ServeConfig, knobs: Knobs) -> ServeConfig:
-        """``base`` (one model) with the candidate's knobs; preferred batch sizes above
-        the candidate's max batch size are dropped."""
+        """``base`` (one model) with the candidate's knobs, a fixed configuration (no
+        latency budget); preferred batch sizes above its max batch size are dropped."""
         (model,) = base.models
         batching = dataclasses.replace(
             model.batching,
@@ -109,6 +109,7 @@ class SearchSpace:
                 p for p in model.batching.preferred_batch_sizes if p <= knobs.max_batch_size
             ),
             max_queue_delay_us=knobs.max_queue_delay_us,
+            latency_budget_ms=0.0,  # a candidate is a fixed configuration
         )
         tuned = dataclasses.replace(
             model,
@@ -118,3 +119,15 @@ class SearchSpace:
             overlap=knobs.overlap,
         )
         return base.replace(models=(tuned,))
+
+    def adaptive(self, base: ServeConfig, knobs: Knobs, budget_ms: float) -> ServeConfig:
+        """The candidate's max batch size, instances and threads with the batcher's own
+        latency budget in place of a queue delay and preferred sizes."""
+        (model,) = (fixed := self.config(base, knobs)).models
+        batching = dataclasses.replace(
+            model.batching, preferred_batch_sizes=(), max_queue_delay_us=0,
+            latency_budget_ms=budget_ms,
+        )  # fmt: skip
+        autoscale = dataclasses.replace(model.autoscale, latency_budget_ms=budget_ms)
+        adaptive = dataclasses.replace(model, batching=batching, autoscale=autoscale)
+        return fixed.replace(models=(adaptive,))
