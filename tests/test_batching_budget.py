@@ -232,3 +232,64 @@ def test_a_budget_beside_a_queue_delay_or_preferred_sizes_is_refused_by_name():
     policy = BatchingPolicy.from_dict({"latency_budget_ms": 100, "latency_percentile": 95})
     assert BatchingPolicy.from_dict(policy.to_dict()) == policy
     assert policy.static_delay_us() == 10_000
+
+
+def test_eight_clients_over_http_get_their_answers_and_the_budget_s_gauges(tmp_path):
+    """Native, a simulated device of known cost (2 ms + 0.5 ms a row), a 50 ms budget."""
+    import onnx
+    import tritonclient.http as httpclient
+
+    from conftest import each_client, scrape
+    from servekit import ModelConfig, ServeConfig, ServerConfig
+    from servekit.native import NativeServer
+    from servekit.zoo.tiny import build_simulated
+
+    onnx.save(build_simulated("budget-test", 2000, 500, width=4), tmp_path / "dev.onnx")
+    model = ModelConfig(
+        str(tmp_path / "dev.onnx"), "dev", image=False, instances=2,
+        batching=BatchingPolicy(max_batch_size=16, latency_budget_ms=50),
+    )  # fmt: skip
+    assert model.autoscale.latency_budget_ms == 50  # one budget, the signal's too
+    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2), runtime="native")
+    config = config.on_loopback()
+    with NativeServer(config):
+        url = config.server.http_url.removeprefix("http://")
+
+        def work(k: int) -> None:
+            c = httpclient.InferenceServerClient(url)
+            try:
+                for i in range(40):
+                    x = np.full((1, 4), 100 * k + i, np.float32)
+                    t = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+                    t.set_data_from_numpy(x)
+                    out = c.infer("dev", [t]).as_numpy("OUTPUT0")
+                    assert out.shape == (1, 4)
+            finally:
+                c.close()
+
+        each_client(work)
+        got = scrape(config.server.metrics_url)
+    labels = {"model": "dev", "version": "1"}
+    assert got[("servekit_latency_budget_seconds", frozenset(labels.items()))] == 0.05
+    assert 0 < got[("servekit_latency_budget_attainment", frozenset(labels.items()))] <= 1
+    assert 1 <= got[("servekit_batch_target_rows", frozenset(labels.items()))] <= 16
+    assert got[("nv_inference_request_success", frozenset(labels.items()))] == 320
+
+
+def test_where_tritonserver_batches_the_budget_is_a_fixed_delay_and_said_at_start():
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from servekit import ModelConfig, ServeConfig
+    from servekit.runtime.base import static_budgets
+
+    policy = BatchingPolicy(max_batch_size=32, latency_budget_ms=80)
+    config = pb.ModelConfig()
+    policy.to_triton(config, 64)
+    assert config.dynamic_batching.max_queue_delay_microseconds == 8000
+    assert policy.to_pytriton(64).batcher.max_queue_delay_microseconds == 8000
+    serve = ServeConfig((ModelConfig("m.onnx", batching=policy),), runtime="pytriton")
+    (line,) = static_budgets(serve)
+    assert "model m: tritonserver's dynamic batcher assembles its batches" in line
+    assert "latency_budget_ms = 80 is served as a fixed max_queue_delay_us = 8000" in line
+    with pytest.raises(ValueError, match=r"give the budget once, in \[models.batching\]"):
+        ModelConfig("m.onnx", batching=policy, autoscale={"latency_budget_ms": 50})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -25,7 +26,8 @@ def ray_url(resnet50_path):
             {
                 "model": str(resnet50_path),
                 "name": "resnet50",
-                "batching": {"max_batch_size": 8, "max_queue_delay_us": 2000},
+                # The ingress's batcher holds a latency budget itself (no fixed delay).
+                "batching": {"max_batch_size": 8, "latency_budget_ms": 500},
                 "ray": {"model_cpus": 0.5, "stage_cpus": 0.25},
             }
         )
@@ -156,3 +158,20 @@ def test_the_ingress_exports_triton_named_metrics_for_known_traffic(ray_url):
     got = scrape(f"{ray_url}/metrics")
     p50 = sample(got, "nv_inference_request_summary_us", **labels, quantile="0.5")
     assert 1_000 < p50 < 10_000_000  # a ResNet-50 request: milliseconds, not micro or minutes
+
+
+def test_the_ingress_batcher_holds_its_latency_budget_and_exports_what_it_chose(ray_url):
+    from conftest import parse_metrics
+
+    with Client(ray_url) as c:
+        for i in range(4):
+            c.classify([synthetic_image(70 + i)], model="resnet50_image")
+    with urllib.request.urlopen(f"{ray_url}/metrics", timeout=30) as r:
+        got = parse_metrics(r.read().decode())
+    budgets = {dict(labels)["model"]: v for (n, labels), v in got.items()
+               if n == "servekit_latency_budget_seconds"}  # fmt: skip
+    assert budgets.get("resnet50") == 0.5
+    attained = [v for (n, _), v in got.items() if n == "servekit_latency_budget_attainment"]
+    targets = [v for (n, _), v in got.items() if n == "servekit_batch_target_rows"]
+    assert attained and all(0 <= v <= 1 for v in attained)
+    assert targets and all(1 <= v <= 8 for v in targets)
