@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,20 @@ from typing import Any
 import pytest
 
 from servekit import zoo
+
+RAY = re.compile(r"(?<![a-z])ray", re.IGNORECASE)
+"""A test id that names Ray (a ``test_ray_*`` module, a ``[ray]`` parameter, ``..._on_ray``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Two workers share the suite (``-n 2``, ``--dist loadgroup``): every test that starts
+    Ray runs on one of them, one Ray at a time (Ray's processes, its netns hosts and
+    ``ray stop`` are the machine's); every other module's tests stay together on one
+    worker, so each module's servers start once."""
+    for item in items:
+        ray = item.get_closest_marker("ray") is not None or RAY.search(item.nodeid)
+        group = "ray" if ray else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def wait_until(

@@ -115,7 +115,10 @@ def test_the_file_sets_every_knob(tmp_path, tiny_cnn_path, add_sub_path):
     # runtimes, which this file also configures, refuse them.
     fixed |= {"versions", "traffic", "canary"}
     # A store's Triton layout numbers a model's folder; [[models]] refuses it (test_config).
-    fixed |= {"version"}
+    fixed |= {"version", "version_policy"}
+    # A latency budget replaces the queue delay and preferred sizes this file sets; it has
+    # its own tests on native, Ray and the Triton runtimes' rendering (test_batching_budget).
+    fixed |= {"latency_budget_ms", "latency_percentile"}
     # Your own code and pipelines have their own served tests on every runtime
     # (test_custom_served): this file's models are ONNX files.
     fixed |= {"path", "args", "steps"}

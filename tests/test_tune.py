@@ -133,6 +133,7 @@ def test_ctrl_c_stops_the_server_and_writes_the_report_so_far(device, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.ray
 def test_tune_all_runtimes_writes_a_best_toml_each_that_serves(add_sub_path, tmp_path):
     out = tmp_path / "out"
     command = [
