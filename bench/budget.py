@@ -5,7 +5,9 @@ A native server runs a simulated T4 (``sim_t4`` at ``--scale`` times the T4's Re
 INT8 time: 8 ms + 1.6 ms a row at the default 8, so a full batch of 32 takes 59.2 ms and
 the device serves 540 rows/s at most) with one instance. An open-loop client (Poisson
 arrivals, one row per request, binary tensors over HTTP) steps the offered rate through
-``--steps`` shares of that capacity, ``--step-s`` seconds each. The same load runs against
+``--steps`` shares of the capacity, ``--step-s`` seconds each: by default the ceiling
+measured in the same run (closed loop, full batches, no delay), which the HTTP path on
+a small machine holds below the device's own. The same load runs against
 the adaptive batcher (``latency_budget_ms = --budget-ms``) and against each fixed
 configuration of a grid (max batch size x queue delay), one server each, in one run.
 
@@ -106,11 +108,45 @@ async def drive(args: argparse.Namespace, rates: list[float], url: str, metrics_
     return {"steps": steps, "trace": trace}
 
 
-def serve(args: argparse.Namespace, path: Path, batching: BatchingPolicy, rates: list[float]):
-    config = ServeConfig(
+async def closed(url: str, clients: int, seconds: float) -> float:
+    """Rows per second ``clients`` closed-loop clients get: the server's ceiling."""
+    x = {"input": np.random.default_rng(0).random((1, 64, 64, 3), dtype=np.float32)}
+    pool = [AsyncClient(url, timeout_s=60) for _ in range(8)]
+    prepared = pool[0].prepare(x)
+    answered = 0
+    end = time.perf_counter() + seconds
+
+    async def worker(k: int) -> None:
+        nonlocal answered
+        while time.perf_counter() < end:
+            await pool[k % len(pool)].infer_prepared("sim", prepared)
+            answered += 1
+
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+    for c in pool:
+        await c.close()
+    return answered / seconds
+
+
+def config_of(path: Path, batching: BatchingPolicy) -> ServeConfig:
+    return ServeConfig(
         (ModelConfig(str(path), "sim", image=False, batching=batching),),
         ServerConfig(exit_timeout_s=2), runtime="native",
     ).on_loopback()  # fmt: skip
+
+
+def ceiling(args: argparse.Namespace, path: Path) -> float:
+    """The most rows a second the server answers here (full batches, no delay), measured
+    with 4 x max_batch_size closed-loop clients after a warm-up."""
+    config = config_of(path, BatchingPolicy(args.max_batch_size))
+    with NativeServer(config):
+        url = config.server.http_url
+        asyncio.run(closed(url, 4 * args.max_batch_size, 3.0))
+        return asyncio.run(closed(url, 4 * args.max_batch_size, args.ceiling_s))
+
+
+def serve(args: argparse.Namespace, path: Path, batching: BatchingPolicy, rates: list[float]):
+    config = config_of(path, batching)
     with NativeServer(config):
         return asyncio.run(drive(args, rates, config.server.http_url, config.server.metrics_url))
 
@@ -194,11 +230,15 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=5.0)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[0, 10, 40])
+    parser.add_argument(
+        "--capacity", choices=["measured", "device"], default="measured",
+        help="the steps' 100 %%: the server's ceiling measured here, or the device's own",
+    )  # fmt: skip
+    parser.add_argument("--ceiling-s", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/budget"))
     args = parser.parse_args()
     fixed_us, per_row_us = (v * args.scale for v in SIM_T4)
-    capacity = args.max_batch_size / ((fixed_us + per_row_us * args.max_batch_size) / 1e6)
-    rates = [share * capacity for share in args.steps]
+    device = args.max_batch_size / ((fixed_us + per_row_us * args.max_batch_size) / 1e6)
     policies = [BatchingPolicy(args.max_batch_size, latency_budget_ms=args.budget_ms)] + [
         BatchingPolicy(b, max_queue_delay_us=round(d * 1e3))
         for b in args.batches
@@ -208,13 +248,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sim.onnx"
         path.write_bytes(build_sim_t4(scale=args.scale).SerializeToString())
+        capacity = device if args.capacity == "device" else ceiling(args, path)
+        print(f"capacity {capacity:.1f} rows/s (the device alone: {device:.1f})", flush=True)
+        rates = [share * capacity for share in args.steps]
         for policy in policies:
             results[label(policy)] = serve(args, path, policy, rates)
             print(label(policy), json.dumps(results[label(policy)]["steps"]), flush=True)
     text = table(results, rates, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({
-        "machine": machine(), "capacity_rows_per_s": capacity, "rates": rates,
+        "machine": machine(), "capacity_rows_per_s": capacity, "device_rows_per_s": device,
+        "rates": rates,
         "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results,
     }, indent=1))  # fmt: skip
     args.out.with_suffix(".md").write_text(text + "\n")
