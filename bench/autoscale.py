@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import re
 import tempfile
 import time
@@ -30,8 +29,8 @@ import numpy as np
 
 from servekit import BatchingPolicy, ModelConfig, QueuePolicy, ServeConfig, ServerConfig
 from servekit.autoscale import AutoscalePolicy
+from servekit.bench.openload import OpenLoad
 from servekit.bench.report import machine
-from servekit.client import AsyncClient
 from servekit.native import NativeServer
 from servekit.window import percentile
 from servekit.zoo.tiny import build_sim_t4
@@ -56,54 +55,26 @@ def needed(metrics_url: str) -> float:
 
 async def drive(args: argparse.Namespace, url: str, metrics_url: str) -> list[dict]:
     x = {"input": np.random.default_rng(0).random((1, 64, 64, 3), dtype=np.float32)}
-    rng = random.Random(0)
     total_s = args.up_s + args.hold_s + args.down_s + args.tail_s
-    done: list[tuple[float, float, bool]] = []  # (completion time, latency, ok)
-    sent: list[float] = []
-    clients = [AsyncClient(url, timeout_s=30) for _ in range(4)]
-    prepared = clients[0].prepare(x)
-    tasks: set[asyncio.Task] = set()
-    start = time.perf_counter()
-
-    async def one(k: int, due: float) -> None:
-        try:
-            await clients[k % len(clients)].infer_prepared("sim", prepared)
-            ok = True
-        except Exception:
-            ok = False
-        now = time.perf_counter()
-        done.append((now - start, now - due, ok))
-
+    load = OpenLoad(url, "sim", x, lambda t: rate_at(t, args), total_s, clients=4)
     rows: list[dict] = []
 
-    async def sample() -> None:
+    async def sample(load: OpenLoad) -> None:
+        done = load.done  # (sent, latency, answered): counted in the second it came back
         for second in range(1, int(total_s) + 1):
-            await asyncio.sleep(max(0.0, start + second - time.perf_counter()))
-            window = [lat for t, lat, ok in done if second - 1 <= t < second and ok]
+            await asyncio.sleep(max(0.0, load.start + second - time.perf_counter()))
+            back = [(lat, ok) for s, lat, ok in done if second - 1 <= s + lat < second]
+            window = [lat for lat, ok in back if ok]
             rows.append({
                 "t": second,
-                "offered": sum(1 for s in sent if second - 1 <= s < second),
+                "offered": sum(1 for s in load.sent if second - 1 <= s < second),
                 "answered": len(window),
-                "failed": sum(1 for t, _, ok in done if second - 1 <= t < second and not ok),
+                "failed": sum(1 for _, ok in back if not ok),
                 "p99_ms": percentile(sorted(window), 99) * 1e3 if window else None,
                 "needed": await asyncio.to_thread(needed, metrics_url),
             })  # fmt: skip
 
-    sampler = asyncio.create_task(sample())
-    due, k = start, 0
-    while (now := time.perf_counter()) - start < total_s:
-        due += rng.expovariate(rate_at(due - start, args))
-        if due > now:
-            await asyncio.sleep(due - now)
-        sent.append(due - start)
-        task = asyncio.create_task(one(k, due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        k += 1
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await sampler
-    for c in clients:
-        await c.close()
+    await load.run(sample)
     return rows
 
 

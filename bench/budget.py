@@ -11,8 +11,8 @@ a small machine holds below the device's own. The same load runs against
 the adaptive batcher (``latency_budget_ms = --budget-ms``) and against each fixed
 configuration of a grid (max batch size x queue delay), one server each, in one run.
 
-Per step, after ``--settle-s``: rows per second answered, the p99 of the requests that
-arrived then, and failures. For each step, the best fixed configuration is the one with
+Per step, after ``--settle-s``: rows per second answered in it, the p99 of the requests
+sent in it, and failures. For each step, the best fixed configuration is the one with
 the most rows per second among those whose p99 is within the budget (the lowest p99 on a
 tie within 1 %). The table and the plot go to ``--out`` (.json, .md, .png).
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import tempfile
 import time
 import urllib.request
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
+from servekit.bench.openload import OpenLoad
 from servekit.bench.report import machine
 from servekit.client import AsyncClient
 from servekit.native import NativeServer
@@ -49,47 +49,25 @@ def gauge(metrics_url: str, name: str) -> float | None:
 
 
 async def drive(args: argparse.Namespace, rates: list[float], url: str, metrics_url: str) -> dict:
-    """The stepped Poisson load; each request's (sent, latency, ok) and a per-second trace."""
+    """The stepped Poisson load; per step its figures, and a per-second trace."""
     x = {"input": np.random.default_rng(0).random((1, 64, 64, 3), dtype=np.float32)}
-    rng = random.Random(0)
     total_s = args.step_s * len(rates)
-    done: list[tuple[float, float, bool]] = []  # (sent, latency, ok), seconds from start
-    clients = [AsyncClient(url, timeout_s=60) for _ in range(8)]
-    prepared = clients[0].prepare(x)
-    tasks: set[asyncio.Task] = set()
-    start = time.perf_counter()
+
+    def rate_at(t: float) -> float:
+        return rates[min(int(t // args.step_s), len(rates) - 1)]
+
+    load = OpenLoad(url, "sim", x, rate_at, total_s)
     trace: list[dict] = []
 
-    async def one(k: int, due: float) -> None:
-        try:
-            await clients[k % len(clients)].infer_prepared("sim", prepared)
-            ok = True
-        except Exception:
-            ok = False
-        done.append((due - start, time.perf_counter() - due, ok))
-
-    async def sample() -> None:
+    async def sample(load: OpenLoad) -> None:
         for second in range(1, int(total_s) + 1):
-            await asyncio.sleep(max(0.0, start + second - time.perf_counter()))
+            await asyncio.sleep(max(0.0, load.start + second - time.perf_counter()))
             target = await asyncio.to_thread(gauge, metrics_url, "servekit_batch_target_rows")
             needed = await asyncio.to_thread(gauge, metrics_url, "servekit_replicas_needed")
             trace.append({"t": second, "target_rows": target, "replicas_needed": needed})
 
-    sampler = asyncio.create_task(sample())
-    due, k = start, 0
-    while (now := time.perf_counter()) - start < total_s:
-        step = min(int((due - start) // args.step_s), len(rates) - 1)
-        due += rng.expovariate(rates[step])
-        if due > now:
-            await asyncio.sleep(due - now)
-        task = asyncio.create_task(one(k, due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        k += 1
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await sampler
-    for c in clients:
-        await c.close()
+    await load.run(sample)
+    done = load.done
     for row in trace:  # the p99 of the requests sent in each second
         sent = sorted(lat for s, lat, ok in done if row["t"] - 1 <= s < row["t"] and ok)
         row["p99_ms"] = percentile(sent, 99) * 1e3 if sent else None
@@ -98,9 +76,10 @@ async def drive(args: argparse.Namespace, rates: list[float], url: str, metrics_
         lo, hi = i * args.step_s + args.settle_s, (i + 1) * args.step_s
         sent = [(lat, ok) for s, lat, ok in done if lo <= s < hi]
         ok = sorted(lat for lat, good in sent if good)
+        answered = sum(1 for s, lat, good in done if good and lo <= s + lat < hi)
         steps.append({
             "offered_per_s": rate,
-            "rows_per_s": len(ok) / (hi - lo),
+            "rows_per_s": answered / (hi - lo),
             "p99_ms": percentile(ok, 99) * 1e3 if ok else None,
             "p50_ms": percentile(ok, 50) * 1e3 if ok else None,
             "failed": sum(1 for _, good in sent if not good),
@@ -128,9 +107,9 @@ async def closed(url: str, clients: int, seconds: float) -> float:
     return answered / seconds
 
 
-def config_of(path: Path, batching: BatchingPolicy) -> ServeConfig:
+def config_of(path: Path, batching: BatchingPolicy, instances: int = 1) -> ServeConfig:
     return ServeConfig(
-        (ModelConfig(str(path), "sim", image=False, batching=batching),),
+        (ModelConfig(str(path), "sim", image=False, batching=batching, instances=instances),),
         ServerConfig(exit_timeout_s=2), runtime="native",
     ).on_loopback()  # fmt: skip
 
@@ -138,7 +117,7 @@ def config_of(path: Path, batching: BatchingPolicy) -> ServeConfig:
 def ceiling(args: argparse.Namespace, path: Path) -> float:
     """The most rows a second the server answers here (full batches, no delay), measured
     with 4 x max_batch_size closed-loop clients after a warm-up."""
-    config = config_of(path, BatchingPolicy(args.max_batch_size))
+    config = config_of(path, BatchingPolicy(args.max_batch_size), args.instances)
     with NativeServer(config):
         url = config.server.http_url
         asyncio.run(closed(url, 4 * args.max_batch_size, 3.0))
@@ -146,7 +125,7 @@ def ceiling(args: argparse.Namespace, path: Path) -> float:
 
 
 def serve(args: argparse.Namespace, path: Path, batching: BatchingPolicy, rates: list[float]):
-    config = config_of(path, batching)
+    config = config_of(path, batching, args.instances)
     with NativeServer(config):
         return asyncio.run(drive(args, rates, config.server.http_url, config.server.metrics_url))
 
@@ -224,6 +203,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=8.0)
     parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument(
+        "--instances", type=int, default=1, help="instances sharing the one simulated device"
+    )
     parser.add_argument("--budget-ms", type=float, default=100.0)
     parser.add_argument("--steps", type=float, nargs="+", default=[0.2, 0.9, 0.4])
     parser.add_argument("--step-s", type=float, default=60.0)
