@@ -164,7 +164,8 @@ class Budget:
 
     def attainment(self, now: float) -> float | None:
         """The share of the recent answers within the budget (None: none lately)."""
-        recent = [ok for at, ok in self._answers if now - at <= _ANSWERS_S]
+        answers = tuple(self._answers)  # one C call: a scrape may read from another thread
+        recent = [ok for at, ok in answers if now - at <= _ANSWERS_S]
         return sum(recent) / len(recent) if recent else None
 
     # ------------------------------------------------------------------ deciding
