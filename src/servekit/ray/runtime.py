@@ -129,17 +129,25 @@ class RayRuntime:
             with contextlib.suppress(Exception):  # the GCS is gone: nothing to forget
                 drain.clear(self.run_id)
         if self._owns_ray:  # also when a signal cut ray.init short: what it started stops
+            # Cut short, Ray may not know its own processes. They are found as this
+            # process's descendants before the shutdown too: a raylet it ends leaves its
+            # agents to init, out of reach of a later look.
+            started = self._started_by_ray()
             ray.shutdown()
             self._owns_ray = False
-            if self._before is not None:  # cut short: Ray may not know its own processes
-                started = {
-                    pid for pid, argv in descendants().items()
-                    if pid not in self._before and _is_ray(argv)
-                }  # fmt: skip
-                if started:
-                    log.warning("stopping %d process(es) of a Ray start cut short", len(started))
-                    end_processes(started)
-                self._before = None
+            started |= self._started_by_ray()
+            if started:
+                log.warning("stopping %d process(es) of a Ray start cut short", len(started))
+                end_processes(started)
+            self._before = None
+
+    def _started_by_ray(self) -> set[int]:
+        """Ray's processes below this one that a start cut short left (none otherwise)."""
+        if self._before is None:
+            return set()
+        return {
+            pid for pid, argv in descendants().items() if pid not in self._before and _is_ray(argv)
+        }
 
     def __enter__(self) -> RayRuntime:
         return self.start()
