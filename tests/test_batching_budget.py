@@ -274,6 +274,7 @@ def test_eight_clients_over_http_get_their_answers_and_the_budget_s_gauges(tmp_p
     assert 0 < got[("servekit_latency_budget_attainment", frozenset(labels.items()))] <= 1
     assert 1 <= got[("servekit_batch_target_rows", frozenset(labels.items()))] <= 16
     assert got[("nv_inference_request_success", frozenset(labels.items()))] == 320
+    assert got[("nv_inference_pending_request_count", frozenset(labels.items()))] == 0
 
 
 def test_where_tritonserver_batches_the_budget_is_a_fixed_delay_and_said_at_start():

@@ -770,6 +770,10 @@ def test_a_split_over_a_store_s_version_folders_serves_each_folder_to_eight_clie
         finally:
             c.close()
         assert server.store.state("adder", 3) == "READY"
+        idle = scrape(config.server.metrics_url)  # nothing left waiting once the clients stop
+        for version in ("1", "2", "3"):
+            assert sample(idle, "nv_inference_pending_request_count", model="adder",
+                          version=version) == 0  # fmt: skip
     # Each answer is its folder's (version N: 2 + N - 1); the split reaches both folders.
     assert all(value == 2 + int(version) - 1 for version, value in seen)
     counts = {v: sum(1 for version, _ in seen if version == v) for v in ("1", "2", "3")}
