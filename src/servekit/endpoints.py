@@ -51,13 +51,51 @@ class Endpoints:
 
 
 _HANDED: set[int] = set()
+_CLAIM_S = 600.0
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process among every process on the machine that hands ports
+    here (two test workers, a benchmark beside a test): a file of recent claims, locked
+    while read and appended. False when another live process claimed it in the last
+    ``_CLAIM_S`` seconds."""
+    import fcntl
+    import os
+    import tempfile
+    import time
+
+    path = os.path.join(tempfile.gettempdir(), f"servekit-ports-{os.getuid()}")
+    now, pid = time.time(), os.getpid()
+    try:
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            kept = []
+            for line in f.read().splitlines():
+                try:
+                    when, other, claimed = float(line.split()[0]), *map(int, line.split()[1:3])
+                except (ValueError, IndexError):
+                    continue
+                if now - when < _CLAIM_S:
+                    kept.append(line)
+                    if claimed == port and other != pid:
+                        return False
+            kept.append(f"{now:.0f} {pid} {port}")
+            f.seek(0)
+            f.truncate()
+            f.write("\n".join(kept) + "\n")
+    except OSError:
+        pass  # a read-only or full /tmp: the bind check alone
+    return True
 
 
 def free_port() -> int:
     """A loopback TCP port nothing listens on right now (for tests and benchmarks).
 
     Chosen below Linux's ephemeral range (32768-60999), where no client connection's own
-    port can take it before the server listens, and never the same twice per process."""
+    port can take it before the server listens, never the same twice per process, and
+    never one another process was handed here in the last ten minutes (``_claim``): a
+    port is free between the check and the listen, when another process may check it too."""
     import random
     import socket
 
@@ -70,6 +108,8 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if not _claim(port):
+            continue
         _HANDED.add(port)
         return port
     with socket.socket() as s:
