@@ -38,6 +38,33 @@ def test_the_landmarks_of_the_formula():
     )
 
 
+def test_batches_fill_counts_only_as_far_as_the_instances_are_busy():
+    # 100 full batches of 8, 10 ms each, over 10 s: the instance ran a tenth of the time.
+    sparse = traffic(requests=800, batch=8, compute_ms=10)
+    assert replicas_needed(sparse, 8, POLICY, elapsed_s=10) == pytest.approx(0.1 / 0.8)
+    # The same batches over 1 s kept it busy throughout: the fill alone counts.
+    assert replicas_needed(sparse, 8, POLICY, elapsed_s=1) == pytest.approx(1.25)
+    # Two instances share the work: each was busy half the time.
+    assert replicas_needed(sparse, 8, POLICY, elapsed_s=1, instances=2) == pytest.approx(0.5 / 0.8)
+    # Lone requests (fill 1/8) on a busy instance: the fill is the smaller, and counts.
+    lone = traffic(requests=100, batch=1, compute_ms=10)
+    assert replicas_needed(lone, 8, POLICY, elapsed_s=1) == pytest.approx(1 / 8 / 0.8)
+    # A queue counts however idle the instances were (a burst queued behind one batch).
+    queued = traffic(requests=800, batch=8, queue_ms=90, compute_ms=10)
+    assert replicas_needed(queued, 8, POLICY, elapsed_s=10) == pytest.approx(2.0)
+
+
+@given(st.integers(1, 64), st.floats(0.1, 200), st.floats(0.01, 1000), st.integers(1, 8))
+def test_n_replicas_of_sparse_traffic_never_sum_past_the_busy_share(batch, compute, s, n):
+    # However the traffic is split over ``n`` replicas, with no queue their signals sum to
+    # at most the instances' busy share over the target fill: idle replicas scale in.
+    total = traffic(requests=64 * n, batch=batch, compute_ms=compute)
+    busy = total.executions * compute / 1e3 / s
+    each = Counters(*(v / n for v in total.astuple()))
+    summed = n * replicas_needed(each, 64, POLICY, elapsed_s=s)
+    assert summed <= busy / POLICY.target_batch_fill + 1e-9
+
+
 @given(
     st.integers(1, 64), st.floats(0, 500), st.floats(0, 500), st.floats(0.1, 200),
     st.integers(1, 64),
@@ -59,10 +86,11 @@ def test_the_window_forgets_old_traffic_and_a_restart_starts_afresh():
     demand = Demand(8, AutoscalePolicy(window_s=30), clock=lambda: now[0])
     assert demand.observe(Counters()) == 0
     now[0] = 10
-    busy = traffic(requests=80, batch=8)
+    busy = traffic(requests=80, batch=8, compute_ms=1000)  # 10 batches of 1 s in 10 s
     assert demand.observe(busy) == pytest.approx(1.25)
     now[0] = 50  # the busy spell began before the window: only what came after counts
-    later = Counters(*(a + b for a, b in zip(busy.astuple(), traffic(8, 1).astuple(), strict=True)))
+    lone = traffic(8, 1, compute_ms=5000)  # 8 lone requests of 5 s in the 40 s since
+    later = Counters(*(a + b for a, b in zip(busy.astuple(), lone.astuple(), strict=True)))
     assert demand.observe(later) == pytest.approx(1 / 8 / 0.8)
     now[0] = 90
     assert demand.observe(later) == 0  # nothing new within the window

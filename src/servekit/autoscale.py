@@ -8,15 +8,22 @@ target of 1, or KEDA's Prometheus scaler with a threshold of 1, does exactly tha
 It reads the counters every runtime exports with Triton's meanings (``nv_inference_*``):
 
     fill     = rows per execution / max_batch_size            how full the batches are
+    busy     = executions * compute per request / (window * instances)
     queue    = queue time per request                          what waiting costs
     compute  = compute time per request
     slack    = max(latency_budget - compute, latency_budget / 10)
-    needed   = max(fill / target_batch_fill, queue / (target_queue_share * slack))
+    needed   = max(min(fill, busy) / target_batch_fill, queue / (target_queue_share * slack))
 
 Under dynamic batching a replica that keeps up runs small batches with almost no queue;
 as load rises the batches fill (the first term nears 1 before any latency is lost), and
 past capacity the queue grows into the latency budget (the second term grows with it,
 however full the batches already are). When the traffic stops both fall to 0.
+
+The share of its capacity a replica's traffic takes lies between ``fill * busy`` and
+``busy`` (a batch of ``fill`` rows costs at most a full one); ``min(fill, busy)`` stays
+within both, and is ``fill`` while the instances never idle. Without ``busy`` a replica
+that runs one full batch a minute would ask for a replica of its own forever, and N
+replicas each serving lone requests for ``N / (max_batch_size * target_batch_fill)``.
 """
 
 from __future__ import annotations
@@ -89,34 +96,50 @@ class Counters:
         return dataclasses.astuple(self)
 
 
-def replicas_needed(delta: Counters, max_batch_size: int, policy: AutoscalePolicy) -> float:
-    """The formula above, over what happened in ``delta``; 0 without traffic."""
+def replicas_needed(
+    delta: Counters,
+    max_batch_size: int,
+    policy: AutoscalePolicy,
+    elapsed_s: float | None = None,
+    instances: int = 1,
+) -> float:
+    """The formula above, over what happened in ``delta`` during ``elapsed_s`` seconds
+    (None: the batches' busy share is not known, and counts as 1); 0 without traffic."""
     if delta.requests <= 0 or delta.executions <= 0:
         return 0.0
     fill = delta.rows / delta.executions / max(max_batch_size, 1)
     queue_ms = delta.queue_us / delta.requests / 1e3
     compute_ms = delta.compute_us / delta.requests / 1e3
+    busy = 1.0
+    if elapsed_s is not None and elapsed_s > 0 and compute_ms > 0:
+        busy = delta.executions * compute_ms / 1e3 / (elapsed_s * max(instances, 1))
     budget = policy.latency_budget_ms
     slack = max(budget - compute_ms, budget / 10)
-    return max(fill / policy.target_batch_fill, queue_ms / (policy.target_queue_share * slack))
+    return max(
+        min(fill, busy) / policy.target_batch_fill,
+        queue_ms / (policy.target_queue_share * slack),
+    )
 
 
 class Demand:
     """One model's signal: readings of its counters, the oldest within the window as the
-    base. A reading whose counters went down (the server restarted) starts afresh."""
+    base. A reading whose counters went down (the server restarted) starts afresh.
+    ``instances``: the batches the model runs at once (its instance group's count)."""
 
     def __init__(
         self,
         max_batch_size: int,
         policy: AutoscalePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        instances: int = 1,
     ) -> None:
         self.max_batch_size, self.policy, self._clock = (
             max_batch_size,
             policy or AutoscalePolicy(),
             clock,
         )
-        self._readings: SlidingWindow[Counters] = SlidingWindow(
+        self.instances = instances
+        self._readings: SlidingWindow[tuple[float, Counters]] = SlidingWindow(
             self.policy.window_s, keep_base=True
         )
 
@@ -125,9 +148,11 @@ class Demand:
         now = self._clock()
         readings = self._readings
         readings.window_s = self.policy.window_s  # the policy can change (a reload)
-        if len(readings) and counters.requests < readings.last().requests:
+        if len(readings) and counters.requests < readings.last()[1].requests:
             readings.clear()  # counters restart from zero with their server
-            readings.add(now, Counters())
-        readings.add(now, counters)
-        base = readings.items(now)[0]
-        return replicas_needed(counters - base, self.max_batch_size, self.policy)
+            readings.add(now, (now, Counters()))
+        readings.add(now, (now, counters))
+        since, base = readings.items(now)[0]
+        return replicas_needed(
+            counters - base, self.max_batch_size, self.policy, now - since, self.instances
+        )

@@ -180,7 +180,11 @@ class Metrics:
             batcher,
             f'model="{_escape(model)}",version="{_escape(version)}"',
             {name: _Window(self.window_s) for name in SUMMARIES},
-            Demand(batcher.policy.max_batch_size or 1, clock=self._clock),
+            Demand(
+                batcher.policy.max_batch_size or 1,
+                clock=self._clock,
+                instances=getattr(batcher, "instance_count", 1),
+            ),
             model,
         )
         self._models[key] = watched

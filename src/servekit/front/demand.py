@@ -44,7 +44,8 @@ def parse_counters(text: str) -> dict[tuple[str, str], Counters]:
 
 class TritonDemand:
     """``Metrics.collect`` source: reads tritonserver's metrics and each model's
-    max_batch_size (its model config, once), and observes each model's ``Demand``."""
+    max_batch_size and instances (its model config, once), and observes each model's
+    ``Demand``."""
 
     def __init__(
         self, metrics_url: str, http_url: str, policies: Mapping[str, AutoscalePolicy]
@@ -65,10 +66,14 @@ class TritonDemand:
         except OSError:
             return False
 
-    def _max_batch(self, model: str) -> int:
+    def _shape(self, model: str) -> tuple[int, int]:
+        """The model's max_batch_size and its instances (the instance groups' counts)."""
         url = f"{self.http_url}/v2/models/{model}/config"
         with urllib.request.urlopen(url, timeout=2) as r:
-            return int(json.loads(r.read()).get("max_batch_size", 0)) or 1
+            config = json.loads(r.read())
+        groups = config.get("instance_group") or [{}]
+        instances = sum(int(g.get("count", 1)) for g in groups)
+        return int(config.get("max_batch_size", 0)) or 1, max(instances, 1)
 
     def __call__(self) -> list[Family]:
         with self._lock:  # scrapes render on threads of their own
@@ -89,7 +94,7 @@ class TritonDemand:
             demand = self._demand.setdefault((model, version), Demand(0))
             if not demand.max_batch_size:
                 with contextlib.suppress(OSError, ValueError):
-                    demand.max_batch_size = self._max_batch(model)
+                    demand.max_batch_size, demand.instances = self._shape(model)
             # PyTriton binds version N of a routed model as "<name>.v<N>".
             demand.policy = self.policies.get(re.sub(r"\.v\d+$", "", model), demand.policy)
             needed = demand.observe(now)
