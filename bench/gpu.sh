@@ -6,7 +6,9 @@
 #      (bench/gpu.py, every precision asked for);
 #   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime);
 #   3. the native server at FP16, 2 instances, over HTTP binary, HTTP with system shared
-#      memory and gRPC, 64 clients, with the server's CPU per request (servekit bench).
+#      memory and gRPC, 64 clients, with the server's CPU per request (servekit bench);
+#      and over HTTP binary the same model taking UINT8 pixels (optimize --pixels), a
+#      quarter of the bytes, scaled on the GPU.
 # Step 2 needs pytest, hypothesis and onnxruntime, step 3 servekit's HTTP/gRPC wheels, all
 # carried in .whl (../shared/device/wheels.sh .whl, then pip download the first three for
 # Python 3.12 into it): without them a step is skipped, saying so.
@@ -37,6 +39,8 @@ if ! python3 -c "import tritonclient, uvicorn" 2> /dev/null; then
     exit 0
 fi
 
+python3 -m servekit.cli optimize resnet50 --precision fp32 --pixels \
+    --output /tmp/resnet50.pixels.onnx
 cat > /tmp/gpu_serve.toml <<'TOML'
 [server]
 http_port = 8700
@@ -55,19 +59,33 @@ overlap = true
 max_batch_size = 128
 preferred_batch_sizes = [64, 128]
 max_queue_delay_us = 2000
+
+[[models]]
+name = "resnet50_pixels"
+source = "/tmp/resnet50.pixels.onnx"
+engine = "torch"
+precision = "fp16"
+instances = 2
+overlap = true
+
+[models.batching]
+max_batch_size = 128
+preferred_batch_sizes = [64, 128]
+max_queue_delay_us = 2000
 TOML
 python3 -m servekit.cli serve --runtime native --config /tmp/gpu_serve.toml \
     --control-token gpu-bench > "$out/gpu_server.log" 2>&1 &
 pid=$!
 trap 'kill -INT $pid 2> /dev/null; wait $pid 2> /dev/null || true' EXIT
 for _ in $(seq 120); do
-    curl -sf http://127.0.0.1:8700/v2/models/resnet50/ready > /dev/null && break
+    curl -sf http://127.0.0.1:8700/v2/health/ready > /dev/null && break
     sleep 1
 done
-for run in "http://127.0.0.1:8700 none http" "http://127.0.0.1:8700 system http_shm" \
-    "grpc://127.0.0.1:8701 none grpc"; do
+for run in "http://127.0.0.1:8700 none http resnet50" \
+    "http://127.0.0.1:8700 system http_shm resnet50" "grpc://127.0.0.1:8701 none grpc resnet50" \
+    "http://127.0.0.1:8700 none http_pixels resnet50_pixels"; do
     set -- $run
-    timeout 60 python3 -m servekit.cli bench --url "$1" --model resnet50 --concurrency 64 \
+    timeout 60 python3 -m servekit.cli bench --url "$1" --model "$4" --concurrency 64 \
         --window 5 --warmup 3 --max-windows 3 --server-pid "$pid" --shared-memory "$2" \
         --access-token gpu-bench --out "$out/gpu_native_$3" || echo "gpu.sh: $3 failed"
 done

@@ -291,6 +291,29 @@ def test_the_torch_translation_matches_onnx_runtime(name, model_cache):
     assert np.abs(bf16 - want).max() <= 0.05 * np.abs(want).max()
 
 
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=needs_torch), pytest.param("cuda", marks=needs_cuda)]
+)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_torch_runs_a_model_that_takes_pixels_like_onnx_runtime(
+    device, precision, tiny_cnn_path, tmp_path
+):
+    from servekit.optimize import PIXELS, fold_pixels
+    from servekit.runners.torch import TorchRunner
+
+    if device == "cpu" and precision == "fp16":
+        pytest.skip("fp16 convolutions are a GPU's")
+    folded = fold_pixels(tiny_cnn_path, output=tmp_path / "tiny.pixels.onnx")
+    reference = OnnxRuntimeRunner(folded)
+    runner = TorchRunner(folded, device=device, precision=precision, max_batch_size=8)
+    assert runner.spec.inputs[0].dtype.datatype == "UINT8"
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    want = reference.infer({PIXELS: pixels})["logits"]
+    got = runner.infer({PIXELS: pixels})["logits"]
+    tolerance = {"fp32": 1e-4, "fp16": 1e-2}[precision]
+    assert np.abs(got - want).max() <= tolerance * max(np.abs(want).max(), 1.0)
+
+
 @needs_torch
 @pytest.mark.skipif(_cuda(), reason="a GPU is present")
 def test_asking_torch_for_cuda_without_a_gpu_says_so(tiny_cnn_path):

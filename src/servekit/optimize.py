@@ -9,6 +9,10 @@ same ``Preprocess`` the model serves with (its scaling from the model's metadata
 ranges match what the model sees in production. FP16 converts weights and activations,
 keeping FP32 inputs and outputs, which pays on GPUs; ONNX Runtime's CPU provider has no
 BF16 convolutions, so BF16 belongs to the Torch and TensorRT runners.
+
+``fold_pixels`` folds the preprocessing's last steps into the graph: the model then takes
+the decoded, cropped image as UINT8 NHWC pixels (a quarter of FP32's bytes) and scales
+and transposes them where it runs, on the GPU when the engine is there.
 """
 
 from __future__ import annotations
@@ -22,10 +26,20 @@ import numpy as np
 
 from .config import PRECISIONS
 
-__all__ = ["CALIBRATION_METHODS", "PRECISIONS", "TARGETS", "calibration_images", "optimize"]
+__all__ = [
+    "CALIBRATION_METHODS",
+    "PIXELS",
+    "PRECISIONS",
+    "TARGETS",
+    "calibration_images",
+    "fold_pixels",
+    "optimize",
+]
 
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 TARGETS = ("cpu", "tensorrt")
+PIXELS = "pixels"
+"""The input a model with its preprocessing folded in takes: UINT8 [N,S,S,3] RGB."""
 
 
 def calibration_images(
@@ -67,9 +81,11 @@ def optimize(
     sensitivity: float | None = 4.0,
     keep_fp32: Sequence[str] = (),
     batch_size: int = 8,
+    pixels: bool = False,
 ) -> Path:
-    """Write ``model`` at ``precision`` to ``output`` (default ``<model>.<precision>.onnx``);
-    the model's metadata (labels, input scaling) is kept.
+    """Write ``model`` at ``precision`` to ``output`` (default ``<model>.<precision>.onnx``,
+    ``<model>.<precision>.pixels.onnx`` with ``pixels``); the model's metadata (labels,
+    input scaling) is kept. ``pixels``: then fold the input scaling in (``fold_pixels``).
 
     Args:
         images: encoded calibration images (INT8); default 32 generated ones.
@@ -88,7 +104,8 @@ def optimize(
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     if method not in CALIBRATION_METHODS:
         raise ValueError(f"calibration method must be one of {CALIBRATION_METHODS}, got {method!r}")
-    dst = Path(output) if output else src.with_name(f"{src.stem}.{precision}.onnx")
+    suffix = f"{precision}.pixels" if pixels else precision
+    dst = Path(output) if output else src.with_name(f"{src.stem}.{suffix}.onnx")
     if precision == "fp32":
         dst.write_bytes(src.read_bytes())
     elif precision == "bf16":
@@ -110,6 +127,83 @@ def optimize(
             tuple(keep_fp32),
         )
     _keep_metadata(src, dst)
+    if pixels:
+        fold_pixels(dst, output=dst)
+    return dst
+
+
+def fold_pixels(
+    model: str | os.PathLike[str], *, output: str | os.PathLike[str] | None = None
+) -> Path:
+    """Write ``model``, an image classifier (FP32 input [N,3,S,S]), taking ``pixels``:
+    UINT8 [N,S,S,3] RGB, the decoded and centre-cropped image (``decode_image``). The
+    graph casts, transposes to NCHW and scales by the model's mean and std
+    (``input_scaling``) before its first layer, exactly as ``Preprocess`` does on the host.
+    Default output: ``<model>.pixels.onnx``.
+
+    Raises:
+        ValueError: the model is not one FP32 [N,3,S,S] input, or already takes pixels.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from .stages import input_scaling
+
+    src = Path(model)
+    dst = Path(output) if output else src.with_name(f"{src.stem}.pixels.onnx")
+    proto = onnx.load(str(src))
+    graph = proto.graph
+    weights = {t.name for t in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in weights]
+    if len(inputs) != 1:
+        raise ValueError(f"fold_pixels: {src} has {len(inputs)} inputs; an image classifier has 1")
+    x = inputs[0]
+    kind = x.type.tensor_type
+    dims = [d.dim_value or d.dim_param or "?" for d in kind.shape.dim]
+    if (
+        kind.elem_type != TensorProto.FLOAT
+        or len(dims) != 4
+        or dims[1] != 3
+        or not isinstance(dims[2], int)
+        or dims[2] != dims[3]
+    ):
+        got = f"{TensorProto.DataType.Name(kind.elem_type)} {dims}"
+        raise ValueError(
+            f"fold_pixels: input {x.name!r} of {src}: expected FLOAT [N,3,S,S], got {got}"
+        )
+    if PIXELS in {x.name, *weights, *(n for node in graph.node for n in node.output)}:
+        raise ValueError(f"fold_pixels: {src} already has a tensor named {PIXELS!r}")
+    meta = {p.key: p.value for p in proto.metadata_props}
+    mean, std = input_scaling(meta)
+    # As Preprocess: x * (1 / (255 std)) + (-mean / std), in FP32, per channel.
+    std_arr = np.asarray(std, np.float64)
+    scale = (1.0 / (255.0 * std_arr)).astype(np.float32).reshape(1, 3, 1, 1)
+    shift = (-np.asarray(mean, np.float64) / std_arr).astype(np.float32).reshape(1, 3, 1, 1)
+    side = dims[2]
+    names = [f"servekit_pixels_{step}" for step in ("float", "nchw", "scaled")]
+    prefix = [
+        helper.make_node("Cast", [PIXELS], [names[0]], names[0], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", [names[0]], [names[1]], names[1], perm=[0, 3, 1, 2]),
+        helper.make_node("Mul", [names[1], "servekit_pixels_scale"], [names[2]], names[2]),
+        helper.make_node("Add", [names[2], "servekit_pixels_shift"], [x.name], x.name + "_in"),
+    ]
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(scale, "servekit_pixels_scale"),
+            numpy_helper.from_array(shift, "servekit_pixels_shift"),
+        ]
+    )
+    batch = dims[0] if not isinstance(dims[0], int) or dims[0] > 0 else "batch"
+    pixels = helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, side, side, 3])
+    position = list(graph.input).index(x)
+    graph.input.remove(x)
+    graph.input.insert(position, pixels)
+    nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(prefix + nodes)
+    onnx.helper.set_model_props(proto, {**meta, "servekit.pixels": "uint8 NHWC RGB"})
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(dst))
     return dst
 
 

@@ -19,7 +19,7 @@ from . import tracing, zoo
 from .runners.base import Arrays, BaseRunner, Runner, accelerated
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
-from .stages import IMAGENET_MEAN, IMAGENET_STD, Postprocess, Preprocess
+from .stages import Postprocess, Preprocess, input_scaling
 
 __all__ = [
     "ImageClassifier",
@@ -182,8 +182,7 @@ def image_stages(
             f"{x.name} {list(x.shape)} and {y.name} {list(y.shape)}"
         )
     meta = metadata or {}
-    mean = tuple(json.loads(meta["servekit.mean"])) if "servekit.mean" in meta else IMAGENET_MEAN
-    std = tuple(json.loads(meta["servekit.std"])) if "servekit.std" in meta else IMAGENET_STD
+    mean, std = input_scaling(meta)
     if labels is None and "servekit.labels" in meta:
         labels = json.loads(meta["servekit.labels"])
     crop = x.shape[1]

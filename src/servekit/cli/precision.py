@@ -35,13 +35,21 @@ def optimize(
         float,
         typer.Option(help="INT8: keep layers over N x the median sensitivity in FP32 (0 = none)."),
     ] = 4.0,
+    pixels: Annotated[
+        bool,
+        typer.Option(
+            help="Fold the input scaling in: the model then takes UINT8 [N,S,S,3] pixels "
+            "named 'pixels' (a quarter of FP32's bytes), scaled where it runs."
+        ),
+    ] = False,
     output: Annotated[
-        Path | None, typer.Option(help="Default: MODEL.PRECISION.onnx beside it.")
+        Path | None,
+        typer.Option(help="Default: MODEL.PRECISION.onnx (MODEL.PRECISION.pixels.onnx) beside it."),
     ] = None,
     cache_dir: CacheDir = None,
 ) -> None:
     """Write the model at another precision: INT8 (static QDQ, calibrated through servekit's
-    Preprocess) or FP16."""
+    Preprocess) or FP16; with --pixels, taking decoded UINT8 pixels."""
     from ..optimize import calibration_images
     from ..optimize import optimize as run_optimize
 
@@ -59,6 +67,7 @@ def optimize(
             method=method,
             target=target,
             sensitivity=sensitivity or None,
+            pixels=pixels,
         )
     except (ValueError, ImportError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -2,8 +2,9 @@
 
 ``TorchRunner`` takes a ``torch.nn.Module`` with a spec, or an ONNX file that
 ``onnx_module`` turns into one (the operators servekit's zoo uses: convolutions,
-pooling, ReLU/Clip, Add, Flatten, Gemm), so the same ``resnet50.onnx`` that ONNX
-Runtime serves runs under PyTorch with the same weights. On CUDA it captures one CUDA
+pooling, ReLU/Clip, Add, Flatten, Gemm, and the Cast and Transpose ``fold_pixels``
+writes), so the same ``resnet50.onnx`` that ONNX Runtime serves runs under PyTorch with
+the same weights. On CUDA it captures one CUDA
 graph per batch size; a request is copied into the smallest captured size that holds
 it and the outputs are cut back to its rows.
 """
@@ -66,6 +67,8 @@ def onnx_module(model: str | os.PathLike[str]) -> Any:
         attrs["auto_pad"] = pad_mode.decode() if isinstance(pad_mode, bytes) else pad_mode
         if attrs["auto_pad"] not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
             raise ValueError(f"onnx_module: {node.name}: auto_pad {attrs['auto_pad']}")
+        if node.op_type == "Cast" and attrs.get("to") != onnx.TensorProto.FLOAT:
+            raise ValueError(f"onnx_module: {node.name}: Cast to other than FLOAT")
         steps.append((node.op_type, list(node.input), list(node.output), attrs))
     torch = _torch()
     F = torch.nn.functional
@@ -85,8 +88,14 @@ def onnx_module(model: str | os.PathLike[str]) -> Any:
             for name, key in self._names.items():
                 env[name] = getattr(self, key)
             for op, ins, outs, attrs in steps:
+                if op == "Cast":  # to FLOAT: the weights' own precision (the runner's)
+                    env[outs[0]] = env[ins[0]].to(self._floating())
+                    continue
                 env[outs[0]] = _OPS[op](F, torch, [env[i] if i else None for i in ins], attrs)
             return tuple(env[o] for o in outputs)
+
+        def _floating(self) -> Any:
+            return next((b.dtype for b in self.buffers() if b.is_floating_point()), torch.float32)
 
     return OnnxModule().eval()
 
@@ -182,6 +191,8 @@ _OPS: dict[str, Any] = {
     "Gemm": _gemm,
     "MatMul": lambda F, torch, x, a: x[0] @ x[1],
     "Softmax": lambda F, torch, x, a: torch.softmax(x[0], int(a.get("axis", -1))),
+    "Transpose": lambda F, torch, x, a: x[0].permute(*a["perm"]),
+    "Cast": None,  # in forward: to the weights' precision
 }
 
 
@@ -320,8 +331,9 @@ class TorchRunner(BaseRunner):
 
     def _on_device(self, t: Any) -> Any:
         """A device tensor cast to the runner's precision and memory format."""
-        if t.is_floating_point():
-            t = t.to(self.dtype)
+        if not t.is_floating_point():
+            return t  # pixels (UINT8 NHWC): the graph casts and transposes them itself
+        t = t.to(self.dtype)
         if self._channels_last and t.dim() == 4:
             t = t.contiguous(memory_format=self._torch.channels_last)
         return t

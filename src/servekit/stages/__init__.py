@@ -8,6 +8,7 @@ from .image import (
     IMAGENET_STD,
     Preprocess,
     decode_image,
+    input_scaling,
     synthetic_image,
 )
 
@@ -19,6 +20,7 @@ __all__ = [
     "Preprocess",
     "Stage",
     "decode_image",
+    "input_scaling",
     "synthetic_image",
     "load_labels",
     "softmax",

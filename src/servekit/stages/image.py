@@ -25,6 +25,7 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "Preprocess",
     "decode_image",
+    "input_scaling",
     "synthetic_image",
 ]
 
@@ -32,6 +33,19 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 """File suffixes servekit treats as images when it walks a folder (batch jobs, calibration)."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def input_scaling(
+    metadata: Mapping[str, str] | None,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std a classifier's pixels are scaled by: its metadata's
+    ``servekit.mean`` and ``servekit.std`` (the zoo writes them), else ImageNet's."""
+    import json
+
+    meta = metadata or {}
+    mean = tuple(json.loads(meta["servekit.mean"])) if "servekit.mean" in meta else IMAGENET_MEAN
+    std = tuple(json.loads(meta["servekit.std"])) if "servekit.std" in meta else IMAGENET_STD
+    return mean, std
 
 
 def decode_image(
