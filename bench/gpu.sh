@@ -4,7 +4,8 @@
 # servekit comes from this checkout's src/, nothing of it is installed:
 #   1. the engine alone, runner.infer and the in-process Batcher at 1 and 2 instances
 #      (bench/gpu.py, every precision asked for);
-#   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime);
+#   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime) and of
+#      tests/test_device_decode.py (JPEGs decoded on the GPU against Pillow);
 #   3. the native server at FP16, 2 instances, over HTTP binary, HTTP with system shared
 #      memory and gRPC, 64 clients, with the server's CPU per request (servekit bench);
 #      and over HTTP binary the same model taking UINT8 pixels (optimize --pixels), a
@@ -31,6 +32,9 @@ timeout 330 python3 bench/gpu.py --out "$out/gpu.json" "$@"
 if python3 -c "import pytest, hypothesis, onnxruntime" 2> /dev/null; then
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runners.py -k "cuda or lanes" \
         2>&1 | tail -3 | tee "$out/gpu_tests.txt" || true
+    # JPEGs decoded on the GPU against Pillow: the levels apart and the top-5 kept.
+    timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_decode.py -k cuda \
+        2>&1 | grep -E "nvJPEG|same top-5|passed|failed|skipped" | tee -a "$out/gpu_tests.txt" || true
 else
     echo "gpu.sh: no pytest/hypothesis/onnxruntime here (carry them in .whl): step 2 skipped"
 fi

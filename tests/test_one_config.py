@@ -128,6 +128,9 @@ def test_the_file_sets_every_knob(tmp_path, tiny_cnn_path, add_sub_path):
     # The response cache has its own served tests on native and Ray (test_cache_served);
     # the Triton runtimes, which this file also configures, refuse it by name.
     fixed |= {"response_cache"}
+    # Where images decode has its own served tests on native and PyTriton
+    # (test_device_decode); the Triton runtime refuses a device by name.
+    fixed |= {"image_decode"}
     for kind, default, of in (
         (BatchingPolicy, BatchingPolicy(), lambda m: m.batching),
         (QueuePolicy, QueuePolicy(), lambda m: m.batching.default_queue_policy),

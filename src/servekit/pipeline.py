@@ -12,11 +12,12 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from . import tracing, zoo
-from .runners.base import Arrays, BaseRunner, Runner, accelerated
+from .runners.base import Arrays, BaseRunner, Runner, accelerated, batch_function
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
 from .stages import Postprocess, Preprocess, input_scaling
@@ -111,7 +112,60 @@ class Prediction:
 
 
 class ImageClassifier(Pipeline):
-    """Encoded images -> top-k predictions: Preprocess -> model -> Postprocess."""
+    """Encoded images -> top-k predictions: Preprocess -> model -> Postprocess.
+
+    Where the model takes tensors on a GPU as they are (``TorchRunner.tensor_device``) and
+    torchvision is installed, the images are decoded, resized, cropped and scaled on that
+    GPU and handed to the model there (``stages.DeviceDecode``); elsewhere by Preprocess
+    on the host. ``decode_on`` names the torch device to decode on whatever the model
+    (``"cpu"``: torchvision's CPU decoders, the same path, where no GPU is), or ``"host"``
+    for Preprocess always."""
+
+    def __init__(
+        self, steps: Sequence[Runner], names: Sequence[str] = (), *, decode_on: str | None = None
+    ) -> None:
+        super().__init__(steps, names)
+        self.decode_on = decode_on
+        self._decoders: dict[str, Any] = {}
+
+    def _decoder(self) -> Any:
+        """The DeviceDecode for the model's device now (a reload may change it), or None."""
+        from .stages.device_image import DeviceDecode, device_decode_available
+
+        if self.decode_on == "host" or len(self.steps) != 3:
+            return None
+        pre, model, _ = self.steps
+        if not isinstance(pre, Preprocess):
+            return None
+        serving = getattr(model, "runner", model)  # a VersionedRunner's serving version
+        device = self.decode_on or getattr(serving, "tensor_device", None)
+        if device is None or not device_decode_available():
+            return None
+        key = str(device)
+        if key not in self._decoders:
+            self._decoders[key] = DeviceDecode(pre, device)
+        return self._decoders[key]
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        decode = self._decoder()
+        if decode is None:
+            return super()._run(inputs)
+        pre, model, post = self.steps
+        assert isinstance(pre, Preprocess)  # _decoder checked it
+        traced = tracing.BATCH.get()
+        marks = [time.monotonic()]
+        x = decode(inputs[pre.input_name])
+        if getattr(getattr(model, "runner", model), "tensor_device", None) != decode.device:
+            x = x.cpu().numpy()  # a model that takes host arrays (decode_on names a device)
+        marks.append(time.monotonic())
+        logits = batch_function(model)({pre.output_name: x})
+        marks.append(time.monotonic())
+        out = post.infer({t.name: logits[t.name] for t in post.spec.inputs})
+        marks.append(time.monotonic())
+        if traced is not None:
+            for name, start, end in zip(self.step_names, marks, marks[1:], strict=True):
+                traced.steps.append((name, start, end))
+        return {t.name: out[t.name] for t in self._spec.outputs}
 
     def classify(self, images: Sequence[bytes]) -> list[list[Prediction]]:
         """Classify encoded JPEG/PNG images (any number: split into max_batch_size chunks)."""
@@ -142,9 +196,11 @@ def image_classifier(
     intra_op_threads: int | None = None,
     max_batch_size: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    decode_on: str | None = None,
 ) -> ImageClassifier:
     """An image classifier around a zoo model name, an ONNX file, or a Runner with one
     NCHW image input and one logits output. Zoo models are built into the cache on first use.
+    ``decode_on``: where images decode (``ImageClassifier``; None: the model's GPU, if any).
     """
     if isinstance(model, Runner):
         runner: Runner = model
@@ -156,7 +212,9 @@ def image_classifier(
     pre, post = image_stages(
         runner.spec, getattr(runner, "metadata", None), top_k=top_k, labels=labels
     )
-    return ImageClassifier([pre, runner, post], ["preprocess", "model", "postprocess"])
+    return ImageClassifier(
+        [pre, runner, post], ["preprocess", "model", "postprocess"], decode_on=decode_on
+    )
 
 
 def image_stages(

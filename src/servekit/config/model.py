@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,10 @@ from ..runners import ENGINES
 from ..tables import check_keys
 from .names import NAME, PRECISIONS, model_name
 
-__all__ = ["ModelConfig"]
+__all__ = ["IMAGE_DECODE", "ModelConfig"]
+
+IMAGE_DECODE = re.compile(r"^(auto|host|cpu|cuda(:\d+)?)$")
+"""``ModelConfig.image_decode``'s values."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,12 @@ class ModelConfig:
     top_k: int = 5
     image: bool = True
     """Also serve ``<name>_image`` (encoded images in, top-k out) for an image classifier."""
+    image_decode: str = "auto"
+    """Where ``<name>_image`` decodes, resizes and scales its images: ``"auto"`` on the
+    model's GPU when it runs on one that takes tensors as they are (the Torch runner on
+    CUDA) and torchvision is installed, else on the host; ``"host"`` always with Pillow
+    on the host; or a torch device (``"cuda:0"``, ``"cpu"``) for torchvision's decoders
+    there. PNG and anything the device decoder refuses take the host path, image by image."""
     version: int = 1
     """The number ``source`` is served as: 1, except where a ``[store]`` root's Triton
     layout says otherwise (``<name>/3/model.onnx`` is version 3)."""
@@ -122,6 +132,11 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.labels is not None:
             object.__setattr__(self, "labels", os.fspath(self.labels))
+        if not IMAGE_DECODE.match(self.image_decode):
+            raise ValueError(
+                f"model {self.name!r}: image_decode must be 'auto', 'host', 'cpu', 'cuda' or "
+                f"'cuda:<n>', got {self.image_decode!r}"
+            )
         self._check_code()
         self._check_rollout()
         if isinstance(self.sequence_batching, Mapping):

@@ -182,6 +182,17 @@ class ServeConfig:
                 "store lives in one ingress replica, so that every host sees one index, "
                 "budget and load)"
             )
+        stages_apart = {
+            "triton": "the ensemble runs <name>_preprocess as a model of its own",
+            "ray": "without [ray] fuse the stages run in replicas of their own",
+        }
+        if runtime in stages_apart and not (runtime == "ray" and self.ray.fuse):
+            problems += [
+                f"models.{m.name}: image_decode = {m.image_decode!r} (the images decode "
+                f"beside the model only in its process: {stages_apart[runtime]})"
+                for m in self.models
+                if m.image and m.image_decode not in ("auto", "host")
+            ]
         problems += _cache_problems(self, runtime)
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))

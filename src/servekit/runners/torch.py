@@ -209,11 +209,16 @@ class _Lane:
         self._host_out: dict[tuple[str, Any], Any] = {}
         self._runner = runner
 
-    def upload(self, name: str, a: np.ndarray) -> Any:
+    def upload(self, name: str, a: Any) -> Any:
         """``a`` on the device as it came: one asynchronous copy on this lane's stream when
-        ``a`` is pinned, as staging is (casts and layout follow on the device)."""
+        ``a`` is pinned, as staging is (casts and layout follow on the device). A tensor
+        already on the device (``stages.DeviceDecode``'s) is taken where it is, once the
+        stream that made it is done with it."""
         r = self._runner
         torch = r._torch
+        if torch.is_tensor(a):
+            self.stream.wait_stream(torch.cuda.current_stream(r.device))
+            return a.to(r.device)
         src = torch.from_numpy(np.ascontiguousarray(a))
         raw = self._buffer(self._device_in, name, src.dtype, src.shape, r.device, pin=False)
         raw = raw[: len(src)]
@@ -338,9 +343,16 @@ class TorchRunner(BaseRunner):
             t = t.contiguous(memory_format=self._torch.channels_last)
         return t
 
-    def _to_device(self, a: np.ndarray) -> Any:
-        t = self._torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-        return self._on_device(t)
+    def _to_device(self, a: Any) -> Any:
+        torch = self._torch
+        t = a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a))
+        return self._on_device(t.to(self.device))
+
+    @property
+    def tensor_device(self) -> Any:
+        """The device whose torch tensors ``run`` takes as inputs as they are (no host
+        copy): this runner's when it is a GPU; None on the CPU, where arrays are as good."""
+        return self.device if self.device.type == "cuda" else None
 
     def _outputs(self, values: Sequence[Any], rows: int | None) -> Arrays:
         out = {}

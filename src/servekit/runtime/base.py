@@ -232,7 +232,8 @@ def load_models(
             )  # fmt: skip
         )
     if model.image and runner.spec.batched and is_image_classifier(runner.spec):
-        clf = image_classifier(runner, top_k=model.top_k, labels=model.labels)
+        decode_on = None if model.image_decode == "auto" else model.image_decode
+        clf = image_classifier(runner, top_k=model.top_k, labels=model.labels, decode_on=decode_on)
         served.append(
             ServedModel(
                 image_model_name(model.name),

@@ -2,6 +2,7 @@
 
 from .base import Stage
 from .classify import Postprocess, load_labels, softmax, top_k
+from .device_image import DeviceDecode
 from .image import (
     IMAGE_SUFFIXES,
     IMAGENET_MEAN,
@@ -13,6 +14,7 @@ from .image import (
 )
 
 __all__ = [
+    "DeviceDecode",
     "IMAGE_SUFFIXES",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
