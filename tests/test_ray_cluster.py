@@ -253,6 +253,9 @@ def test_a_store_answers_alike_through_every_proxy(cluster, add_sub_path, tmp_pa
     config = tmp_path / "serve.toml"
     config.write_text(
         f'runtime = "ray"\n[ray]\nmodel_cpus = 0.25\n[store]\nroot = "{root}"\nload = "on_demand"\n'
+        # Four first requests load four models at once, one after another in the ingress:
+        # on a busy two-core machine the last can take past the default 5 s wait.
+        "wait_s = 60\n"
     )
     # The head's one CPU taken, as KubeRay's head often has none (num-cpus 0): the ingress
     # then runs on another host, and the head's proxy reaches it across the bridge.

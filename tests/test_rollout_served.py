@@ -321,6 +321,7 @@ def stored(request, kind: str):
                 r = fill.getresponse()
                 assert r.status == 200, r.read()
                 r.read()
+            fill.close()
 
             def churn(k: int) -> None:
                 rng = np.random.default_rng(k)
@@ -349,9 +350,10 @@ def stored(request, kind: str):
                     t.join()
             assert not failures, failures[:5]
             assert answered[0] > 0
-            fill.request("GET", "/metrics")
-            metrics = parse_metrics(fill.getresponse().read().decode())
-            fill.close()
+            scraped = http.client.HTTPConnection(runtime.host, runtime.http_port, timeout=60)
+            scraped.request("GET", "/metrics")
+            metrics = parse_metrics(scraped.getresponse().read().decode())
+            scraped.close()
             evictions = sum(v for (n, _), v in metrics.items() if n == "servekit_store_evictions")
             assert evictions > 0  # the canary's versions came and went among the others
 
