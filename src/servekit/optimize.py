@@ -147,7 +147,7 @@ def fold_pixels(
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from .stages import input_scaling
+    from .stages import input_scaling, pixel_scaling
 
     src = Path(model)
     dst = Path(output) if output else src.with_name(f"{src.stem}.pixels.onnx")
@@ -174,11 +174,7 @@ def fold_pixels(
     if PIXELS in {x.name, *weights, *(n for node in graph.node for n in node.output)}:
         raise ValueError(f"fold_pixels: {src} already has a tensor named {PIXELS!r}")
     meta = {p.key: p.value for p in proto.metadata_props}
-    mean, std = input_scaling(meta)
-    # As Preprocess: x * (1 / (255 std)) + (-mean / std), in FP32, per channel.
-    std_arr = np.asarray(std, np.float64)
-    scale = (1.0 / (255.0 * std_arr)).astype(np.float32).reshape(1, 3, 1, 1)
-    shift = (-np.asarray(mean, np.float64) / std_arr).astype(np.float32).reshape(1, 3, 1, 1)
+    scale, shift = (v.reshape(1, 3, 1, 1) for v in pixel_scaling(*input_scaling(meta)))
     side = dims[2]
     names = [f"servekit_pixels_{step}" for step in ("float", "nchw", "scaled")]
     prefix = [
@@ -193,7 +189,7 @@ def fold_pixels(
             numpy_helper.from_array(shift, "servekit_pixels_shift"),
         ]
     )
-    batch = dims[0] if not isinstance(dims[0], int) or dims[0] > 0 else "batch"
+    batch = dims[0] if dims[0] != "?" else "batch"
     pixels = helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, side, side, 3])
     position = list(graph.input).index(x)
     graph.input.remove(x)

@@ -10,6 +10,7 @@ from .image import (
     Preprocess,
     decode_image,
     input_scaling,
+    pixel_scaling,
     synthetic_image,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "Stage",
     "decode_image",
     "input_scaling",
+    "pixel_scaling",
     "synthetic_image",
     "load_labels",
     "softmax",

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import InvalidInput
-from .image import Preprocess, decode_image
+from .image import Preprocess, decode_image, pixel_scaling
 
 __all__ = ["DeviceDecode", "device_decode_available"]
 
@@ -55,9 +55,9 @@ class DeviceDecode:
         self.pre, self._torch, self._tvf = pre, torch, tvf
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.device = torch.device(device)
-        shape = (1, 3, 1, 1)
-        self._scale = torch.tensor(pre._scale, device=self.device).reshape(shape)
-        self._shift = torch.tensor(pre._shift, device=self.device).reshape(shape)
+        scale, shift = pixel_scaling(pre.mean, pre.std)
+        self._scale = torch.tensor(scale, device=self.device).reshape(1, 3, 1, 1)
+        self._shift = torch.tensor(shift, device=self.device).reshape(1, 3, 1, 1)
         self.last_fallbacks = 0
 
     def _header(self, row: int, data: bytes) -> bool:

@@ -26,6 +26,7 @@ __all__ = [
     "Preprocess",
     "decode_image",
     "input_scaling",
+    "pixel_scaling",
     "synthetic_image",
 ]
 
@@ -33,6 +34,16 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 """File suffixes servekit treats as images when it walks a folder (batch jobs, calibration)."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def pixel_scaling(mean: Sequence[float], std: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(x / 255 - mean) / std`` as ``x * scale + shift``: the per-channel FP32 ``scale``
+    and ``shift`` every path that scales pixels uses (Preprocess, DeviceDecode, a model
+    with its scaling folded in), so all of them compute the same floats."""
+    std_arr = np.asarray(std, dtype=np.float64)
+    scale = (1.0 / (255.0 * std_arr)).astype(np.float32)
+    shift = (-np.asarray(mean, dtype=np.float64) / std_arr).astype(np.float32)
+    return scale, shift
 
 
 def input_scaling(
@@ -148,10 +159,7 @@ class Preprocess(BaseRunner):
         self.resize, self.crop, self.max_pixels = resize, crop, max_pixels
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
         self.input_name, self.output_name = input_name, output_name
-        std_arr = np.asarray(std, dtype=np.float64)
-        # (x/255 - mean) / std == x * a + b, with a and b computed once.
-        self._scale = (1.0 / (255.0 * std_arr)).astype(np.float32)
-        self._shift = (-np.asarray(mean, dtype=np.float64) / std_arr).astype(np.float32)
+        self._scale, self._shift = pixel_scaling(mean, std)
         self._workers = workers if workers is not None else min(4, os.cpu_count() or 1)
         self._pool = (
             ThreadPoolExecutor(self._workers, "servekit-decode") if self._workers > 1 else None
