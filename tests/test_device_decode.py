@@ -140,6 +140,19 @@ def test_the_served_image_model_decodes_where_told(runtime, tiny_cnn_path):
         assert not wrong, wrong[:3]
 
 
+def test_a_torch_model_takes_the_decoded_batch_as_the_tensor_it_is(tiny_cnn_path):
+    from servekit.runners.torch import TorchRunner
+
+    runner = TorchRunner(tiny_cnn_path, device="cpu", precision="fp32")
+    device = image_classifier(runner, decode_on="cpu")
+    assert device._decoder().device == runner.tensor_device  # no copy between the two
+    host = image_classifier(runner, decode_on="host")
+    assert host._decoder() is None
+    images = [synthetic_image(i, (400 + 16 * i, 300)) for i in range(6)]
+    for a, b in zip(host.classify(images), device.classify(images), strict=True):
+        assert max(abs(p.score - q.score) for p, q in zip(a, b, strict=True)) < 0.01
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (PyTorch sees none)")
 def test_on_cuda_the_torch_runner_gets_the_images_decoded_there(resnet50_path):
     from servekit.runners.torch import TorchRunner

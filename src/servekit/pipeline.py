@@ -138,7 +138,10 @@ class ImageClassifier(Pipeline):
         if not isinstance(pre, Preprocess):
             return None
         serving = getattr(model, "runner", model)  # a VersionedRunner's serving version
-        device = self.decode_on or getattr(serving, "tensor_device", None)
+        device = self.decode_on
+        if device is None:  # auto: on the model's GPU, if it takes tensors there
+            own = getattr(serving, "tensor_device", None)
+            device = own if own is not None and own.type == "cuda" else None
         if device is None or not device_decode_available():
             return None
         key = str(device)

@@ -350,9 +350,9 @@ class TorchRunner(BaseRunner):
 
     @property
     def tensor_device(self) -> Any:
-        """The device whose torch tensors ``run`` takes as inputs as they are (no host
-        copy): this runner's when it is a GPU; None on the CPU, where arrays are as good."""
-        return self.device if self.device.type == "cuda" else None
+        """The device whose torch tensors ``run`` takes as inputs as they are (no copy):
+        this runner's."""
+        return self.device
 
     def _outputs(self, values: Sequence[Any], rows: int | None) -> Arrays:
         out = {}
