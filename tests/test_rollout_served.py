@@ -304,7 +304,9 @@ def stored(request, kind: str):
     budget holds ten, while two clients send to random others all along (evicting and
     loading); any of their requests that fails fails the test."""
     root, budget_mb = request.getfixturevalue("thirty")
-    store = StoreConfig(root=str(root), memory_budget_mb=budget_mb, load="on_demand")
+    # Loads queue behind the churn's evictions: on a busy two-core machine one can take
+    # past the default 5 s wait, which is not what these tests are about.
+    store = StoreConfig(root=str(root), memory_budget_mb=budget_mb, load="on_demand", wait_s=30)
 
     @contextlib.contextmanager
     def serve_stored(model: ModelConfig, **server) -> Iterator[Served]:

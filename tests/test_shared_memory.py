@@ -178,6 +178,26 @@ def test_status_lists_a_region_until_it_is_unregistered(server, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_cuda_shared_memory_where_no_gpu_serves_it_is_refused_by_name(server, protocol):
+    client = client_of(server, protocol)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_cuda_shared_memory(
+                "gpu_region", b"\x00" * 64, 0, 1024, headers=token_headers(protocol)
+            )
+        said = refused.value.message()
+        if server.config.runtime == "native":  # servekit's own words
+            assert "CUDA shared memory is not served by this server" in said, said
+        else:  # passed to tritonserver, whose gRPC answer names no CUDA on a CPU build
+            print(f"{server.config.runtime} over {protocol}: {said}")
+        status = client.get_cuda_shared_memory_status(headers=token_headers(protocol))
+        names = list(status.regions) if protocol == "grpc" else [s["name"] for s in status]
+        assert "gpu_region" not in names
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_registration_needs_the_control_token(server, protocol):
     client = client_of(server, protocol)
     name = f"r{uuid.uuid4().hex[:12]}"

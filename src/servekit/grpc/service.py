@@ -44,6 +44,7 @@ from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, 
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
 from ..protocol.shm import (
+    NO_CUDA_SHARED_MEMORY,
     NO_SHARED_MEMORY,
     SharedMemory,
 )
@@ -397,7 +398,19 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return self._shm
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        return service_pb2.CudaSharedMemoryStatusResponse()
+        return service_pb2.CudaSharedMemoryStatusResponse()  # none registered
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        await self._no_cuda_shared_memory(context, "CudaSharedMemoryRegister")
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        await self._no_cuda_shared_memory(context, "CudaSharedMemoryUnregister")
+
+    async def _no_cuda_shared_memory(self, context: Any, call: str) -> None:
+        """Refused by name, as on HTTP: regions on a GPU are tritonserver's to map."""
+        what = "CUDA shared memory" if self._shm is not None else "shared memory"
+        served = NO_CUDA_SHARED_MEMORY if self._shm is not None else NO_SHARED_MEMORY
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call}: {what} {served}")
 
 
 class Servicer(Protocol):

@@ -16,7 +16,12 @@ import orjson
 from ..errors import InvalidInput
 from ..protocol.kserve import parse_json
 from ..protocol.models import PassThroughRegistry
-from ..protocol.shm import NO_SHARED_MEMORY, SharedMemory, check_registration
+from ..protocol.shm import (
+    NO_CUDA_SHARED_MEMORY,
+    NO_SHARED_MEMORY,
+    SharedMemory,
+    check_registration,
+)
 from .messages import Answer, HttpRequest
 
 __all__ = ["SHARED_MEMORY", "shared_memory_answer"]
@@ -53,10 +58,7 @@ async def shared_memory_answer(
             return _json(200, [])  # none registered
         what = "CUDA shared memory" if kind == "cuda" else "shared memory"
         served = (
-            "is not served by this server: CUDA shared memory needs tritonserver on a GPU "
-            "(the triton and pytriton runtimes)"
-            if kind == "cuda" and regions is not None
-            else NO_SHARED_MEMORY
+            NO_CUDA_SHARED_MEMORY if kind == "cuda" and regions is not None else NO_SHARED_MEMORY
         )
         return _json(403, {"error": f"{request.method} {request.path}: {what} {served}"})
     check_control(request)

@@ -40,6 +40,7 @@ __all__ = [
     "served",
     "OFFSET",
     "REGION",
+    "NO_CUDA_SHARED_MEMORY",
     "NO_SHARED_MEMORY",
     "DECLARED",
     "Declared",
@@ -58,6 +59,10 @@ SHM_ROOT = "/dev/shm"
 NO_SHARED_MEMORY = (
     "is not served by this server: system shared memory is served on one host by the "
     "native, pytriton and triton runtimes (Ray's replicas may run on other hosts)"
+)
+NO_CUDA_SHARED_MEMORY = (
+    "is not served by this server: CUDA shared memory needs tritonserver on a GPU (the "
+    "triton and pytriton runtimes)"
 )
 _KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 RESERVED_KEYS = ("triton_python_backend", "psm_")
