@@ -145,10 +145,12 @@ def test_servekit_signal_scales_replicas_out_over_hosts_and_back(cluster, tmp_pa
             scaled = time.monotonic() - ramp
             assert {w["address"] for w in cluster.where("device")} == addresses(hosts)
             load.rate = 10
+            fell = time.monotonic()
             wait_until(lambda: cluster.replicas()["device"] == 1, "back to 1 replica", 150)
+            back = time.monotonic() - fell
     finally:
         served.stop()
-    print(f"1 -> 3 replicas {scaled:.1f} s after the load rose")
+    print(f"1 -> 3 replicas {scaled:.1f} s after the load rose, 3 -> 1 {back:.1f} s after it fell")
     assert load.failed() == []
 
 
