@@ -44,9 +44,9 @@ from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, 
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
 from ..protocol.shm import (
-    NO_CUDA_SHARED_MEMORY,
     NO_SHARED_MEMORY,
     SharedMemory,
+    cuda_refusal,
 )
 from ..protocol.surface import EXTENSIONS, model_config, repository_index, statistics
 from ..tracing import Tracing
@@ -408,9 +408,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
     async def _no_cuda_shared_memory(self, context: Any, call: str) -> None:
         """Refused by name, as on HTTP: regions on a GPU are tritonserver's to map."""
-        what = "CUDA shared memory" if self._shm is not None else "shared memory"
-        served = NO_CUDA_SHARED_MEMORY if self._shm is not None else NO_SHARED_MEMORY
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call}: {what} {served}")
+        refusal = cuda_refusal(self._shm is not None)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call}: {refusal}")
 
 
 class Servicer(Protocol):

@@ -17,10 +17,10 @@ from ..errors import InvalidInput
 from ..protocol.kserve import parse_json
 from ..protocol.models import PassThroughRegistry
 from ..protocol.shm import (
-    NO_CUDA_SHARED_MEMORY,
     NO_SHARED_MEMORY,
     SharedMemory,
     check_registration,
+    cuda_refusal,
 )
 from .messages import Answer, HttpRequest
 
@@ -56,11 +56,12 @@ async def shared_memory_answer(
     if regions is None or kind == "cuda":
         if action == "status" and match["name"] is None:
             return _json(200, [])  # none registered
-        what = "CUDA shared memory" if kind == "cuda" else "shared memory"
-        served = (
-            NO_CUDA_SHARED_MEMORY if kind == "cuda" and regions is not None else NO_SHARED_MEMORY
+        refusal = (
+            cuda_refusal(regions is not None)
+            if kind == "cuda"
+            else f"shared memory {NO_SHARED_MEMORY}"
         )
-        return _json(403, {"error": f"{request.method} {request.path}: {what} {served}"})
+        return _json(403, {"error": f"{request.method} {request.path}: {refusal}"})
     check_control(request)
     if action == "status":
         return _json(200, regions.status(name))

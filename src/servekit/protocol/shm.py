@@ -34,6 +34,7 @@ __all__ = [
     "BYTE_SIZE",
     "RegionNotFound",
     "check_output_room",
+    "cuda_refusal",
     "check_registration",
     "no_room",
     "open_key",
@@ -64,6 +65,15 @@ NO_CUDA_SHARED_MEMORY = (
     "is not served by this server: CUDA shared memory needs tritonserver on a GPU (the "
     "triton and pytriton runtimes)"
 )
+
+
+def cuda_refusal(system_served: bool) -> str:
+    """Why CUDA shared memory is refused here, worded alike over HTTP and gRPC: a server
+    that maps system regions says CUDA ones are tritonserver's; one that maps none says
+    where shared memory is served."""
+    return f"CUDA shared memory {NO_CUDA_SHARED_MEMORY if system_served else NO_SHARED_MEMORY}"
+
+
 _KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 RESERVED_KEYS = ("triton_python_backend", "psm_")
 """Key prefixes of the serving stack's own regions (Triton's Python backend stubs,
