@@ -54,6 +54,25 @@ def test_batches_fill_counts_only_as_far_as_the_instances_are_busy():
     assert replicas_needed(queued, 8, POLICY, elapsed_s=10) == pytest.approx(2.0)
 
 
+def test_the_batchers_own_hold_is_no_queue_to_scale_for():
+    # 100 lone requests of 10 ms in 10 s (busy a tenth of the time), each held the whole
+    # max_queue_delay (2 ms) for companions. More replicas would not shorten the hold:
+    # only the busy share counts, where the 2 ms read 0.44 of a replica against a queue
+    # target of 4.5 ms (5 % of the 90 ms slack), and ten such replicas summed to 4.4.
+    tight = AutoscalePolicy(latency_budget_ms=100, target_batch_fill=0.8, target_queue_share=0.05)
+    held = traffic(batch=1, queue_ms=2, compute_ms=10)
+    assert replicas_needed(held, 8, tight, elapsed_s=10, hold_us=2000) == pytest.approx(0.1 / 0.8)
+    assert replicas_needed(held, 8, tight, elapsed_s=10) == pytest.approx(2 / 4.5)
+    # What waited past the hold counts as before: 4.5 ms past it is the allowed share.
+    past = traffic(batch=1, queue_ms=2 + 4.5, compute_ms=10)
+    assert replicas_needed(past, 8, tight, elapsed_s=10, hold_us=2000) == pytest.approx(1.0)
+    now = [0.0]
+    demand = Demand(8, tight, clock=lambda: now[0], hold_us=2000)
+    demand.observe(Counters())
+    now[0] = 10
+    assert demand.observe(held) == pytest.approx(0.1 / 0.8)
+
+
 @given(st.integers(1, 64), st.floats(0.1, 200), st.floats(0.01, 1000), st.integers(1, 8))
 def test_n_replicas_of_sparse_traffic_never_sum_past_the_busy_share(batch, compute, s, n):
     # However the traffic is split over ``n`` replicas, with no queue their signals sum to

@@ -9,7 +9,7 @@ It reads the counters every runtime exports with Triton's meanings (``nv_inferen
 
     fill     = rows per execution / max_batch_size            how full the batches are
     busy     = executions * compute per request / (window * instances)
-    queue    = queue time per request                          what waiting costs
+    queue    = queue time per request - max_queue_delay        what waiting costs
     compute  = compute time per request
     slack    = max(latency_budget - compute, latency_budget / 10)
     needed   = max(min(fill, busy) / target_batch_fill, queue / (target_queue_share * slack))
@@ -18,6 +18,10 @@ Under dynamic batching a replica that keeps up runs small batches with almost no
 as load rises the batches fill (the first term nears 1 before any latency is lost), and
 past capacity the queue grows into the latency budget (the second term grows with it,
 however full the batches already are). When the traffic stops both fall to 0.
+
+The queue term leaves out the batcher's own hold (``max_queue_delay_us``, waited for
+companions by design): more replicas never shorten it, and at low load every replica's
+requests wait it whole, so summed over N idle replicas it asked for replicas of their own.
 
 The share of its capacity a replica's traffic takes lies between ``fill * busy`` and
 ``busy`` (a batch of ``fill`` rows costs at most a full one); ``min(fill, busy)`` stays
@@ -102,13 +106,15 @@ def replicas_needed(
     policy: AutoscalePolicy,
     elapsed_s: float | None = None,
     instances: int = 1,
+    hold_us: float = 0.0,
 ) -> float:
     """The formula above, over what happened in ``delta`` during ``elapsed_s`` seconds
-    (None: the batches' busy share is not known, and counts as 1); 0 without traffic."""
+    (None: the batches' busy share is not known, and counts as 1), with the batcher's hold
+    ``hold_us`` (its max_queue_delay); 0 without traffic."""
     if delta.requests <= 0 or delta.executions <= 0:
         return 0.0
     fill = delta.rows / delta.executions / max(max_batch_size, 1)
-    queue_ms = delta.queue_us / delta.requests / 1e3
+    queue_ms = max(delta.queue_us / delta.requests - hold_us, 0.0) / 1e3
     compute_ms = delta.compute_us / delta.requests / 1e3
     busy = 1.0
     if elapsed_s is not None and elapsed_s > 0 and compute_ms > 0:
@@ -124,7 +130,8 @@ def replicas_needed(
 class Demand:
     """One model's signal: readings of its counters, the oldest within the window as the
     base. A reading whose counters went down (the server restarted) starts afresh.
-    ``instances``: the batches the model runs at once (its instance group's count)."""
+    ``instances``: the batches the model runs at once (its instance group's count);
+    ``hold_us``: its batcher's max_queue_delay."""
 
     def __init__(
         self,
@@ -132,13 +139,14 @@ class Demand:
         policy: AutoscalePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         instances: int = 1,
+        hold_us: float = 0.0,
     ) -> None:
         self.max_batch_size, self.policy, self._clock = (
             max_batch_size,
             policy or AutoscalePolicy(),
             clock,
         )
-        self.instances = instances
+        self.instances, self.hold_us = instances, hold_us
         self._readings: SlidingWindow[tuple[float, Counters]] = SlidingWindow(
             self.policy.window_s, keep_base=True
         )
@@ -154,5 +162,10 @@ class Demand:
         readings.add(now, (now, counters))
         since, base = readings.items(now)[0]
         return replicas_needed(
-            counters - base, self.max_batch_size, self.policy, now - since, self.instances
+            counters - base,
+            self.max_batch_size,
+            self.policy,
+            now - since,
+            self.instances,
+            self.hold_us,
         )

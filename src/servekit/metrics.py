@@ -184,6 +184,7 @@ class Metrics:
                 batcher.policy.max_batch_size or 1,
                 clock=self._clock,
                 instances=getattr(batcher, "instance_count", 1),
+                hold_us=batcher.policy.max_queue_delay_us,
             ),
             model,
         )
@@ -227,6 +228,7 @@ class Metrics:
 
     def _needed(self, w: _Watched, s: Any) -> float:
         w.demand.policy = self.autoscale.get(w.model, w.demand.policy)
+        w.demand.hold_us = w.batcher.policy.max_queue_delay_us  # a reload may change it
         counters = Counters(
             s.request_success, s.inference_count, s.execution_count, s.queue_us, w.compute_us
         )

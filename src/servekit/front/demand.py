@@ -66,14 +66,16 @@ class TritonDemand:
         except OSError:
             return False
 
-    def _shape(self, model: str) -> tuple[int, int]:
-        """The model's max_batch_size and its instances (the instance groups' counts)."""
+    def _shape(self, model: str) -> tuple[int, int, float]:
+        """The model's max_batch_size, its instances (the instance groups' counts) and its
+        dynamic batcher's hold (max_queue_delay_microseconds)."""
         url = f"{self.http_url}/v2/models/{model}/config"
         with urllib.request.urlopen(url, timeout=2) as r:
             config = json.loads(r.read())
         groups = config.get("instance_group") or [{}]
         instances = sum(int(g.get("count", 1)) for g in groups)
-        return int(config.get("max_batch_size", 0)) or 1, max(instances, 1)
+        hold = (config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0)
+        return int(config.get("max_batch_size", 0)) or 1, max(instances, 1), float(hold)
 
     def __call__(self) -> list[Family]:
         with self._lock:  # scrapes render on threads of their own
@@ -94,7 +96,7 @@ class TritonDemand:
             demand = self._demand.setdefault((model, version), Demand(0))
             if not demand.max_batch_size:
                 with contextlib.suppress(OSError, ValueError):
-                    demand.max_batch_size, demand.instances = self._shape(model)
+                    demand.max_batch_size, demand.instances, demand.hold_us = self._shape(model)
             # PyTriton binds version N of a routed model as "<name>.v<N>".
             demand.policy = self.policies.get(re.sub(r"\.v\d+$", "", model), demand.policy)
             needed = demand.observe(now)
