@@ -24,15 +24,67 @@ RAY = re.compile(r"(?<![a-z])ray", re.IGNORECASE)
 """A test id that names Ray (a ``test_ray_*`` module, a ``[ray]`` parameter, ``..._on_ray``)."""
 
 
+def starts_ray(item: pytest.Item) -> bool:
+    """Whether ``item`` starts Ray (its id names Ray, or it is marked ``ray``)."""
+    return item.get_closest_marker("ray") is not None or bool(RAY.search(item.nodeid))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Two workers share the suite (``-n 2``, ``--dist loadgroup``): every test that starts
     Ray runs on one of them, one Ray at a time (Ray's processes, its netns hosts and
     ``ray stop`` are the machine's); every other module's tests stay together on one
     worker, so each module's servers start once."""
     for item in items:
-        ray = item.get_closest_marker("ray") is not None or RAY.search(item.nodeid)
-        group = "ray" if ray else item.nodeid.split("::")[0]
+        group = "ray" if starts_ray(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# ------------------------------------------------------------- one Ray a worker
+
+_shared_ray = False
+"""Whether this worker started the Ray its Ray tests share."""
+
+
+def _stop_shared_ray() -> None:
+    global _shared_ray
+    if _shared_ray:
+        import ray
+
+        ray.shutdown()
+        _shared_ray = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The Ray tests run on one local Ray (``address="local"``, 2 CPUs, no dashboard),
+    started before the first and stopped after the last: a Ray start and stop costs about
+    10 s here. Serve starts and stops with each test's server (``RayRuntime`` and
+    ``ray_serve`` join a running Ray and leave it running). A test marked ``own_ray`` starts
+    Ray itself (a subprocess's, a cluster's, one with its own environment): the shared one
+    is stopped first."""
+    global _shared_ray
+    if not starts_ray(item) or item.get_closest_marker("own_ray") is not None:
+        _stop_shared_ray()
+        return
+    with warnings.catch_warnings():  # Ray Serve's own import warns (pydantic): not ours
+        warnings.simplefilter("ignore")
+        import ray
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        _shared_ray = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the fixtures' teardown: the shared Ray stops once no Ray test follows."""
+    if nextitem is None or not starts_ray(nextitem):
+        _stop_shared_ray()
 
 
 def wait_until(
@@ -198,27 +250,21 @@ class Load:
 
 @contextlib.contextmanager
 def ray_serve() -> Iterator[str]:
-    """A one-machine Ray (``address="local"``, 2 CPUs, no dashboard) with Serve's HTTP
-    proxy on a free loopback port; yields its URL and always shuts both down."""
+    """Serve's HTTP proxy on a free loopback port, on the worker's shared Ray (started
+    before every Ray test, ``pytest_runtest_setup``); yields its URL and always shuts
+    Serve down."""
     with warnings.catch_warnings():  # Ray Serve's own import warns (pydantic): not ours
         warnings.simplefilter("ignore")
         import ray
         from ray import serve
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    assert ray.is_initialized(), "ray_serve runs in a Ray test (its id names Ray)"
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def served_models(

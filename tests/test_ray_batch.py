@@ -27,11 +27,8 @@ def _ray_init(**kwargs) -> None:
 
 @pytest.fixture
 def local_ray():
-    _ray_init(address="local", num_cpus=2)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    """The Ray tests' shared local Ray (tests/conftest.py), running by now."""
+    assert ray.is_initialized()
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +109,7 @@ def test_servekit_batch_command_on_its_own_local_ray(image_dir, tmp_path, tiny_c
 
 @pytest.fixture
 def two_nodes():
+    """A head and a worker node of one CPU each, in this process (the test is ``own_ray``)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -148,6 +146,7 @@ def _bounded(fn, timeout_s: float):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.own_ray
 def test_app_and_batch_job_spread_work_over_two_nodes(two_nodes, tmp_path, tiny_cnn_path):
     from servekit.client import Client
     from servekit.ray import build_app

@@ -35,6 +35,10 @@ from servekit.ray.runtime import RayRuntime  # noqa: E402
 from servekit.runners.simulated import TIMELINE_ENV  # noqa: E402
 from servekit.zoo.tiny import build_simulated  # noqa: E402
 
+# The simulated devices' timeline file reaches Ray's workers through the environment Ray
+# starts in: a Ray of the module's own.
+pytestmark = pytest.mark.own_ray
+
 ROWS = 8
 """The simulated devices' max batch size."""
 

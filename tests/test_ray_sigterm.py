@@ -21,6 +21,7 @@ from conftest import free_port
 
 pytest.importorskip("ray", reason="needs the ray extra")
 psutil = pytest.importorskip("psutil")
+pytestmark = pytest.mark.own_ray  # each servekit starts its own Ray
 
 SERVEKIT = str(Path(sys.executable).with_name("servekit"))
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("ray", reason="needs the ray extra")
+pytestmark = pytest.mark.own_ray  # servekit starts its own Ray
 
 from conftest import free_port, wait_until
 from servekit.client import Client

@@ -312,7 +312,10 @@ def test_a_store_root_in_a_bucket_is_listed_loaded_on_demand_and_reloaded_when_c
         control.close()
 
 
-@pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
+# Ray's workers take the credentials from the environment Ray started in: its own Ray.
+@pytest.mark.parametrize(
+    "runtime", ["pytriton", "triton", pytest.param("ray", marks=pytest.mark.own_ray)]
+)
 def test_every_runtime_serves_a_model_from_the_store(s3_url, tmp_path, runtime):
     pytest.importorskip("tritonclient.http")
     needs_runtime(runtime)

@@ -330,11 +330,12 @@ name = "device"
 max_batch_size = 16
 max_queue_delay_us = 2000
 [models.autoscale]
-window_s = 4
+window_s = 8
 """
 """A device-bound model (``build_simulated("device", 20_000, 2_500)``: each batch 20 ms +
 2.5 ms a row, one device per host, which Ray sees as the host's one GPU) scaled by
-servekit's signal from 1 to 3 replicas."""
+servekit's signal from 1 to 3 replicas. An 8 s window: at a low rate each replica's
+queue term reads a handful of requests, one of which may have waited out a batch."""
 
 
 def add_sub_clients(served: ServekitOn, hosts: list[Host]) -> Clients:
