@@ -29,6 +29,7 @@ def starts_ray(item: pytest.Item) -> bool:
     return item.get_closest_marker("ray") is not None or bool(RAY.search(item.nodeid))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Two workers share the suite (``-n 2``, ``--dist loadgroup``): every test that starts
     Ray runs on one of them, one Ray at a time (Ray's processes, its netns hosts and
@@ -37,6 +38,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = "ray" if starts_ray(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A worker stops at once if ``--dist loadgroup`` grouped nothing (pytest-xdist names a
+    grouped test ``<id>@<group>``; under pytest 9 it cannot): modules would be split over
+    both workers and two Ray tests run at once."""
+    grouping = getattr(session.config.option, "loadgroup", False) and session.items
+    if grouping and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError(
+            f"--dist loadgroup grouped nothing (pytest {pytest.__version__}): "
+            "install the versions pyproject.toml names"
+        )
 
 
 # ------------------------------------------------------------- one Ray a worker
