@@ -337,6 +337,18 @@ class Served:
             return {"model": f"m.v{version}", "version": "1"}
         return {"model": "m", "version": version}
 
+    @property
+    def metrics_url(self) -> str:
+        """Where this server's ``nv_inference_*`` are scraped."""
+        return self.triton_metrics or f"http://{self.host}:{self.http_port}/metrics"
+
+    def pending(self, model: str, version: str = "1") -> float | None:
+        """``model``'s pending-request gauge now (None if the server exports none: a check
+        that it is 0 then fails)."""
+        key = ("nv_inference_pending_request_count",
+               frozenset({("model", model), ("version", version)}))  # fmt: skip
+        return scrape(self.metrics_url).get(key)
+
 
 def on(runtime: str, store: Any = None):
     """Serve one model with servekit's runtime ``runtime`` on loopback ports (beside the

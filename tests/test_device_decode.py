@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import each_client, on, scrape
+from conftest import each_client, on
 from servekit import ModelConfig, ServeConfig
 from servekit.errors import InvalidInput
 from servekit.pipeline import image_classifier
@@ -138,10 +138,7 @@ def test_the_served_image_model_decodes_where_told(runtime, tiny_cnn_path):
 
         each_client(client)
         assert not wrong, wrong[:3]
-        url = served.triton_metrics or f"http://127.0.0.1:{served.http_port}/metrics"
-        pending = ("nv_inference_pending_request_count",
-                   frozenset({("model", "tiny_image"), ("version", "1")}))  # fmt: skip
-        assert scrape(url).get(pending) == 0  # idle again once the clients stop
+        assert served.pending("tiny_image") == 0  # idle again once the clients stop
 
 
 def test_a_torch_model_takes_the_decoded_batch_as_the_tensor_it_is(tiny_cnn_path):

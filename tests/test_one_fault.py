@@ -123,8 +123,7 @@ def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answer
         said = "model picky: ValueError: x below -1000 is not supported"
         assert all(m == said for m in bad_errors), bad_errors[:2]
         # Each failure counted, and those that failed alone beside answers counted so.
-        url = served.triton_metrics or f"http://127.0.0.1:{served.http_port}/metrics"
-        samples = scrape(url)
+        samples = scrape(served.metrics_url)
         failed = sum(
             v for (name, labels), v in samples.items()
             if name in ("servekit_request_failure", "nv_inference_request_failure")

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from typer.testing import CliRunner
 
-from conftest import each_client, scrape, serve_on_runtime
+from conftest import each_client, serve_on_runtime
 from servekit import ModelConfig
 from servekit.cli import app
 from servekit.optimize import PIXELS, fold_pixels
@@ -140,7 +140,4 @@ def test_every_runtime_serves_pixels_and_a_client_sending_floats_fails_alone(
         assert len(refusals) == 6
         for said in refusals:
             assert PIXELS in said and "UINT8" in said and "FP32" in said, said
-        url = served.triton_metrics or f"http://127.0.0.1:{served.http_port}/metrics"
-        pending = ("nv_inference_pending_request_count",
-                   frozenset({("model", "tiny"), ("version", "1")}))  # fmt: skip
-        assert scrape(url).get(pending) == 0  # idle again once the clients stop
+        assert served.pending("tiny") == 0  # idle again once the clients stop
