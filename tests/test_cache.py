@@ -225,3 +225,47 @@ def test_two_replicas_share_answers_through_redis_and_serve_on_while_it_is_down(
     said = [r.getMessage() for r in caplog.records if "response cache" in r.getMessage()]
     assert sum("does not answer" in m for m in said) == 1, said  # said once, not per request
     assert any("answers again" in m for m in said), said
+
+
+def test_a_redis_that_resets_every_connection_is_a_miss_on_the_servers_loop(caplog):
+    """A Redis killed under load resets connections it had just accepted; on uvloop (the
+    loop servekit's servers run on) writing to one raises RuntimeError, not OSError. That
+    too is a miss, said once, never a failed request."""
+    import socket
+    import struct
+    import threading
+
+    from servekit.cache import RedisStore
+    from servekit.http.h1 import _new_loop
+
+    caplog.set_level(logging.WARNING, logger="servekit")
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    port = listener.getsockname()[1]
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener closed: the test is over
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # linger 0: an RST, as from a killed peer
+
+    threading.Thread(target=reset_each, daemon=True).start()
+
+    async def run() -> None:
+        cache = ResponseCache(RedisStore(f"redis://127.0.0.1:{port}/0", retry_s=0))
+        queries = [Query.of("m", "1", "i", {"x": np.full(3, k, np.float32)}) for k in range(8)]
+        for _ in range(20):  # 8 at once, as 8 clients' requests would be
+            assert await asyncio.gather(*(cache.lookup(q) for q in queries)) == [None] * 8
+            await asyncio.gather(*(cache.insert(q, {"y": np.zeros(1, np.float32)}) for q in queries))
+        await cache.store.aclose()
+
+    loop = _new_loop()
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+        listener.close()
+    said = [r.getMessage() for r in caplog.records if "response cache" in r.getMessage()]
+    assert sum("does not answer" in m for m in said) == 1, said

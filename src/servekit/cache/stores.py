@@ -106,7 +106,9 @@ class RedisStore:
 
         try:
             result = await getattr(self._client, what)(*args)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        # RuntimeError: uvloop's answer to a write on a connection the peer has reset
+        # (a Redis killed under load); redis-py has already dropped that connection.
+        except (RedisError, OSError, asyncio.TimeoutError, RuntimeError) as exc:
             if not self.down:
                 log.warning("response cache: Redis at %s does not answer (%s); serving "
                             "without the cache until it does", self.url, exc)  # fmt: skip
