@@ -258,7 +258,9 @@ def test_a_redis_that_resets_every_connection_is_a_miss_on_the_servers_loop(capl
         queries = [Query.of("m", "1", "i", {"x": np.full(3, k, np.float32)}) for k in range(8)]
         for _ in range(20):  # 8 at once, as 8 clients' requests would be
             assert await asyncio.gather(*(cache.lookup(q) for q in queries)) == [None] * 8
-            await asyncio.gather(*(cache.insert(q, {"y": np.zeros(1, np.float32)}) for q in queries))
+            await asyncio.gather(
+                *(cache.insert(q, {"y": np.zeros(1, np.float32)}) for q in queries)
+            )
         await cache.store.aclose()
 
     loop = _new_loop()
