@@ -52,11 +52,17 @@ KILLS = 2
 
 
 def stubs(workdir: Path) -> list[int]:
-    return [
-        pid
+    return list(stub_regions(workdir))
+
+
+def stub_regions(workdir: Path) -> dict[int, Path]:
+    """The Python backend stubs running under ``workdir``: pid -> its shared memory region
+    (named by its argv[2])."""
+    return {
+        pid: Path("/dev/shm") / argv[2].lstrip("/")
         for pid, argv in processes(str(workdir)).items()
         if argv[0].endswith("triton_python_backend_stub")
-    ]
+    }
 
 
 @contextlib.contextmanager
@@ -84,7 +90,9 @@ def add_sub_config(path: Path, runtime: str) -> ServeConfig:
 @pytest.mark.parametrize("runtime", ["triton", "pytriton"])
 def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_sub_path):
     """... and, every request traced, a replayed request's trace shows what the death cost
-    it (a ``replay`` span: from the loss to the answer, the deaths it saw)."""
+    it (a ``replay`` span: from the loss to the answer, the deaths it saw). Each restart
+    kills tritonserver at once, which leaves its stubs' shared memory behind: none of it
+    is left in /dev/shm once the server has stopped."""
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the tracing extra")
     from otlp import Receiver
     from servekit.config import TracingConfig
@@ -101,6 +109,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
         return owner._workdir.path
 
     rng = random.Random(29)
+    regions: set[Path] = set()
     with supervised(served) as supervisor:
         wait_until(lambda: Client(url).infer("add_sub", _inputs()), "the first answer", 120)
         # Half the clients on each public port: HTTP and gRPC are both the front's.
@@ -112,13 +121,17 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
                     "answers before the kill", 60,
                 )  # fmt: skip
                 time.sleep(rng.uniform(0.1, 1.0))
-                (stub,) = stubs(workdir())
+                ((stub, region),) = stub_regions(workdir()).items()
+                assert region.exists()
+                regions.add(region)
                 os.kill(stub, signal.SIGKILL)
                 wait_until(
                     lambda kill=kill: supervisor.events.count("restarted") > kill,  # type: ignore[attr-defined]
                     "the restart", 60,
                 )  # fmt: skip
         families = scrape(f"{url}/metrics")
+        regions.update(stub_regions(workdir()).values())
+    assert sorted(str(r) for r in regions if r.exists()) == []
     assert load.failures == [] and load.wrong == 0
     assert by_grpc.failures == [] and by_grpc.wrong == 0
     assert supervisor.restarts == KILLS

@@ -15,7 +15,6 @@ from typing import Any
 from ..config import ServeConfig, ServerConfig
 from ..runners.base import Runner
 from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled, static_budgets
-from ..runtime.processes import kill_leftovers, processes
 from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
 from ..tracing import Tracing, triton_trace_config
 from ..triton.env import apply_triton_environment, gpu_present
@@ -209,8 +208,7 @@ class TritonServer:
         instance = re.compile(rf"^(?:{names})_\d+_\d+$")
         self._stubs = {
             pid: next((a for a in argv if instance.match(a)), argv[0])
-            for pid, argv in processes(str(workdir)).items()
-            if argv[0].endswith("triton_python_backend_stub")
+            for pid, argv in self._workdir.stubs().items()
         }
         return self
 
@@ -220,7 +218,7 @@ class TritonServer:
         and PyTriton cannot start a stub again, so ``serve`` restarts Triton."""
         if not self._stubs or self._workdir is None:
             return []
-        alive = processes(str(self._workdir.path))
+        alive = self._workdir.stubs()
         return sorted(name for pid, name in self._stubs.items() if pid not in alive)
 
     def problem(self) -> str | None:
@@ -288,7 +286,7 @@ class TritonServer:
             self._front.stop()
             self._front = None
         if keep_front and self._front is not None and self._workdir is not None:
-            kill_leftovers(str(self._workdir.path))  # the front re-sends what was in flight
+            self._workdir.kill_leftovers()  # the front re-sends what was in flight
         if self._triton is not None:
             self._triton.stop()
             self._triton = None

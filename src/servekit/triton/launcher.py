@@ -26,7 +26,6 @@ from ..autoscale import AutoscalePolicy
 from ..config import ServerConfig
 from ..errors import CONTROL_TOKEN_HEADER, INFERENCE_TOKEN_HEADER
 from ..rollout import Traffic
-from ..runtime.processes import processes
 from ..runtime.registry import response_cache
 from ..tracing import ENDPOINT_ENV, triton_trace_config
 from .env import (
@@ -310,6 +309,8 @@ class TritonProcess:
     def _stop_server(self, *, drain: bool = True) -> int | None:
         code = None
         self._stubs = {}
+        if self._workdir is not None:
+            self._workdir.stubs()  # their regions, for ``close`` to free after a kill
         if self._proc is not None:
             if self._proc.poll() is None and not drain:
                 os.killpg(self._proc.pid, signal.SIGKILL)
@@ -366,11 +367,7 @@ class TritonProcess:
         """Python backend stubs running now: pid -> model instance (the stub's argv[8])."""
         if self._workdir is None:
             return {}
-        return {
-            pid: argv[8]
-            for pid, argv in processes(str(self._workdir.path)).items()
-            if argv[0].endswith("triton_python_backend_stub") and len(argv) > 8
-        }
+        return {pid: argv[8] for pid, argv in self._workdir.stubs().items() if len(argv) > 8}
 
     def restart(self) -> None:
         """Start tritonserver again on the same ports; the front stays up meanwhile. With

@@ -9,7 +9,9 @@ warning and error is passed on as it is. With ``log_verbose`` > 0 nothing is fil
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -108,7 +110,8 @@ class LogFollower:
 class Workdir:
     """A tritonserver's private folder: its log (followed to the console, filtered) and its
     processes (found by their executable's path under it). ``close`` stops following,
-    kills what outlived the server there, and removes the folder."""
+    kills what outlived the server there, frees its stubs' shared memory, and removes the
+    folder."""
 
     def __init__(self, prefix: str, *, verbose: bool = False) -> None:
         import tempfile
@@ -116,12 +119,50 @@ class Workdir:
         self.path = Path(tempfile.mkdtemp(prefix=prefix))
         self.log_path = self.path / "tritonserver.log"
         self._follower = LogFollower(self.log_path, verbose=verbose).start()
+        self._regions: set[str] = set()
 
-    def close(self) -> None:
-        import shutil
+    def stubs(self) -> dict[int, list[str]]:
+        """The Python backend stubs running here now: pid -> argv. Each one's shared memory
+        region (its argv[2]) is remembered, for ``close`` to free."""
+        from ..runtime.processes import processes
 
+        found = {
+            pid: argv
+            for pid, argv in processes(str(self.path)).items()
+            if argv[0].endswith("triton_python_backend_stub")
+        }
+        self._regions.update(
+            argv[2].lstrip("/")
+            for argv in found.values()
+            if len(argv) > 2 and _REGION.match(argv[2])
+        )
+        return found
+
+    def kill_leftovers(self) -> int:
+        """SIGKILL what runs here (``runtime.processes.kill_leftovers``), having noted the
+        stubs' regions first."""
         from ..runtime.processes import kill_leftovers
 
+        self.stubs()
+        return kill_leftovers(str(self.path))
+
+    def close(self) -> None:
+        """Stop following the log, kill what outlived the server, and unlink the regions of
+        the stubs seen here: tritonserver frees them only when it exits cleanly, so each
+        kill or crash (and each restart after one) would leave them in /dev/shm, which a
+        pod's memory-backed volume bounds."""
+        import shutil
+
         self._follower.stop()  # after the server's last words
-        kill_leftovers(str(self.path))
+        self.kill_leftovers()
+        for name in self._regions:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(Path("/dev/shm") / name)
+        self._regions.clear()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+_REGION = re.compile(r"^/?\w[\w.-]*$")
+"""A Python backend stub's shared memory region as its argv names it: tritonserver's
+``triton_<backend>_backend_shm_region_<uuid>``, PyTriton's ``pytrtion<pid>-<hash>-<uuid>``
+(one name in /dev/shm, never a path)."""
