@@ -236,7 +236,7 @@ def test_a_redis_that_resets_every_connection_is_a_miss_on_the_servers_loop(capl
     import threading
 
     from servekit.cache import RedisStore
-    from servekit.http.h1 import _new_loop
+    from servekit.http.h1 import new_loop
 
     caplog.set_level(logging.WARNING, logger="servekit")
     listener = socket.create_server(("127.0.0.1", 0), backlog=128)
@@ -263,7 +263,7 @@ def test_a_redis_that_resets_every_connection_is_a_miss_on_the_servers_loop(capl
             )
         await cache.store.aclose()
 
-    loop = _new_loop()
+    loop = new_loop()
     try:
         loop.run_until_complete(run())
     finally:

@@ -287,12 +287,12 @@ def test_the_rollout_store_and_object_storage_panels_on_servers_that_use_them(tm
     from servekit.storage import StorageConfig
     from servekit.zoo.tiny import build_add_sub
 
-    DOWNLOADS = "servekit_storage_downloads_total"
+    downloads_total = "servekit_storage_downloads_total"
 
     os.environ.update(CREDENTIALS)
     # Fetch counts are the process's, and tests before this one in the worker may have
     # fetched: only the downloads from here on are this test's.
-    before = sum(v for name, _, _, s in storage.figures() if name == DOWNLOADS for _, v in s)
+    before = sum(v for name, _, _, s in storage.figures() if name == downloads_total for _, v in s)
     folder = tmp_path / "store"
     folder.mkdir()
     for i in range(3):
@@ -340,7 +340,7 @@ def test_the_rollout_store_and_object_storage_panels_on_servers_that_use_them(tm
                        "the store's loads scraped", 60)  # fmt: skip
             assert total(prom, "sum(servekit_store_evictions_total)") == evictions
             # Both servers run in this process, so one job says its downloads.
-            downloads = f'sum({DOWNLOADS}{{job="servekit-rollout"}})'
+            downloads = f'sum({downloads_total}{{job="servekit-rollout"}})'
             assert total(prom, downloads) == before + 2
             time.sleep(2)
             check_panels(prom, dashboard_exprs(features=True), ".*", "the feature servers")

@@ -31,7 +31,7 @@ from ..config import MAX_BODY_BYTES
 from ..errors import ServekitError, http_status
 from .messages import FastPath, Handler, HttpRequest
 
-__all__ = ["H1Server"]
+__all__ = ["H1Server", "new_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class H1Server:
         self.reuse_port = reuse_port
         """``port`` shared with other servers that set it (``SO_REUSEPORT``: the kernel
         spreads connections over them)."""
-        self.loop: asyncio.AbstractEventLoop = _new_loop()
+        self.loop: asyncio.AbstractEventLoop = new_loop()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
@@ -468,7 +468,8 @@ class H1Server:
         self._thread = None
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_loop() -> asyncio.AbstractEventLoop:
+    """The event loop servekit's servers run on: uvloop's where installed, else asyncio's."""
     try:
         import uvloop
     except ImportError:

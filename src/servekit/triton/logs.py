@@ -5,11 +5,13 @@ error per model PyTriton loads from memory (``Failed to set config modification 
 and, on a machine without a GPU, CUDA's pinned-memory and driver messages. Each known
 one is explained once and then hidden; the start-up tables are dropped; every other
 warning and error is passed on as it is. With ``log_verbose`` > 0 nothing is filtered.
+
+``Workdir`` is the folder a tritonserver runs from: its log, its processes (found by
+their executable's path under it) and its Python backend stubs' shared memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -156,8 +158,14 @@ class Workdir:
         self._follower.stop()  # after the server's last words
         self.kill_leftovers()
         for name in self._regions:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(Path("/dev/shm") / name)
+            except FileNotFoundError:  # freed by tritonserver's clean exit
+                pass
+            except OSError as exc:
+                logging.getLogger("servekit").warning(
+                    "could not free the shared memory region %s: %s", name, exc
+                )
         self._regions.clear()
         shutil.rmtree(self.path, ignore_errors=True)
 
