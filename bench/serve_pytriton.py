@@ -71,7 +71,7 @@ def main() -> None:
                 url,
                 "resnet50",
                 x,
-                shared_memory=args.shared_memory,
+                shared_memory="system" if args.shared_memory else None,
                 access_token=server.access_token,
             )
             try:

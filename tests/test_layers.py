@@ -16,7 +16,7 @@ PACKAGE = SRC / "servekit"
 # packages in one layer are independent of each other.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "spans", "tables", "window"},
-    {"endpoints", "compression", "samples", "storage", "tracing", "traces"},
+    {"endpoints", "compression", "device", "samples", "storage", "tracing", "traces"},
     {"spec"},
     {"runners"},  # the Runner contract (runners.base) and the engines, imported lazily
     {"autoscale", "batching", "cache", "custom", "recovery", "rollout", "stages", "zoo"},

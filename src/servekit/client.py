@@ -4,8 +4,9 @@
 dicts and returns numpy dicts; ``AsyncClient`` does the same with ``await``. Remote
 errors come back as servekit's own exceptions (``InvalidInput`` for a 400 or
 INVALID_ARGUMENT, ``ModelNotFound``, ``ModelNotReady``...). With
-``shared_memory=True`` (same host only) inputs travel through a system shared-memory
-region instead of the socket.
+``shared_memory="system"`` (or True; same host only) inputs travel through a system
+shared-memory region instead of the socket, and with ``"cuda"`` through a buffer on GPU 0
+(``tritonclient.utils.cuda_shared_memory``, which needs cuda-python and a GPU here).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class _Base:
         url: str,
         *,
         timeout_s: float = 60.0,
-        shared_memory: bool = False,
+        shared_memory: bool | str = False,
         access_token: str | None = None,
         inference_token: str | None = None,
     ) -> None:
@@ -114,7 +115,8 @@ class _Base:
         )
         self._infer_headers = {key: inference_token} if inference_token else None
         self.timeout_s = timeout_s
-        self.shared_memory = shared_memory
+        self.shared_memory = _shm_kind(shared_memory)
+        """None, ``"system"`` or ``"cuda"``: where inputs travel instead of the socket."""
         self._mod: Any = None
         self._shm: tuple[str, Any, int] | None = None  # (name, handle, size)
 
@@ -139,12 +141,13 @@ class _Base:
         use_shm = self.shared_memory and all(a.dtype.kind != "O" for a in arrays.values())
         if use_shm:
             self._ensure_region(client, sum(a.nbytes for a in arrays.values()))
-            import tritonclient.utils.shared_memory as shm
-
             name, handle, _ = self._shm  # type: ignore[misc]
             offset = 0
+            if self.shared_memory == "cuda":  # written in one go, one after the other
+                _cuda_shm().set_shared_memory_region(handle, list(arrays.values()))
             for k, a in arrays.items():
-                shm.set_shared_memory_region(handle, [a], offset=offset)
+                if self.shared_memory == "system":
+                    _system_shm().set_shared_memory_region(handle, [a], offset=offset)
                 i = mod.InferInput(k, list(a.shape), as_dtype(a.dtype).datatype)
                 i.set_shared_memory(name, a.nbytes, offset=offset)
                 out.append(i)
@@ -173,15 +176,22 @@ class _Base:
         return [o.name for o in response.outputs]
 
     def _ensure_region(self, client: Any, size: int) -> None:
-        import tritonclient.utils.shared_memory as shm
-
         if self._shm is not None and self._shm[2] >= size:
             return
         self._release_region(client)
         name = f"servekit-{uuid.uuid4().hex[:12]}"
-        handle = shm.create_shared_memory_region(name, f"/{name}", size)
+        cuda = self.shared_memory == "cuda"
+        shm = _cuda_shm() if cuda else _system_shm()
+        if cuda:
+            handle = shm.create_shared_memory_region(name, size, 0)
+        else:
+            handle = shm.create_shared_memory_region(name, f"/{name}", size)
         try:
-            client.register_system_shared_memory(name, f"/{name}", size, headers=self._headers)
+            if cuda:
+                raw = shm.get_raw_handle(handle)
+                client.register_cuda_shared_memory(name, raw, 0, size, headers=self._headers)
+            else:
+                client.register_system_shared_memory(name, f"/{name}", size, headers=self._headers)
         except Exception as exc:
             shm.destroy_shared_memory_region(handle)
             raise _error(exc, self.protocol) from None
@@ -190,8 +200,11 @@ class _Base:
     def _release_region(self, client: Any) -> None:
         if self._shm is None:
             return
-        import tritonclient.utils.shared_memory as shm
-
+        cuda = self.shared_memory == "cuda"
+        shm = _cuda_shm() if cuda else _system_shm()
+        unregister = (
+            client.unregister_cuda_shared_memory if cuda else client.unregister_system_shared_memory
+        )
         name, handle, _ = self._shm
         self._shm = None
         try:
@@ -200,7 +213,7 @@ class _Base:
             deadline = time.monotonic() + 5.0
             while True:
                 try:
-                    client.unregister_system_shared_memory(name, headers=self._headers)
+                    unregister(name, headers=self._headers)
                     break
                 except Exception as exc:
                     if "in use" not in str(exc) or time.monotonic() > deadline:
@@ -208,6 +221,29 @@ class _Base:
                     time.sleep(0.02)
         finally:
             shm.destroy_shared_memory_region(handle)
+
+
+def _shm_kind(value: bool | str | None) -> str | None:
+    """``shared_memory`` as None, ``"system"`` or ``"cuda"`` (True: system)."""
+    if value in (None, False, "none"):
+        return None
+    if value is True:
+        return "system"
+    if value not in ("system", "cuda"):
+        raise ValueError(f"shared_memory: none, system or cuda, got {value!r}")
+    return str(value)
+
+
+def _system_shm() -> Any:
+    import tritonclient.utils.shared_memory as shm
+
+    return shm
+
+
+def _cuda_shm() -> Any:
+    import tritonclient.utils.cuda_shared_memory as cuda_shm
+
+    return cuda_shm
 
 
 class Client(_Base):
@@ -223,7 +259,7 @@ class Client(_Base):
         url: str,
         *,
         timeout_s: float = 60.0,
-        shared_memory: bool = False,
+        shared_memory: bool | str = False,
         access_token: str | None = None,
         inference_token: str | None = None,
     ) -> None:

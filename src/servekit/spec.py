@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .device import DeviceTensor
 from .errors import InvalidInput, RunnerError
 
 __all__ = [
@@ -224,7 +225,7 @@ class ModelSpec:
         rows: int | None = None
         for spec in self.inputs:
             array = inputs[spec.name]
-            if not isinstance(array, np.ndarray):
+            if not isinstance(array, (np.ndarray, DeviceTensor)):
                 raise InvalidInput(
                     f"input {spec.name!r}: expected a numpy array, got {type(array).__name__}"
                 )

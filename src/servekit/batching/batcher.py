@@ -131,6 +131,8 @@ class Batcher:
         self.stats = BatcherStats()
         self.listeners = list(listeners)
         self._names = [t.name for t in spec.inputs]
+        self.runner: Runner | None = runner if isinstance(runner, Runner) else None
+        """The runner batches go to (None: a plain batch function)."""
         self._staging = staging_of(runner, spec)
         self._fit = Fit()
         self._request = Admission(spec, policy, name, clock, self.stats)

@@ -13,12 +13,16 @@ __all__ = ["payload_from_metadata"]
 
 
 def payload_from_metadata(
-    inputs: Sequence[Mapping[str, Any]], batch_size: int = 1, seed: int = 0
+    inputs: Sequence[Mapping[str, Any]],
+    batch_size: int = 1,
+    seed: int = 0,
+    images: Sequence[bytes] = (),
 ) -> dict[str, np.ndarray]:
     """One request for a model described by KServe v2 metadata ``inputs`` (name, datatype, shape).
 
     The leading ``-1`` is the batch (``batch_size``); other variable dims become 1;
-    BYTES inputs get generated 320x240 JPEGs, so image models decode real images.
+    BYTES inputs get ``images`` (cycled) or generated 320x240 JPEGs, so image models
+    decode real images.
     """
     from ..stages import synthetic_image
 
@@ -33,7 +37,10 @@ def payload_from_metadata(
         if dtype.datatype == "BYTES":
             count = int(np.prod(shape))
             arr = np.empty(count, dtype=object)
-            arr[:] = [synthetic_image(seed + i) for i in range(count)]
+            if images:
+                arr[:] = [images[i % len(images)] for i in range(count)]
+            else:
+                arr[:] = [synthetic_image(seed + i) for i in range(count)]
             out[spec["name"]] = arr.reshape(shape)
         elif dtype.numpy.kind == "f":
             out[spec["name"]] = rng.standard_normal(shape).astype(dtype.numpy)

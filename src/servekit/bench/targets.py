@@ -64,9 +64,9 @@ class RemoteTarget:
     The request is built once and reused, since the payload never changes. Over HTTP the
     body itself is encoded once (binary tensors, or JSON with ``binary=False``) and each
     request only posts those bytes, as wrk would; over gRPC tritonclient's asyncio client
-    sends the prepared inputs. With ``shared_memory`` the inputs are written once into a
-    registered system shared-memory region (same host only; ``access_token`` for servers
-    that restrict that API, as PyTriton does).
+    sends the prepared inputs. With ``shared_memory`` (``"system"`` or ``"cuda"``) the
+    inputs are written once into a registered shared-memory region (same host only;
+    ``access_token`` for servers that restrict that API, as PyTriton does).
     """
 
     remote = True
@@ -77,21 +77,21 @@ class RemoteTarget:
         model: str,
         inputs: Mapping[str, np.ndarray],
         *,
-        shared_memory: bool = False,
+        shared_memory: str | None = None,
         access_token: str | None = None,
         binary: bool = True,
         sequence_length: int = 0,
     ) -> None:
         from ..client import AsyncClient, Client
 
-        self.name = f"{url} {model}{' (shm)' if shared_memory else ''}"
+        self.name = f"{url} {model}{f' ({shared_memory} shm)' if shared_memory else ''}"
         self._sequences = Sequences(sequence_length)
         self.url, self.model, self.inputs = url, model, dict(inputs)
         self._client = AsyncClient(url)
         self._registrar = None
         self._session: Any = None
         if shared_memory:
-            self._registrar = Client(url, shared_memory=True, access_token=access_token)
+            self._registrar = Client(url, shared_memory=shared_memory, access_token=access_token)
             self._prepared = self._registrar.prepare(self.inputs)
         else:
             self._prepared = self._client.prepare(self.inputs, binary=binary)
@@ -280,7 +280,7 @@ def open_target(
     model: str,
     inputs: Mapping[str, np.ndarray],
     *,
-    shared_memory: bool = False,
+    shared_memory: str | None = None,
     access_token: str | None = None,
     binary: bool = True,
     streaming: bool = False,

@@ -35,7 +35,8 @@ def bench(
     shared_memory: Annotated[
         str,
         typer.Option(
-            help="none, or system: send inputs through system shared memory (same host only)."
+            help="none, system or cuda: send inputs through system shared memory, or "
+            "through CUDA shared memory on GPU 0 (same host only; cuda needs cuda-python)."
         ),
     ] = "none",
     access_token: Annotated[
@@ -56,6 +57,14 @@ def bench(
         int,
         typer.Option(min=0, help="Each client runs sequences of N requests (START ... END)."),
     ] = 0,
+    images: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            help="An encoded image a BYTES input sends (repeat the option; cycled over the "
+            "rows). Default: generated 320x240 JPEGs.",
+        ),
+    ] = None,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
@@ -83,8 +92,11 @@ def bench(
             server_pid=server_pid,
         )
         with Client(url) as client:
-            inputs = payload_from_metadata(client.metadata(model)["inputs"], batch_size)
-    except ValueError as exc:
+            photos = [p.read_bytes() for p in images or ()]
+            inputs = payload_from_metadata(
+                client.metadata(model)["inputs"], batch_size, images=photos
+            )
+    except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
     except ServekitError as exc:
         console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
@@ -216,14 +228,9 @@ def compare(
     console.print(f"wrote {out.with_suffix('.md')}")
 
 
-def _shared_memory(kind: str) -> bool:
-    """Whether ``--shared-memory`` asks for system shared memory; CUDA's needs a GPU
-    client this host does not have."""
+def _shared_memory(kind: str) -> str | None:
+    """``--shared-memory`` as the client takes it (None: inputs over the socket); CUDA
+    regions are made on GPU 0 of this host."""
     if kind not in ("none", "system", "cuda"):
         raise typer.BadParameter(f"--shared-memory: none, system or cuda, got {kind!r}")
-    if kind == "cuda":
-        raise typer.BadParameter(
-            "--shared-memory cuda: servekit's load generator registers system shared memory "
-            "only (CUDA regions need the GPU on the client's side)"
-        )
-    return kind == "system"
+    return None if kind == "none" else kind

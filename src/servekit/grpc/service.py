@@ -40,7 +40,13 @@ from ..protocol.kserve import (
     classify,
     parse_json,
 )
-from ..protocol.models import DecoupledModel, ModelRegistry, RepositoryControl, conforms
+from ..protocol.models import (
+    DecoupledModel,
+    ModelRegistry,
+    RepositoryControl,
+    conforms,
+    input_device,
+)
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
 from ..protocol.shm import (
@@ -286,7 +292,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     f"model {name!r} has no version {wanted!r}; it has {list(model.versions)}"
                 )
             try:
-                inputs = decode_inputs(request, context.size, regions=self._shm)
+                regions = None if self._shm is None else self._shm.for_device(input_device(model))
+                inputs = decode_inputs(request, context.size, regions=regions)
             except InvalidInput:
                 self._on_failure(name)
                 raise
@@ -398,18 +405,41 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return self._shm
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        return service_pb2.CudaSharedMemoryStatusResponse()  # none registered
+        response = service_pb2.CudaSharedMemoryStatusResponse()
+        if cuda_refusal(self._shm) is not None:
+            return response  # none registered
+        try:
+            for entry in self._shared_memory(context).status(request.name or None, "cuda"):
+                response.regions[entry["name"]].CopyFrom(
+                    service_pb2.CudaSharedMemoryStatusResponse.RegionStatus(**entry)
+                )
+        except Exception as exc:
+            await self.fail(context, exc)
+        return response
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        await self._no_cuda_shared_memory(context, "CudaSharedMemoryRegister")
+        await self._cuda_served(context, "CudaSharedMemoryRegister")
+        try:
+            self._shared_memory(context).register_cuda(
+                request.name, bytes(request.raw_handle), request.device_id, request.byte_size
+            )
+        except Exception as exc:
+            await self.fail(context, exc)
+        return service_pb2.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        await self._no_cuda_shared_memory(context, "CudaSharedMemoryUnregister")
+        await self._cuda_served(context, "CudaSharedMemoryUnregister")
+        try:
+            self._shared_memory(context).unregister(request.name or None, "cuda")
+        except Exception as exc:
+            await self.fail(context, exc)
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
-    async def _no_cuda_shared_memory(self, context: Any, call: str) -> None:
-        """Refused by name, as on HTTP: regions on a GPU are tritonserver's to map."""
-        refusal = cuda_refusal(self._shm is not None)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call}: {refusal}")
+    async def _cuda_served(self, context: Any, call: str) -> None:
+        """Refused by name (as on HTTP) where this server maps no regions or sees no GPU."""
+        refusal = cuda_refusal(self._shm)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call}: {refusal}")
 
 
 class Servicer(Protocol):

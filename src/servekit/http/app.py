@@ -57,6 +57,7 @@ from ..protocol.models import (
     as_registry,
     conforms,
     decoupled_figures,
+    input_device,
 )
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import RoutedModel, infer_answered
@@ -415,6 +416,11 @@ class KServeApp(Forwarding):
             self.metrics.failed(name)
             raise
 
+    def _regions_for(self, model: object) -> Regions | None:
+        """The server's regions as ``model`` reads them (CUDA inputs stay on its GPU)."""
+        shm = self.shared_memory
+        return None if shm is None else shm.for_device(input_device(model))
+
     def _body(self, request: HttpRequest) -> bytes:
         """The body, decompressed (gzip/deflate); the size limit holds for what it
         decompresses to as for what came over the wire."""
@@ -466,7 +472,7 @@ class KServeApp(Forwarding):
                 spec.validate_inputs(request.inputs)
                 return await model.forward(body, 0, version)
         else:
-            request = self._decode(name, body, raw)
+            request = self._decode(name, body, raw, self._regions_for(model))
         params = scheduling(request.parameters)
         outputs, answered = await infer_answered(
             model, request.inputs, **params, version=version, sticky_of=http.headers.get,

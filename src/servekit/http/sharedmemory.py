@@ -1,11 +1,13 @@
 """Triton's shared-memory extension over HTTP: ``GET /v2/{system,cuda}sharedmemory
 [/region/<r>]/status``, ``POST .../region/<r>/register`` and ``POST .../[region/<r>/]
-unregister``. Behind the control token. Served from the server's ``SharedMemory`` (native),
-passed on to tritonserver with the front's own control headers (the Triton runtimes'
-front), or refused naming where it is served (Ray)."""
+unregister``. Behind the control token. Served from the server's ``SharedMemory`` (native;
+CUDA regions where it sees a GPU), passed on to tritonserver with the front's own control
+headers (the Triton runtimes' front), or refused naming where it is served (Ray)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -53,22 +55,23 @@ async def shared_memory_answer(
         if action == "register" and kind == "system":  # the client's error, not Triton's 500
             check_registration(*_registration(data, name))
         return await behind.restricted(request.method, request.path, data)
-    if regions is None or kind == "cuda":
+    refusal = cuda_refusal(regions) if kind == "cuda" else None
+    if regions is None and refusal is None:
+        refusal = f"shared memory {NO_SHARED_MEMORY}"
+    if regions is None or refusal is not None:
         if action == "status" and match["name"] is None:
             return _json(200, [])  # none registered
-        refusal = (
-            cuda_refusal(regions is not None)
-            if kind == "cuda"
-            else f"shared memory {NO_SHARED_MEMORY}"
-        )
         return _json(403, {"error": f"{request.method} {request.path}: {refusal}"})
     check_control(request)
     if action == "status":
-        return _json(200, regions.status(name))
+        return _json(200, regions.status(name, kind))
     if action == "unregister":
-        regions.unregister(name)
+        regions.unregister(name, kind)
         return 200, b"", {}
-    regions.register(*_registration(data, name))
+    if kind == "cuda":
+        regions.register_cuda(*_cuda_registration(data, name))
+    else:
+        regions.register(*_registration(data, name))
     return 200, b"", {}
 
 
@@ -83,6 +86,28 @@ def _registration(body: bytes | None, name: str | None) -> tuple[str, Any, Any, 
             f'"byte_size": <int>}}, got {str(data)[:200]}'
         )
     return name, data["key"], data.get("offset", 0), data["byte_size"]
+
+
+def _cuda_registration(body: bytes | None, name: str | None) -> tuple[str, Any, Any, Any]:
+    """(name, raw_handle, device_id, byte_size) of a CUDA registration's body, the handle
+    decoded from base64; what is missing named."""
+    if name is None:
+        raise InvalidInput("a registration names its region: /region/<name>/register")
+    data = parse_json(body or b"", "CUDA shared-memory registration")
+    handle = data.get("raw_handle") if isinstance(data, dict) else None
+    b64 = handle.get("b64") if isinstance(handle, dict) else None
+    if not isinstance(b64, str) or "device_id" not in data or "byte_size" not in data:
+        raise InvalidInput(
+            'CUDA shared-memory registration: expected {"raw_handle": {"b64": <base64>}, '
+            f'"device_id": <int>, "byte_size": <int>}}, got {str(data)[:200]}'
+        )
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except binascii.Error:
+        raise InvalidInput(
+            f"CUDA shared-memory region {name!r}: raw_handle's b64 is not base64: {b64[:100]!r}"
+        ) from None
+    return name, raw, data["device_id"], data["byte_size"]
 
 
 def _json(status: int, data: object) -> tuple[int, bytes, Mapping[str, str]]:

@@ -21,7 +21,7 @@ from ..batching.execute import as_error
 from ..batching.sequence import SequenceFlags
 from ..batching.sequencer import SequenceBatcher
 from ..errors import InvalidInput, ModelNotFound, ServekitError
-from ..runners.base import Runner
+from ..runners.base import Runner, tensor_device
 from ..spec import ModelSpec
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "conforms",
     "decoupled_figures",
     "decoupled_refusal",
+    "input_device",
 ]
 
 _T = TypeVar("_T")
@@ -195,6 +196,13 @@ class RepositoryControl(Protocol):
     async def unload(self, name: str) -> None:
         """Unload ``name`` once the requests holding it are answered."""
         ...
+
+
+def input_device(model: object) -> Any:
+    """The torch device a served model takes input tensors on as they are (its batcher's
+    runner's, ``runners.base.tensor_device``); None where it takes host arrays. Inputs in
+    CUDA shared memory on that device stay there."""
+    return tensor_device(getattr(getattr(model, "batcher", None), "runner", None))
 
 
 class BatchedModel:

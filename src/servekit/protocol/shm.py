@@ -11,24 +11,33 @@ names a plain file of ``/dev/shm`` (no path, no symbolic link) and never one of 
 serving stack's own regions. The front of the Triton runtimes, which hands requests on to
 tritonserver, checks tensors against their declared sizes only (``Declared``): the
 region is tritonserver's to read.
+
+The same registry holds CUDA shared-memory regions (Triton's other extension: a buffer on
+a GPU, registered by its IPC handle; ``cudashm`` moves the bytes). Region names are one
+namespace across both kinds, as in Triton. An input read for a model that takes tensors
+on that GPU (``for_device``) stays there as a ``DeviceTensor``; any other is copied to
+the host. Unregistering a CUDA region waits for the copies in flight on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import re
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..device import DeviceTensor, torch_dtype
 from ..errors import InvalidInput, RegionNotFound
 from ..spec import ModelSpec, as_dtype
+from .cudashm import HANDLE_SIZE, CudaMemory, Opener, cuda_devices, open_ipc
 
 __all__ = [
     "BYTE_SIZE",
@@ -45,6 +54,7 @@ __all__ = [
     "NO_SHARED_MEMORY",
     "DECLARED",
     "Declared",
+    "KINDS",
     "Regions",
     "SharedMemory",
     "ShmRef",
@@ -62,16 +72,21 @@ NO_SHARED_MEMORY = (
     "native, pytriton and triton runtimes (Ray's replicas may run on other hosts)"
 )
 NO_CUDA_SHARED_MEMORY = (
-    "is not served by this server: CUDA shared memory needs tritonserver on a GPU (the "
-    "triton and pytriton runtimes)"
+    "it is served on a GPU by the native runtime and by tritonserver (the triton and "
+    "pytriton runtimes)"
 )
 
 
-def cuda_refusal(system_served: bool) -> str:
-    """Why CUDA shared memory is refused here, worded alike over HTTP and gRPC: a server
-    that maps system regions says CUDA ones are tritonserver's; one that maps none says
-    where shared memory is served."""
-    return f"CUDA shared memory {NO_CUDA_SHARED_MEMORY if system_served else NO_SHARED_MEMORY}"
+def cuda_refusal(regions: SharedMemory | None) -> str | None:
+    """Why CUDA shared memory is refused here (None: it is served), worded alike over HTTP
+    and gRPC: a server that maps no regions says where shared memory is served, one
+    without a CUDA device says why it sees none."""
+    if regions is None:
+        return f"CUDA shared memory {NO_SHARED_MEMORY}"
+    why = regions.cuda_missing()
+    if why is None:
+        return None
+    return f"CUDA shared memory is not served by this server: {why}; {NO_CUDA_SHARED_MEMORY}"
 
 
 _KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -245,13 +260,45 @@ class _Region:
         return {"name": name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
-class SharedMemory:
-    """The system shared-memory regions registered with one server."""
+@dataclass
+class _CudaRegion:
+    memory: CudaMemory
+    in_use: int = 0
+    """Copies in flight on it (an unregister waits for none)."""
 
-    def __init__(self, root: str = SHM_ROOT) -> None:
+    @property
+    def byte_size(self) -> int:
+        return self.memory.byte_size
+
+    def status(self, name: str) -> dict[str, Any]:
+        return {"name": name, "device_id": self.memory.device_id, "byte_size": self.byte_size}
+
+
+KINDS = ("system", "cuda")
+
+
+class SharedMemory:
+    """The shared-memory regions registered with one server, system and CUDA.
+
+    Args:
+        root: where system shared-memory keys live.
+        open_cuda: how a CUDA registration is mapped; None: ``cudashm.open_ipc`` on the
+            devices this process sees (none: CUDA registrations are refused by name).
+    """
+
+    def __init__(self, root: str = SHM_ROOT, open_cuda: Opener | None = None) -> None:
         self._root = root
+        self._open_cuda = open_cuda
         self._regions: dict[str, _Region] = {}
+        self._cuda: dict[str, _CudaRegion] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+
+    def _check_free(self, name: str) -> None:
+        if name in self._regions or name in self._cuda:
+            raise InvalidInput(
+                f"shared-memory region {name!r} is already registered; unregister it first"
+            )
 
     def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
         """Map ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` as
@@ -259,48 +306,102 @@ class SharedMemory:
         fd = open_key(name, key, offset, byte_size, self._root)
         try:
             with self._lock:
-                if name in self._regions:
-                    raise InvalidInput(
-                        f"shared-memory region {name!r} is already registered; unregister it first"
-                    )
+                self._check_free(name)
                 self._regions[name] = _Region(key, offset, byte_size, fd, mmap.mmap(fd, 0))
         except BaseException:
             os.close(fd)
             raise
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget region ``name`` (every region: None); an unknown name is no error, as
-        in Triton."""
-        with self._lock:
-            names = list(self._regions) if name is None else [name]
-            gone = [self._regions.pop(n) for n in names if n in self._regions]
-        for region in gone:
-            region.map.close()
-            os.close(region.fd)
+    def cuda_missing(self) -> str | None:
+        """Why no CUDA region can be registered here (no device, no cuda-python); None
+        when they can."""
+        if self._open_cuda is not None:
+            return None
+        count, why = cuda_devices()
+        return None if count else why
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Triton's status entries: every region, or ``name``'s (unknown: ``RegionNotFound``)."""
+    def register_cuda(self, name: str, raw_handle: Any, device_id: Any, byte_size: Any) -> None:
+        """Map the GPU buffer ``raw_handle`` exports (a ``cudaIpcMemHandle_t``'s bytes) on
+        ``device_id`` as region ``name`` of ``byte_size`` bytes; refused
+        (``InvalidInput``) naming what is wrong."""
+        what = f"CUDA shared-memory region {name!r}"
+        if not isinstance(raw_handle, bytes) or len(raw_handle) != HANDLE_SIZE:
+            got = f"{len(raw_handle)} bytes" if isinstance(raw_handle, bytes) else repr(raw_handle)
+            raise InvalidInput(
+                f"{what}: raw_handle must be a cudaIpcMemHandle_t's {HANDLE_SIZE} bytes, got {got}"
+            )
+        for field, value in (("device_id", device_id), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(f"{what}: {field} must be a non-negative integer, got {value!r}")
+        if byte_size == 0:
+            raise InvalidInput(f"{what}: byte_size must be at least 1, got 0")
+        opener = self._open_cuda
+        if opener is None:
+            count, why = cuda_devices()
+            if device_id >= count:
+                raise InvalidInput(
+                    f"{what}: device_id {device_id}: this server sees {count} CUDA device(s)"
+                    + (f" ({why})" if why else "")
+                )
+            opener = open_ipc
         with self._lock:
+            self._check_free(name)
+        memory = opener(name, raw_handle, device_id, byte_size)
+        with self._lock:
+            try:
+                self._check_free(name)  # registered meanwhile by another call
+            except InvalidInput:
+                memory.close()
+                raise
+            self._cuda[name] = _CudaRegion(memory)
+
+    def unregister(self, name: str | None = None, kind: str = "system") -> None:
+        """Forget region ``name`` of ``kind`` (every region of it: None); an unknown name,
+        or one of the other kind, is no error, as in Triton. A CUDA region in use is
+        forgotten at once and unmapped once its copies in flight are done."""
+        with self._lock:
+            table: dict[str, Any] = self._cuda if kind == "cuda" else self._regions
+            names = list(table) if name is None else [name]
+            gone = [table.pop(n) for n in names if n in table]
+            if kind == "cuda":
+                self._idle.wait_for(lambda: all(r.in_use == 0 for r in gone))
+        for region in gone:
+            if kind == "cuda":
+                region.memory.close()
+            else:
+                region.map.close()
+                os.close(region.fd)
+
+    def status(self, name: str | None = None, kind: str = "system") -> list[dict[str, Any]]:
+        """Triton's status entries of ``kind``: every region, or ``name``'s (unknown:
+        ``RegionNotFound``)."""
+        with self._lock:
+            table: dict[str, Any] = self._cuda if kind == "cuda" else self._regions
             if name is None:
-                return [r.status(n) for n, r in sorted(self._regions.items())]
-            region = self._regions.get(name)
+                return [r.status(n) for n, r in sorted(table.items())]
+            region = table.get(name)
         if region is None:
-            raise RegionNotFound(f"shared-memory region {name!r} is not registered")
+            label = "CUDA shared-memory" if kind == "cuda" else "shared-memory"
+            raise RegionNotFound(f"{label} region {name!r} is not registered")
         return [region.status(name)]
 
     def close(self) -> None:
-        self.unregister()
+        for kind in KINDS:
+            self.unregister(kind=kind)
+
+    def for_device(self, device: Any) -> Regions:
+        """The regions as a model whose inputs may stay on torch ``device`` reads them
+        (None, or not a CUDA device: every input is copied to the host)."""
+        if device is None or getattr(device, "type", None) != "cuda" or not self._cuda:
+            return self
+        return _OnDevice(self, device)
 
     def _span(self, ref: ShmRef, what: str) -> tuple[mmap.mmap, int]:
         """The region's map and where ``ref`` starts in it, once it lies inside."""
         region = self._regions.get(ref.region)
         if region is None:
             raise RegionNotFound(f"{what}: shared-memory region {ref.region!r} is not registered")
-        if ref.offset + ref.byte_size > region.byte_size:
-            raise InvalidInput(
-                f"{what}: offset {ref.offset} + byte_size {ref.byte_size} runs past the end "
-                f"of region {ref.region!r} ({region.byte_size} bytes)"
-            )
+        _check_inside(ref, region.byte_size, what)
         start = region.offset + ref.offset
         # A client may shrink the object under us: reading past its end would be a SIGBUS.
         if os.fstat(region.fd).st_size < start + ref.byte_size:
@@ -309,18 +410,77 @@ class SharedMemory:
             )
         return region.map, start
 
-    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> np.ndarray:
+    @contextlib.contextmanager
+    def _leased(self, ref: ShmRef, what: str) -> Iterator[CudaMemory | None]:
+        """The CUDA region ``ref`` names, held for the copy (None: it names no CUDA region)."""
+        with self._lock:
+            region = self._cuda.get(ref.region)
+            if region is not None:
+                _check_inside(ref, region.byte_size, what)
+                region.in_use += 1
+        if region is None:
+            yield None
+            return
+        try:
+            yield region.memory
+        finally:
+            with self._lock:
+                region.in_use -= 1
+                self._idle.notify_all()
+
+    def tensor(
+        self, ref: ShmRef, name: str, datatype: str, shape: list[int], device: Any = None
+    ) -> Any:
         from .kserve import tensor_from_raw
 
         count = _expected_bytes(ref, name, datatype, shape)
+        what = f"input {name!r}"
+        with self._leased(ref, what) as cuda:
+            if cuda is not None:
+                if (
+                    device is not None
+                    and (device.index or 0) == cuda.device_id
+                    and datatype != "BYTES"
+                ):
+                    dtype = as_dtype(datatype).numpy
+                    raw = cuda.to_device(ref.offset, ref.byte_size)
+                    return DeviceTensor(raw.view(torch_dtype(dtype)).reshape(shape), dtype)
+                raw = cuda.to_host(ref.offset, ref.byte_size)
+                return tensor_from_raw(name, datatype, shape, memoryview(raw.data), count)
         with self._lock:
-            view, start = self._span(ref, f"input {name!r}")
+            view, start = self._span(ref, what)
             raw = view[start : start + ref.byte_size]  # a copy, made under the lock
         return tensor_from_raw(name, datatype, shape, memoryview(raw), count)
 
     def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
         if len(raw) > ref.byte_size:
             raise no_room(name, len(raw), ref)
+        what = f"output {name!r}"
+        with self._leased(ref, what) as cuda:
+            if cuda is not None:
+                cuda.from_host(ref.offset, raw)
+                return
         with self._lock:
-            view, start = self._span(ref, f"output {name!r}")
+            view, start = self._span(ref, what)
             view[start : start + len(raw)] = raw
+
+
+def _check_inside(ref: ShmRef, size: int, what: str) -> None:
+    if ref.offset + ref.byte_size > size:
+        raise InvalidInput(
+            f"{what}: offset {ref.offset} + byte_size {ref.byte_size} runs past the end "
+            f"of region {ref.region!r} ({size} bytes)"
+        )
+
+
+class _OnDevice:
+    """``SharedMemory`` read for a model that takes tensors on ``device``."""
+
+    def __init__(self, regions: SharedMemory, device: Any) -> None:
+        self._regions, self._device = regions, device
+
+    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> Any:
+        return self._regions.tensor(ref, name, datatype, shape, self._device)
+
+    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
+        self._regions.write(ref, name, raw)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -18,7 +18,15 @@ from ..errors import InvalidInput, RunnerError, ServekitError
 from ..spec import ModelSpec
 from .staging import StagingPool
 
-__all__ = ["BaseRunner", "FunctionRunner", "Lender", "Runner", "batch_function", "staging_of"]
+__all__ = [
+    "BaseRunner",
+    "FunctionRunner",
+    "Lender",
+    "Runner",
+    "batch_function",
+    "staging_of",
+    "tensor_device",
+]
 
 Arrays = dict[str, np.ndarray]
 
@@ -161,6 +169,12 @@ def staging_of(runner: object, spec: ModelSpec) -> StagingPool:
     if isinstance(runner, Lender):
         return runner.staging
     return StagingPool(spec.max_batch_size)
+
+
+def tensor_device(runner: object) -> Any:
+    """The torch device whose tensors ``runner`` takes as inputs as they are
+    (``TorchRunner.tensor_device``); None where it takes host arrays."""
+    return getattr(runner, "tensor_device", None)
 
 
 def accelerated(runner: object) -> bool:

@@ -8,6 +8,9 @@ requests' rows are copied straight into it, and it goes back once the batch's ou
 are safe. A CUDA runner's pool allocates page-locked (pinned) host memory, from which
 the host-to-device copy is one asynchronous DMA (Triton's pinned memory pool).
 
+A request read from CUDA shared memory (``device.DeviceTensor``) is gathered on its
+device instead (``device.gather_on_device``): its rows never cross the host.
+
 The contract for runners: a batch's input arrays are valid for the call only (they are
 the next batch's buffers); an output that shares their memory is copied before it leaves.
 """
@@ -19,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import numpy as np
+
+from ..device import DeviceTensor, gather_on_device
 
 __all__ = ["Allocator", "Staging", "StagingPool"]
 
@@ -54,12 +59,19 @@ class Staging:
         tensors are concatenated, so no buffer keeps old requests' objects alive."""
         if len(inputs) == 1 and not self.pinned:
             one = inputs[0]
-            if all(one[n].flags.c_contiguous or one[n].dtype == object for n in names):
+            if all(
+                isinstance(one[n], np.ndarray)
+                and (one[n].flags.c_contiguous or one[n].dtype == object)
+                for n in names
+            ):
                 return dict(one)
         out: dict[str, np.ndarray] = {}
         for name in names:
             parts = [x[name] for x in inputs]
             first = parts[0]
+            if any(isinstance(p, DeviceTensor) for p in parts):
+                out[name] = gather_on_device(parts)
+                continue
             if first.dtype == object:
                 out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
                 continue

@@ -14,12 +14,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import UpdateRefused
 from ..spec import ModelSpec
-from .base import Arrays, Runner, accelerated, batch_function, staging_of
+from .base import Arrays, Runner, accelerated, batch_function, staging_of, tensor_device
 from .staging import StagingPool
 
 __all__ = ["UpdateRefused", "VersionedRunner", "check_compatible"]
@@ -113,6 +114,11 @@ class VersionedRunner:
     def staging(self) -> StagingPool:
         """The serving version's staging (``runners.staging``)."""
         return staging_of(self._current.runner, self._current.runner.spec)
+
+    @property
+    def tensor_device(self) -> Any:
+        """The serving version's (``runners.base.tensor_device``)."""
+        return tensor_device(self._current.runner)
 
     @property
     def accelerated(self) -> bool:

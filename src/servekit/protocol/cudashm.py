@@ -1,0 +1,198 @@
+"""Triton's CUDA shared memory, the device's side: a client on the same host allocates a
+buffer on a GPU (``cudaMalloc``), exports it (``cudaIpcGetMemHandle``: 64 opaque bytes)
+and registers the handle, the device id and the size; the server maps the buffer
+(``cudaIpcOpenMemHandle``) and reads inputs from it and writes outputs into it.
+``tritonclient.utils.cuda_shared_memory`` is such a client.
+
+``open_ipc`` opens one handle through cuda-python's runtime bindings (the ``torch`` extra
+installs them); ``cuda_devices`` says how many devices this process sees and, where it
+sees none, why. The registry of regions (names, leases, offsets) is ``shm.SharedMemory``'s;
+this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import InvalidInput
+
+__all__ = ["HANDLE_SIZE", "CudaMemory", "Opener", "cuda_devices", "open_ipc"]
+
+HANDLE_SIZE = 64
+"""Bytes of a ``cudaIpcMemHandle_t``."""
+
+
+class CudaMemory(Protocol):
+    """One registered buffer on a device, as the registry uses it."""
+
+    device_id: int
+    byte_size: int
+
+    def to_host(self, start: int, size: int) -> np.ndarray:
+        """``size`` bytes from ``start``, copied into host memory (uint8)."""
+        ...
+
+    def to_device(self, start: int, size: int) -> Any:
+        """``size`` bytes from ``start``, copied device to device into a new torch uint8
+        tensor on the buffer's device (the client may reuse the buffer once answered)."""
+        ...
+
+    def from_host(self, start: int, data: bytes) -> None:
+        """Write ``data`` at ``start``, finished when this returns."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Opener(Protocol):
+    """How a registration becomes memory: ``open_ipc`` on a real device."""
+
+    def __call__(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int
+    ) -> CudaMemory: ...
+
+
+def _runtime() -> Any:
+    """cuda-python's runtime bindings, or None where they are not installed."""
+    try:
+        import cuda.bindings.runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python before 12.6
+        except ImportError:
+            return None
+    return cudart
+
+
+def _checked(result: tuple[Any, ...], what: str) -> Any:
+    """The value of a cuda-python call, or ``InvalidInput`` with CUDA's error name."""
+    err, *value = result
+    if int(err) != 0:
+        raise InvalidInput(f"{what}: {_error_name(err)}")
+    if not value:
+        return None
+    return value[0] if len(value) == 1 else tuple(value)
+
+
+def _error_name(err: Any) -> str:
+    """CUDA's name and words for a runtime or driver error code."""
+    name = getattr(err, "name", str(err))
+    if name.startswith("cuda"):
+        cudart = _runtime()
+        return f"{name}: {cudart.cudaGetErrorString(err)[1].decode()}"
+    return name
+
+
+@functools.cache
+def cuda_devices() -> tuple[int, str]:
+    """(how many CUDA devices this process sees, why none where it sees none)."""
+    cudart = _runtime()
+    if cudart is None:
+        return 0, "cuda-python is not installed (pip install 'servekit[torch]')"
+    err, count = cudart.cudaGetDeviceCount()
+    if int(err) != 0:
+        return 0, f"no CUDA device here ({_error_name(err)})"
+    return (count, "") if count else (0, "no CUDA device here")
+
+
+class _IpcMemory:
+    """A buffer another process exported, mapped into this one."""
+
+    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        cudart = self._cudart = _runtime()
+        self.device_id, self.byte_size = device_id, byte_size
+        handle = cudart.cudaIpcMemHandle_t()
+        # cuda-bindings 13 exposes the handle's bytes only through its address.
+        ctypes.memmove(handle.getPtr(), raw_handle, HANDLE_SIZE)
+        self._on_device()
+        self.ptr = int(
+            _checked(
+                cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess),
+                f"CUDA shared-memory region {name!r}: its handle does not open on device "
+                f"{device_id}",
+            )
+        )
+        try:
+            self._check_size(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_size(self, name: str) -> None:
+        """The allocation behind the handle holds ``byte_size`` bytes: a read past it would
+        be an illegal address, which ends every later CUDA call of the process."""
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            from cuda import cuda as driver  # cuda-python before 12.6
+        base, size = _checked(driver.cuMemGetAddressRange(self.ptr), "its allocation's size")
+        room = int(size) - (self.ptr - int(base))
+        if self.byte_size > room:
+            raise InvalidInput(
+                f"CUDA shared-memory region {name!r}: byte_size {self.byte_size} exceeds the "
+                f"{room} bytes allocated behind its handle"
+            )
+
+    def _on_device(self) -> None:
+        _checked(self._cudart.cudaSetDevice(self.device_id), f"device {self.device_id}")
+
+    def to_host(self, start: int, size: int) -> np.ndarray:
+        cudart = self._cudart
+        out = np.empty(size, np.uint8)
+        self._on_device()
+        _checked(
+            cudart.cudaMemcpy(
+                out.ctypes.data,
+                self.ptr + start,
+                size,
+                cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+            ),
+            "reading CUDA shared memory",
+        )
+        return out
+
+    def to_device(self, start: int, size: int) -> Any:
+        import torch
+
+        cudart = self._cudart
+        device = torch.device("cuda", self.device_id)
+        with torch.cuda.device(device):
+            out = torch.empty(size, dtype=torch.uint8, device=device)
+            stream = torch.cuda.current_stream(device)
+            _checked(
+                cudart.cudaMemcpyAsync(
+                    out.data_ptr(), self.ptr + start, size,
+                    cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream.cuda_stream,
+                ),
+                "reading CUDA shared memory",
+            )  # fmt: skip
+            stream.synchronize()  # done before the region may be unregistered
+        return out
+
+    def from_host(self, start: int, data: bytes) -> None:
+        cudart = self._cudart
+        src = np.frombuffer(data, np.uint8)
+        self._on_device()
+        _checked(
+            cudart.cudaMemcpy(
+                self.ptr + start, src.ctypes.data, len(src),
+                cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            ),
+            "writing CUDA shared memory",
+        )  # fmt: skip
+        # From pageable memory the copy may still be in flight when cudaMemcpy returns.
+        _checked(cudart.cudaStreamSynchronize(0), "writing CUDA shared memory")
+
+    def close(self) -> None:
+        self._on_device()
+        self._cudart.cudaIpcCloseMemHandle(self.ptr)
+
+
+def open_ipc(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> CudaMemory:
+    """Map the buffer ``raw_handle`` exports, on ``device_id``; ``InvalidInput`` naming the
+    region where the handle does not open there."""
+    return _IpcMemory(name, raw_handle, device_id, byte_size)
