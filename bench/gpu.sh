@@ -4,16 +4,19 @@
 # servekit comes from this checkout's src/, nothing of it is installed:
 #   1. the engine alone, runner.infer and the in-process Batcher at 1 and 2 instances
 #      (bench/gpu.py, every precision asked for);
-#   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime) and of
-#      tests/test_device_decode.py (JPEGs decoded on the GPU against Pillow);
-#   3. the native server at FP16, 2 instances, over HTTP binary, HTTP with system shared
-#      memory and gRPC, 64 clients, with the server's CPU per request (servekit bench);
-#      and over HTTP binary the same model taking UINT8 pixels (optimize --pixels), a
-#      quarter of the bytes, scaled on the GPU.
-# Step 2 needs pytest, hypothesis and onnxruntime, step 3 servekit's HTTP/gRPC wheels, all
-# carried in .whl (../shared/device/wheels.sh .whl, then pip download the first three for
-# Python 3.12 into it): without them a step is skipped, saying so.
-#   bash bench/gpu.sh [--seconds 3] [--precisions fp32,fp16]
+#   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime), of
+#      tests/test_device_decode.py (JPEGs decoded on the GPU against Pillow) and of
+#      tests/test_cuda_shared_memory.py (eight tritonclients through CUDA shared memory);
+#   3. the native server at FP16, 2 instances, 64 clients, with the server's CPU per
+#      request (servekit bench): one-image requests over HTTP binary, HTTP with system
+#      shared memory and gRPC; the same model taking UINT8 pixels (optimize --pixels, a
+#      quarter of the bytes, scaled on the GPU); JPEGs over HTTP to resnet50_image
+#      (decoded on the GPU); and 32-image requests over HTTP binary and through CUDA
+#      shared memory (16 clients).
+# Steps 2 and 3 need what bench/gpu_prepare.sh puts in .whl (carry it): without it a step
+# is skipped, saying so.
+#   bash bench/gpu_prepare.sh .whl              # here, once
+#   bash bench/gpu.sh [--seconds 3] [--precisions fp32,fp16]    # on the device
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results}"
@@ -27,14 +30,17 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
-timeout 330 python3 bench/gpu.py --out "$out/gpu.json" "$@"
+timeout 240 python3 bench/gpu.py --out "$out/gpu.json" "$@"
 
+tests="-q -p no:cacheprovider -o addopts="
 if python3 -c "import pytest, hypothesis, onnxruntime" 2> /dev/null; then
-    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runners.py -k "cuda or lanes" \
+    timeout 60 python3 -m pytest $tests tests/test_gpu_runners.py -k "cuda or lanes" \
         2>&1 | tail -3 | tee "$out/gpu_tests.txt" || true
     # JPEGs decoded on the GPU against Pillow: the levels apart and the top-5 kept.
-    timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_decode.py -k cuda \
+    timeout 60 python3 -m pytest $tests -s tests/test_device_decode.py -k cuda \
         2>&1 | grep -E "nvJPEG|same top-5|passed|failed|skipped" | tee -a "$out/gpu_tests.txt" || true
+    timeout 90 python3 -m pytest $tests tests/test_cuda_shared_memory.py \
+        2>&1 | tail -15 | tee -a "$out/gpu_tests.txt" || true
 else
     echo "gpu.sh: no pytest/hypothesis/onnxruntime here (carry them in .whl): step 2 skipped"
 fi
@@ -85,11 +91,24 @@ for _ in $(seq 120); do
     curl -sf http://127.0.0.1:8700/v2/health/ready > /dev/null && break
     sleep 1
 done
-for run in "http://127.0.0.1:8700 none http resnet50" \
-    "http://127.0.0.1:8700 system http_shm resnet50" "grpc://127.0.0.1:8701 none grpc resnet50" \
-    "http://127.0.0.1:8700 none http_pixels resnet50_pixels"; do
+photos=()
+for f in .whl/photos/*.jpg; do [ -e "$f" ] && photos+=(--image "$f"); done
+[ ${#photos[@]} -gt 0 ] || echo "gpu.sh: no photos in .whl/photos: JPEG requests are generated 320x240 ones"
+# url, shared memory, name, model, images per request, clients
+for run in "http://127.0.0.1:8700 none http resnet50 1 64" \
+    "http://127.0.0.1:8700 system http_shm resnet50 1 64" \
+    "grpc://127.0.0.1:8701 none grpc resnet50 1 64" \
+    "http://127.0.0.1:8700 none http_pixels resnet50_pixels 1 64" \
+    "http://127.0.0.1:8700 none http_jpeg resnet50_image 1 64" \
+    "http://127.0.0.1:8700 none http_b32 resnet50 32 16" \
+    "http://127.0.0.1:8700 cuda cuda_shm_b32 resnet50 32 16"; do
     set -- $run
-    timeout 60 python3 -m servekit.cli bench --url "$1" --model "$4" --concurrency 64 \
-        --window 5 --warmup 3 --max-windows 3 --server-pid "$pid" --shared-memory "$2" \
-        --access-token gpu-bench --out "$out/gpu_native_$3" || echo "gpu.sh: $3 failed"
+    if [ "$SECONDS" -gt 560 ]; then
+        echo "gpu.sh: $3 skipped: the call's 10 minutes are nearly spent"
+        continue
+    fi
+    timeout 30 python3 -m servekit.cli bench --url "$1" --model "$4" --batch-size "$5" \
+        --concurrency "$6" --window 3 --warmup 2 --max-windows 3 --server-pid "$pid" \
+        --shared-memory "$2" --access-token gpu-bench "${photos[@]}" \
+        --out "$out/gpu_native_$3" || echo "gpu.sh: $3 failed"
 done

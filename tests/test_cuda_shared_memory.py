@@ -305,7 +305,11 @@ def test_device_tensors_are_checked_and_gathered_like_host_arrays():
         assert staging.allocations == 0  # no host buffer: the rows never crossed the host
 
 
-def _served_on_gpu(tiny_cnn_path):
+@pytest.fixture(scope="module")
+def gpu_server(tiny_cnn_path):
+    """A native server running a Torch model on GPU 0 (two lanes), both protocols."""
+    if not _cuda():
+        pytest.skip("no CUDA GPU (PyTorch sees none)")
     from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
     from servekit.bench.compare import ServerProcess
 
@@ -319,12 +323,14 @@ def _served_on_gpu(tiny_cnn_path):
         ServerConfig(exit_timeout_s=2, control_token="cuda-token"),
         runtime="native",
     ).on_loopback()  # fmt: skip
-    return ServerProcess(config)
+    with ServerProcess(config) as served:
+        served.wait_ready(["tiny"])
+        yield served
 
 
 @needs_cuda
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(tiny_cnn_path, protocol):
+def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_server, protocol):
     """Inputs read on the GPU where the model runs, outputs written back into each
     client's region: the answers are those the same inputs get over the socket."""
     import tritonclient.grpc as grpcclient
@@ -335,68 +341,61 @@ def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(tiny_cnn_
     m = grpcclient if protocol == "grpc" else httpclient
     prefix = "triton-grpc-protocol-" if protocol == "grpc" else ""
     headers = {f"{prefix}servekit-control-token": "cuda-token"}
-    with _served_on_gpu(tiny_cnn_path) as served:
-        served.wait_ready(["tiny"])
-        url = served.config.server.grpc_url if protocol == "grpc" else served.config.server.http_url
-        address = url.split("//")[-1]
-        rows, in_bytes, out_bytes = 2, 2 * 3 * 32 * 32 * 4, 2 * 10 * 4
+    server = gpu_server.config.server
+    address = (server.grpc_url if protocol == "grpc" else server.http_url).split("//")[-1]
+    rows, in_bytes, out_bytes = 2, 2 * 3 * 32 * 32 * 4, 2 * 10 * 4
 
-        def client_run(i: int) -> None:
-            client = m.InferenceServerClient(address)
-            name = f"gpu{i}-{protocol}"
-            handle = cudashm.create_shared_memory_region(name, in_bytes + out_bytes, 0)
-            try:
-                client.register_cuda_shared_memory(
-                    name, cudashm.get_raw_handle(handle), 0, in_bytes + out_bytes, headers=headers
-                )
-                rng = np.random.default_rng(i)
-                for _ in range(5):
-                    x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
-                    cudashm.set_shared_memory_region(handle, [x])
-                    tensor = m.InferInput("input", list(x.shape), "FP32")
-                    tensor.set_shared_memory(name, in_bytes)
-                    out = m.InferRequestedOutput("logits")
-                    out.set_shared_memory(name, out_bytes, offset=in_bytes)
-                    client.infer("tiny", [tensor], outputs=[out])
-                    got = cudashm.get_contents_as_numpy(
-                        handle, np.float32, [rows, 10], offset=in_bytes
-                    )
-                    plain = m.InferInput("input", list(x.shape), "FP32")
-                    plain.set_data_from_numpy(x)
-                    want = client.infer("tiny", [plain]).as_numpy("logits")
-                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-                past = m.InferInput("input", [rows, 3, 32, 32], "FP32")
-                past.set_shared_memory(name, in_bytes, offset=out_bytes + 8)
-                with pytest.raises(
-                    InferenceServerException, match=f"past the end of region '{name}'"
-                ):
-                    client.infer("tiny", [past])
-            finally:
-                client.unregister_cuda_shared_memory(name, headers=headers)
-                cudashm.destroy_shared_memory_region(handle)
-                client.close()
-
-        with ThreadPoolExecutor(8) as pool:
-            for done in [pool.submit(client_run, i) for i in range(8)]:
-                done.result(120)
-
+    def client_run(i: int) -> None:
         client = m.InferenceServerClient(address)
+        name = f"gpu{i}-{protocol}"
+        handle = cudashm.create_shared_memory_region(name, in_bytes + out_bytes, 0)
         try:
-            refused = {
-                "a handle that does not open": (b"\7" * 64, 0, "does not open"),
-                "a device the server lacks": (None, 64, "device_id 64"),
-            }
-            spare = cudashm.create_shared_memory_region("spare", 1024, 0)
-            for why, (raw, device_id, said) in refused.items():
-                raw = raw if raw is not None else base64.b64decode(cudashm.get_raw_handle(spare))
-                with pytest.raises(InferenceServerException, match=said):
-                    client.register_cuda_shared_memory(
-                        "bad", base64.b64encode(raw), device_id, 1024, headers=headers
-                    )
-                    pytest.fail(f"not refused: {why}")
-            cudashm.destroy_shared_memory_region(spare)
-            status = client.get_cuda_shared_memory_status(headers=headers)
-            assert not (list(status.regions) if protocol == "grpc" else status)
-            assert client.is_server_live()
+            client.register_cuda_shared_memory(
+                name, cudashm.get_raw_handle(handle), 0, in_bytes + out_bytes, headers=headers
+            )
+            rng = np.random.default_rng(i)
+            for _ in range(5):
+                x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
+                cudashm.set_shared_memory_region(handle, [x])
+                tensor = m.InferInput("input", list(x.shape), "FP32")
+                tensor.set_shared_memory(name, in_bytes)
+                out = m.InferRequestedOutput("logits")
+                out.set_shared_memory(name, out_bytes, offset=in_bytes)
+                client.infer("tiny", [tensor], outputs=[out])
+                got = cudashm.get_contents_as_numpy(handle, np.float32, [rows, 10], offset=in_bytes)
+                plain = m.InferInput("input", list(x.shape), "FP32")
+                plain.set_data_from_numpy(x)
+                want = client.infer("tiny", [plain]).as_numpy("logits")
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            past = m.InferInput("input", [rows, 3, 32, 32], "FP32")
+            past.set_shared_memory(name, in_bytes, offset=out_bytes + 8)
+            with pytest.raises(InferenceServerException, match=f"past the end of region '{name}'"):
+                client.infer("tiny", [past])
         finally:
+            client.unregister_cuda_shared_memory(name, headers=headers)
+            cudashm.destroy_shared_memory_region(handle)
             client.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        for done in [pool.submit(client_run, i) for i in range(8)]:
+            done.result(120)
+
+    client = m.InferenceServerClient(address)
+    spare = cudashm.create_shared_memory_region(f"spare-{protocol}", 1024, 0)
+    try:
+        good = cudashm.get_raw_handle(spare)
+        refused = {
+            "a handle that does not open": (base64.b64encode(b"\7" * 64), 0, 1024, "does not open"),
+            "a device the server lacks": (good, 64, 1024, "device_id 64"),
+            "more bytes than the allocation": (good, 0, 1 << 30, "exceeds the"),
+        }
+        for why, (raw, device_id, size, said) in refused.items():
+            with pytest.raises(InferenceServerException, match=said):
+                client.register_cuda_shared_memory("bad", raw, device_id, size, headers=headers)
+                pytest.fail(f"not refused: {why}")
+        status = client.get_cuda_shared_memory_status(headers=headers)
+        assert not (list(status.regions) if protocol == "grpc" else status)
+        assert client.is_server_live()
+    finally:
+        cudashm.destroy_shared_memory_region(spare)
+        client.close()

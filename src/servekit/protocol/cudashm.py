@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +22,8 @@ import numpy as np
 from ..errors import InvalidInput
 
 __all__ = ["HANDLE_SIZE", "CudaMemory", "Opener", "cuda_devices", "open_ipc"]
+
+log = logging.getLogger("servekit")
 
 HANDLE_SIZE = 64
 """Bytes of a ``cudaIpcMemHandle_t``."""
@@ -129,7 +132,13 @@ class _IpcMemory:
             from cuda.bindings import driver
         except ImportError:
             from cuda import cuda as driver  # cuda-python before 12.6
-        base, size = _checked(driver.cuMemGetAddressRange(self.ptr), "its allocation's size")
+        try:
+            base, size = _checked(driver.cuMemGetAddressRange(self.ptr), "")
+        except InvalidInput as exc:  # not known: the client's byte_size is taken as given
+            log.warning(
+                "CUDA shared-memory region %r: its allocation's size is unknown%s", name, exc
+            )
+            return
         room = int(size) - (self.ptr - int(base))
         if self.byte_size > room:
             raise InvalidInput(
@@ -158,19 +167,11 @@ class _IpcMemory:
     def to_device(self, start: int, size: int) -> Any:
         import torch
 
-        cudart = self._cudart
         device = torch.device("cuda", self.device_id)
         with torch.cuda.device(device):
-            out = torch.empty(size, dtype=torch.uint8, device=device)
-            stream = torch.cuda.current_stream(device)
-            _checked(
-                cudart.cudaMemcpyAsync(
-                    out.data_ptr(), self.ptr + start, size,
-                    cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream.cuda_stream,
-                ),
-                "reading CUDA shared memory",
-            )  # fmt: skip
-            stream.synchronize()  # done before the region may be unregistered
+            span = torch.as_tensor(_Span(self.ptr + start, size), device=device)
+            out = span.clone()  # device to device, on torch's current stream
+            torch.cuda.current_stream(device).synchronize()  # before an unregister may unmap
         return out
 
     def from_host(self, start: int, data: bytes) -> None:
@@ -190,6 +191,16 @@ class _IpcMemory:
     def close(self) -> None:
         self._on_device()
         self._cudart.cudaIpcCloseMemHandle(self.ptr)
+
+
+class _Span:
+    """Bytes on a device as torch takes them without a copy (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+            "version": 2,
+        }  # fmt: skip
 
 
 def open_ipc(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> CudaMemory:
