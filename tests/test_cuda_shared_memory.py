@@ -399,3 +399,19 @@ def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_serve
     finally:
         cudashm.destroy_shared_memory_region(spare)
         client.close()
+
+
+def test_a_client_without_a_gpu_says_it_cannot_make_a_cuda_region():
+    """servekit's client (and so ``servekit bench --shared-memory cuda``) names what this
+    host lacks before it asks the server anything; an unknown kind is refused."""
+    pytest.importorskip("tritonclient.http")
+    from servekit.client import Client
+    from servekit.errors import SetupError
+
+    with pytest.raises(ValueError, match="none, system or cuda, got 'gpu'"):
+        Client("http://127.0.0.1:9", shared_memory="gpu")
+    if _cuda():
+        return
+    with Client("http://127.0.0.1:9", shared_memory="cuda") as client:
+        with pytest.raises(SetupError, match="cannot make a cuda shared-memory region of 64 bytes"):
+            client.prepare({"x": np.zeros((1, 16), np.float32)})

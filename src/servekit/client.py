@@ -27,6 +27,7 @@ from .errors import (
     ModelNotReady,
     ServekitError,
     ServerUnreachable,
+    SetupError,
     from_grpc_code,
     from_http_status,
 )
@@ -181,11 +182,17 @@ class _Base:
         self._release_region(client)
         name = f"servekit-{uuid.uuid4().hex[:12]}"
         cuda = self.shared_memory == "cuda"
-        shm = _cuda_shm() if cuda else _system_shm()
-        if cuda:
-            handle = shm.create_shared_memory_region(name, size, 0)
-        else:
-            handle = shm.create_shared_memory_region(name, f"/{name}", size)
+        try:
+            shm = _cuda_shm() if cuda else _system_shm()
+            if cuda:
+                handle = shm.create_shared_memory_region(name, size, 0)
+            else:
+                handle = shm.create_shared_memory_region(name, f"/{name}", size)
+        except Exception as exc:  # this host's doing, not the server's
+            raise SetupError(
+                f"cannot make a {self.shared_memory} shared-memory region of {size} bytes "
+                f"here{' (on GPU 0)' if cuda else ''}: {type(exc).__name__}: {exc}"
+            ) from None
         try:
             if cuda:
                 raw = shm.get_raw_handle(handle)

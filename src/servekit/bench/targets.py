@@ -87,13 +87,18 @@ class RemoteTarget:
         self.name = f"{url} {model}{f' ({shared_memory} shm)' if shared_memory else ''}"
         self._sequences = Sequences(sequence_length)
         self.url, self.model, self.inputs = url, model, dict(inputs)
-        self._client = AsyncClient(url)
         self._registrar = None
         self._session: Any = None
         if shared_memory:
             self._registrar = Client(url, shared_memory=shared_memory, access_token=access_token)
-            self._prepared = self._registrar.prepare(self.inputs)
+            try:
+                self._prepared = self._registrar.prepare(self.inputs)
+            except BaseException:
+                self._registrar.close()
+                raise
+            self._client = AsyncClient(url)
         else:
+            self._client = AsyncClient(url)
             self._prepared = self._client.prepare(self.inputs, binary=binary)
         self._body: bytes | None = None
         if url.startswith("http://"):
