@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 import shutil
 import signal
@@ -98,6 +99,22 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """After the fixtures' teardown: the shared Ray stops once no Ray test follows."""
     if nextitem is None or not starts_ray(nextitem):
         _stop_shared_ray()
+
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def has_cuda() -> bool:
+    """Whether PyTorch is installed and sees a CUDA GPU (the device; never CI)."""
+    if not HAS_TORCH:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed (servekit[torch])")
+needs_cuda = pytest.mark.skipif(not has_cuda(), reason="no CUDA GPU (PyTorch sees none)")
 
 
 def wait_until(

@@ -29,23 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from conftest import HAS_TORCH, has_cuda, needs_cuda, needs_torch
 from servekit import FunctionRunner, ModelSpec, TensorSpec
 from servekit.errors import InvalidInput, RegionNotFound
 from servekit.protocol.shm import SharedMemory, ShmRef, cuda_refusal
-
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
-def _cuda() -> bool:
-    if not HAS_TORCH:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed (servekit[torch])")
-needs_cuda = pytest.mark.skipif(not _cuda(), reason="no CUDA GPU (PyTorch sees none)")
 
 
 class HostMemory:
@@ -266,7 +253,7 @@ def test_over_http_a_client_registers_infers_through_and_unregisters_a_region(de
 def test_a_server_that_sees_no_gpu_says_why():
     regions = SharedMemory()
     said = cuda_refusal(regions)
-    if _cuda():
+    if has_cuda():
         assert said is None
         return
     assert said is not None and "CUDA shared memory is not served by this server" in said
@@ -308,7 +295,7 @@ def test_device_tensors_are_checked_and_gathered_like_host_arrays():
 @pytest.fixture(scope="module")
 def gpu_server(tiny_cnn_path):
     """A native server running a Torch model on GPU 0 (two lanes), both protocols."""
-    if not _cuda():
+    if not has_cuda():
         pytest.skip("no CUDA GPU (PyTorch sees none)")
     from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig
     from servekit.bench.compare import ServerProcess
@@ -410,8 +397,11 @@ def test_a_client_without_a_gpu_says_it_cannot_make_a_cuda_region():
 
     with pytest.raises(ValueError, match="none, system or cuda, got 'gpu'"):
         Client("http://127.0.0.1:9", shared_memory="gpu")
-    if _cuda():
+    if has_cuda():
         return
-    with Client("http://127.0.0.1:9", shared_memory="cuda") as client:
-        with pytest.raises(SetupError, match="cannot make a cuda shared-memory region of 64 bytes"):
-            client.prepare({"x": np.zeros((1, 16), np.float32)})
+    said = "cannot make a cuda shared-memory region of 64 bytes"
+    with (
+        Client("http://127.0.0.1:9", shared_memory="cuda") as client,
+        pytest.raises(SetupError, match=said),
+    ):
+        client.prepare({"x": np.zeros((1, 16), np.float32)})

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import has_cuda, needs_cuda, needs_torch
 from servekit import OnnxRuntimeRunner, zoo
 from servekit.optimize import optimize
 from servekit.runners import ENGINES, load_runner
@@ -33,22 +34,10 @@ from servekit.runners.torch import graph_batch_sizes, onnx_module
 from servekit.spec import ModelSpec, TensorSpec
 from servekit.triton.backend import _switch, build_runner
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-
-
-def _cuda() -> bool:
-    if not HAS_TORCH:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed (servekit[torch])")
-needs_cuda = pytest.mark.skipif(not _cuda(), reason="no CUDA GPU (PyTorch sees none)")
 needs_trt = pytest.mark.skipif(
-    not (HAS_TRT and _cuda()), reason="TensorRT and an NVIDIA GPU are needed (servekit[tensorrt])"
+    not (HAS_TRT and has_cuda()),
+    reason="TensorRT and an NVIDIA GPU are needed (servekit[tensorrt])",
 )
 
 IMAGE = ModelSpec(
@@ -315,7 +304,7 @@ def test_torch_runs_a_model_that_takes_pixels_like_onnx_runtime(
 
 
 @needs_torch
-@pytest.mark.skipif(_cuda(), reason="a GPU is present")
+@pytest.mark.skipif(has_cuda(), reason="a GPU is present")
 def test_asking_torch_for_cuda_without_a_gpu_says_so(tiny_cnn_path):
     from servekit.runners.torch import TorchRunner
 
