@@ -405,3 +405,24 @@ def test_a_client_without_a_gpu_says_it_cannot_make_a_cuda_region():
         pytest.raises(SetupError, match=said),
     ):
         client.prepare({"x": np.zeros((1, 16), np.float32)})
+
+
+def test_a_copy_that_fails_on_the_device_names_the_tensor_and_the_region(regions, devices):
+    """A CUDA error while copying (the region is registered and the span fits) is the
+    server's, a 500 that says which tensor and region it was for."""
+    from servekit.errors import RunnerError
+
+    handle, _ = devices.allocate(16)
+    regions.register_cuda("g", handle, 0, 16)
+    memory = devices.opened[0]
+
+    def broken(*_):
+        raise RuntimeError("cudaErrorIllegalAddress")
+
+    memory.to_host = memory.from_host = broken
+    with pytest.raises(RunnerError, match="input 'x': copying from CUDA .* 'g': cudaErrorIllegal"):
+        regions.tensor(ShmRef("g", 0, 16), "x", "FP32", [1, 4])
+    with pytest.raises(RunnerError, match="output 'y': copying into CUDA .* 'g'"):
+        regions.write(ShmRef("g", 0, 16), "y", b"\0" * 16)
+    regions.unregister("g", "cuda")  # nothing left held by the failed copies
+    assert memory.closed

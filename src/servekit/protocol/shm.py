@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..device import DeviceTensor, torch_dtype
-from ..errors import InvalidInput, RegionNotFound
+from ..errors import InvalidInput, RegionNotFound, RunnerError
 from ..spec import ModelSpec, as_dtype
 from .cudashm import HANDLE_SIZE, CudaMemory, Opener, cuda_devices, open_ipc
 
@@ -437,15 +437,21 @@ class SharedMemory:
         what = f"input {name!r}"
         with self._leased(ref, what) as cuda:
             if cuda is not None:
-                if (
+                on_device = (
                     device is not None
                     and (device.index or 0) == cuda.device_id
                     and datatype != "BYTES"
-                ):
-                    dtype = as_dtype(datatype).numpy
-                    raw = cuda.to_device(ref.offset, ref.byte_size)
-                    return DeviceTensor(raw.view(torch_dtype(dtype)).reshape(shape), dtype)
-                raw = cuda.to_host(ref.offset, ref.byte_size)
+                )
+                try:
+                    if on_device:
+                        dtype = as_dtype(datatype).numpy
+                        raw = cuda.to_device(ref.offset, ref.byte_size)
+                        return DeviceTensor(raw.view(torch_dtype(dtype)).reshape(shape), dtype)
+                    raw = cuda.to_host(ref.offset, ref.byte_size)
+                except Exception as exc:  # the copy's failure, said with what it was for
+                    raise RunnerError(
+                        f"{what}: copying from CUDA shared-memory region {ref.region!r}: {exc}"
+                    ) from exc
                 return tensor_from_raw(name, datatype, shape, memoryview(raw.data), count)
         with self._lock:
             view, start = self._span(ref, what)
@@ -458,7 +464,12 @@ class SharedMemory:
         what = f"output {name!r}"
         with self._leased(ref, what) as cuda:
             if cuda is not None:
-                cuda.from_host(ref.offset, raw)
+                try:
+                    cuda.from_host(ref.offset, raw)
+                except Exception as exc:
+                    raise RunnerError(
+                        f"{what}: copying into CUDA shared-memory region {ref.region!r}: {exc}"
+                    ) from exc
                 return
         with self._lock:
             view, start = self._span(ref, what)

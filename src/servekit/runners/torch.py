@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceTensor
+from ..device import DeviceTensor, torch_dtype
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
 from .lanes import Lanes
@@ -235,11 +235,10 @@ class _Lane:
         """The outputs cast on the device to the spec's dtypes, copied into this lane's
         pinned host buffers, one synchronisation, then copied out (the buffers are reused)."""
         r = self._runner
-        torch = r._torch
         staged = []
         for t, value in zip(r._spec.outputs, values, strict=True):
             v = value[:rows] if rows is not None else value
-            want = torch.from_numpy(np.empty(0, t.dtype.numpy)).dtype
+            want = torch_dtype(t.dtype.numpy)
             v = v.to(want)
             host = self._buffer(self._host_out, t.name, want, v.shape, "cpu", pin=True)[: len(v)]
             host.copy_(v, non_blocking=True)
@@ -335,8 +334,7 @@ class TorchRunner(BaseRunner):
         torch = self._torch
 
         def pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            like = torch.from_numpy(np.empty(0, dtype)).dtype
-            return torch.empty(shape, dtype=like, pin_memory=True).numpy()  # type: ignore[no-any-return]
+            return torch.empty(shape, dtype=torch_dtype(dtype), pin_memory=True).numpy()  # type: ignore[no-any-return]
 
         return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
 
