@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import urllib.error
@@ -58,11 +59,26 @@ def stubs(workdir: Path) -> list[int]:
 def stub_regions(workdir: Path) -> dict[int, Path]:
     """The Python backend stubs running under ``workdir``: pid -> its shared memory region
     (named by its argv[2])."""
+    return {pid: Path("/dev/shm") / argv[2].lstrip("/") for pid, argv in _stubs(workdir)}
+
+
+def stub_folders(workdir: Path) -> set[Path]:
+    """The folders tritonserver copied the stubs' models into (argv[1] is the model file
+    in a version folder in it) when the load request carried the files, as PyTriton's
+    does; a model read from a repository has none."""
     return {
-        pid: Path("/dev/shm") / argv[2].lstrip("/")
+        Path(argv[1]).parents[1]
+        for _, argv in _stubs(workdir)
+        if argv[1].startswith(tempfile.gettempdir() + "/folder")
+    }
+
+
+def _stubs(workdir: Path) -> list[tuple[int, list[str]]]:
+    return [
+        (pid, argv)
         for pid, argv in processes(str(workdir)).items()
         if argv[0].endswith("triton_python_backend_stub")
-    }
+    ]
 
 
 @contextlib.contextmanager
@@ -91,8 +107,8 @@ def add_sub_config(path: Path, runtime: str) -> ServeConfig:
 def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_sub_path):
     """... and, every request traced, a replayed request's trace shows what the death cost
     it (a ``replay`` span: from the loss to the answer, the deaths it saw). Each restart
-    kills tritonserver at once, which leaves its stubs' shared memory behind: none of it
-    is left in /dev/shm once the server has stopped."""
+    kills tritonserver at once, which leaves its stubs' shared memory and PyTriton's load
+    folders behind: none of it is left in /dev/shm or /tmp once the server has stopped."""
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the tracing extra")
     from otlp import Receiver
     from servekit.config import TracingConfig
@@ -110,6 +126,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
 
     rng = random.Random(29)
     regions: set[Path] = set()
+    folders: set[Path] = set()
     with supervised(served) as supervisor:
         wait_until(lambda: Client(url).infer("add_sub", _inputs()), "the first answer", 120)
         # Half the clients on each public port: HTTP and gRPC are both the front's.
@@ -124,6 +141,7 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
                 ((stub, region),) = stub_regions(workdir()).items()
                 assert region.exists()
                 regions.add(region)
+                folders.update(stub_folders(workdir()))
                 os.kill(stub, signal.SIGKILL)
                 wait_until(
                     lambda kill=kill: supervisor.events.count("restarted") > kill,  # type: ignore[attr-defined]
@@ -131,7 +149,10 @@ def test_killed_workers_cost_no_request_and_every_answer_is_right(runtime, add_s
                 )  # fmt: skip
         families = scrape(f"{url}/metrics")
         regions.update(stub_regions(workdir()).values())
+        folders.update(stub_folders(workdir()))
     assert sorted(str(r) for r in regions if r.exists()) == []
+    assert sorted(str(f) for f in folders if f.exists()) == []
+    assert len(folders) == (KILLS + 1 if runtime == "pytriton" else 0)
     assert load.failures == [] and load.wrong == 0
     assert by_grpc.failures == [] and by_grpc.wrong == 0
     assert supervisor.restarts == KILLS

@@ -112,8 +112,8 @@ class LogFollower:
 class Workdir:
     """A tritonserver's private folder: its log (followed to the console, filtered) and its
     processes (found by their executable's path under it). ``close`` stops following,
-    kills what outlived the server there, frees its stubs' shared memory, and removes the
-    folder."""
+    kills what outlived the server there, frees its stubs' shared memory and load folders,
+    and removes the folder."""
 
     def __init__(self, prefix: str, *, verbose: bool = False) -> None:
         import tempfile
@@ -122,10 +122,12 @@ class Workdir:
         self.log_path = self.path / "tritonserver.log"
         self._follower = LogFollower(self.log_path, verbose=verbose).start()
         self._regions: set[str] = set()
+        self._loaded: set[Path] = set()
 
     def stubs(self) -> dict[int, list[str]]:
         """The Python backend stubs running here now: pid -> argv. Each one's shared memory
-        region (its argv[2]) is remembered, for ``close`` to free."""
+        region (its argv[2]) and the folder its model was loaded into (argv[1], when
+        tritonserver made one) are remembered, for ``close`` to free."""
         from ..runtime.processes import processes
 
         found = {
@@ -138,6 +140,10 @@ class Workdir:
             for argv in found.values()
             if len(argv) > 2 and _REGION.match(argv[2])
         )
+        for argv in found.values():
+            loaded = _LOADED.match(argv[1]) if len(argv) > 1 else None
+            if loaded:
+                self._loaded.add(Path(loaded.group(1)))
         return found
 
     def kill_leftovers(self) -> int:
@@ -149,10 +155,11 @@ class Workdir:
         return kill_leftovers(str(self.path))
 
     def close(self) -> None:
-        """Stop following the log, kill what outlived the server, and unlink the regions of
-        the stubs seen here: tritonserver frees them only when it exits cleanly, so each
-        kill or crash (and each restart after one) would leave them in /dev/shm, which a
-        pod's memory-backed volume bounds."""
+        """Stop following the log, kill what outlived the server, and free what the stubs
+        seen here held: their shared memory regions and the folders tritonserver copied
+        their models into. tritonserver frees both only when it exits cleanly, so each kill
+        or crash (and each restart after one) would leave them in /dev/shm, which a pod's
+        memory-backed volume bounds, and in /tmp."""
         import shutil
 
         self._follower.stop()  # after the server's last words
@@ -167,6 +174,9 @@ class Workdir:
                     "could not free the shared memory region %s: %s", name, exc
                 )
         self._regions.clear()
+        for folder in self._loaded:
+            shutil.rmtree(folder, ignore_errors=True)  # absent after a clean exit
+        self._loaded.clear()
         shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -174,3 +184,7 @@ _REGION = re.compile(r"^/?\w[\w.-]*$")
 """A Python backend stub's shared memory region as its argv names it: tritonserver's
 ``triton_<backend>_backend_shm_region_<uuid>``, PyTriton's ``pytrtion<pid>-<hash>-<uuid>``
 (one name in /dev/shm, never a path)."""
+
+_LOADED = re.compile(r"^(/tmp/folder[A-Za-z0-9]{6})/\d+/")
+"""A stub's model file in the folder tritonserver makes (``mkdtemp`` of /tmp/folderXXXXXX)
+for a model loaded with its files in the load request, as PyTriton loads its models."""
