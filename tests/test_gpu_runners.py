@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 
 from conftest import has_cuda, needs_cuda, needs_torch
 from servekit import OnnxRuntimeRunner, zoo
+from servekit.device import DeviceTensor
 from servekit.optimize import optimize
 from servekit.runners import ENGINES, load_runner
 from servekit.runners.onnx import spec_from_onnx
 from servekit.runners.tensorrt import (
     EngineKey,
     TensorRTRunner,
+    device_source,
     engine_cache_dir,
     is_explicitly_quantized,
     optimization_profile,
@@ -373,9 +375,33 @@ def test_tensorrt_matches_onnx_runtime_and_reuses_its_engine(precision, tiny_cnn
         want = reference.infer(x)["logits"]
         got = runner.infer(x)["logits"]
         assert np.abs(got - want).max() <= 1e-2 * max(np.abs(want).max(), 1.0)
+        if runner.tensor_device is not None:  # torch is here: the same rows from the GPU
+            import torch
+
+            on_gpu = {
+                k: DeviceTensor(torch.from_numpy(v).to("cuda"), v.dtype) for k, v in x.items()
+            }
+            assert np.array_equal(runner.infer(on_gpu)["logits"], got)
     runner.close()
     built = runner.engine_path.stat().st_mtime_ns
     again = TensorRTRunner(tiny_cnn_path, precision=precision, max_batch_size=8, cache_dir=tmp_path)
     assert again.engine_path == runner.engine_path
     assert again.engine_path.stat().st_mtime_ns == built
     again.close()
+
+
+@needs_torch
+def test_a_tensor_on_a_device_is_handed_to_tensorrt_cast_and_contiguous_where_it_is():
+    """What the TensorRT runner copies device to device: a ``DeviceTensor``'s or a stage's
+    torch tensor, in the engine's dtype, contiguous, on its own device; a host array is
+    not one (it goes through pinned memory)."""
+    import torch
+
+    rows = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
+    got = device_source(
+        DeviceTensor(rows.transpose(1, 2), np.dtype(np.float64)), np.dtype(np.float32)
+    )
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.device == rows.device
+    assert torch.equal(got, rows.transpose(1, 2).float())
+    assert device_source(rows, np.dtype(np.float16)).dtype == torch.float16
+    assert device_source(rows.numpy(), np.dtype(np.float32)) is None

@@ -8,7 +8,9 @@ cache are keyed by GPU, compute capability, TensorRT version, precision, profile
 the model's bytes, so a cached engine is never loaded on a GPU it was not built for.
 Execution is ``execute_async_v3`` on the runner's own CUDA stream, into device buffers
 allocated once for the largest batch, through pinned host buffers (memory via
-``cuda-python``). One runner is one instance: give each Triton/Batcher instance its own.
+``cuda-python``). Inputs already on the GPU (torch tensors: CUDA shared memory's
+``DeviceTensor``, ``stages.DeviceDecode``'s images) are copied device to device, never
+through the host, where torch is installed to carry them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..device import DeviceTensor, torch_dtype
 from ..errors import RunnerError
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
@@ -37,6 +40,7 @@ __all__ = [
     "TRT_PRECISIONS",
     "EngineKey",
     "TensorRTRunner",
+    "device_source",
     "engine_cache_dir",
     "is_explicitly_quantized",
     "optimization_profile",
@@ -281,6 +285,16 @@ class TensorRTRunner(BaseRunner):
 
         return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
 
+    @property
+    def tensor_device(self) -> Any:
+        """The device whose torch tensors ``run`` takes without a host copy: this runner's
+        GPU, where torch is installed (None without it: inputs then come as host arrays)."""
+        try:
+            import torch
+        except ImportError:
+            return None
+        return torch.device("cuda", self.device)
+
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         assert self._lanes is not None, "the runner is closed"
         with self._lanes.use() as lane:
@@ -324,13 +338,23 @@ class _Lane:
     def run(self, spec: ModelSpec, inputs: Mapping[str, np.ndarray], model: str) -> Arrays:
         """One batch: inputs copied to the device from where they are when they already are
         in the engine's dtype (staging's pinned buffers), else cast into this lane's pinned
-        buffer first; one synchronisation; outputs copied out of the reused buffers."""
+        buffer first; an input on the GPU is cast there and copied device to device; one
+        synchronisation; outputs copied out of the reused buffers."""
         cuda, rt = self._cuda, self._cuda.rt
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        held = []  # device sources, alive until the stream is done with them
         for t in spec.inputs:
             a = inputs[t.name]
             device, host, _ = self.buffers[t.name]
+            on_gpu = device_source(a, host.dtype)
+            if on_gpu is not None:
+                held.append(on_gpu)
+                self.context.set_input_shape(t.name, tuple(on_gpu.shape))
+                nbytes = on_gpu.numel() * on_gpu.element_size()
+                d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+                cuda("cudaMemcpyAsync", device, on_gpu.data_ptr(), nbytes, d2d, self.stream)
+                continue
             if a.dtype != host.dtype or not a.flags.c_contiguous:
                 view = host.reshape(-1)[: a.size].reshape(a.shape)
                 view[...] = a
@@ -361,3 +385,18 @@ class _Lane:
         self.buffers.clear()
         self._cuda("cudaStreamDestroy", self.stream)
         self.context = None
+
+
+def device_source(a: Any, dtype: np.dtype) -> Any:
+    """``a``'s torch tensor, contiguous and cast to ``dtype`` on its own device, and done
+    there (torch's stream synchronised), ready for a copy on another stream; None when
+    ``a`` is a host array."""
+    tensor = a.tensor if isinstance(a, DeviceTensor) else a
+    if isinstance(tensor, np.ndarray) or not hasattr(tensor, "data_ptr"):
+        return None
+    import torch
+
+    tensor = tensor.to(torch_dtype(dtype)).contiguous()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+    return tensor
