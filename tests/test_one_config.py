@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import urllib.request
 import warnings
 
 import numpy as np
@@ -31,6 +32,14 @@ try:  # Ray warns about its own dependencies' deprecations on first import
         from ray import serve
 except ImportError:
     serve = None
+else:
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Neighbour:
+        """A plain Ray Serve application, no servekit in it."""
+
+        def __call__(self, request: object) -> str:
+            return "still here"
 
 
 def config_text(classifier: str, adder: str, runtime: str) -> str:
@@ -269,14 +278,23 @@ def test_ray_runs_the_files_policy_replicas_and_threads(config_file):
     path = config_file("ray")
     want = expected(path)
     config = loaded(path).replace(ray=RayOptions(model_cpus=0.25, stage_cpus=0.1))
-    with RayRuntime(config, num_cpus=2) as runtime:
-        answers(config.server.http_url)
-        replicas = runtime.deployments()
-        for name, model in STAGES.items():
-            handle = serve.get_deployment_handle(name, app_name="servekit")
-            settings = handle.settings.remote().result(timeout_s=60)
-            assert settings["policy"] == want[model].batching, name
-        assert replicas["tiny"] == want["tiny"].instances
-        assert replicas["adder"] == want["adder"].instances
-        tiny = serve.get_deployment_handle("tiny", app_name="servekit")
-        assert tiny.settings.remote().result(timeout_s=60)["threads"] == want["tiny"].threads
+    try:
+        with RayRuntime(config, num_cpus=2) as runtime:
+            answers(config.server.http_url)
+            # A neighbour on the same Serve (a peer deployed for comparison): stopping
+            # servekit deletes servekit's application and leaves it serving.
+            serve.run(Neighbour.bind(), name="neighbour", route_prefix="/neighbour")
+            replicas = runtime.deployments()
+            for name, model in STAGES.items():
+                handle = serve.get_deployment_handle(name, app_name="servekit")
+                settings = handle.settings.remote().result(timeout_s=60)
+                assert settings["policy"] == want[model].batching, name
+            assert replicas["tiny"] == want["tiny"].instances
+            assert replicas["adder"] == want["adder"].instances
+            tiny = serve.get_deployment_handle("tiny", app_name="servekit")
+            assert tiny.settings.remote().result(timeout_s=60)["threads"] == want["tiny"].threads
+        assert list(serve.status().applications) == ["neighbour"]
+        with urllib.request.urlopen(f"{config.server.http_url}/neighbour", timeout=30) as r:
+            assert r.read() == b"still here"
+    finally:
+        serve.shutdown()

@@ -114,7 +114,8 @@ class RayRuntime:
         return replicas - drain.wait(self.run_id, replicas, timeout_s)
 
     def stop(self) -> None:
-        """Drain, then stop Serve (and Ray, when this runtime started it)."""
+        """Drain, then stop Serve (and Ray, when this runtime started it). On a cluster that
+        runs other Serve applications, only servekit's is deleted: they keep serving."""
         if not self._imported:
             return
         import ray
@@ -125,7 +126,7 @@ class RayRuntime:
             if left:
                 log.warning("%d ingress replica(s) still had requests after %d s", left,
                             self.config.server.exit_timeout_s)  # fmt: skip
-            serve.shutdown()
+            _stop_serve(serve)
             with contextlib.suppress(Exception):  # the GCS is gone: nothing to forget
                 drain.clear(self.run_id)
         if self._owns_ray:  # also when a signal cut ray.init short: what it started stops
@@ -154,6 +155,20 @@ class RayRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stop_serve(serve: Any) -> None:
+    """Serve shut down, unless applications other than servekit's run on it (a cluster's
+    neighbours, a peer deployed for comparison): then servekit's app alone is deleted."""
+    try:
+        others = [name for name in serve.status().applications if name != APP_NAME]
+    except Exception:  # Serve is not running (it never started, or died)
+        others = []
+    if others:
+        log.info("deleting Serve application %r; %s keep serving", APP_NAME, others)
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
 
 
 @contextlib.contextmanager
