@@ -26,7 +26,7 @@ from servekit.tune import Constraints, Measurement, SearchSpace, tune, write_out
 from servekit.zoo.tiny import build_simulated
 
 SERVEKIT = [sys.executable, "-m", "servekit"]
-QUICK_WINDOWS = MeasureConfig(window_s=1.0, warmup_s=0.5, max_windows=4)
+QUICK_WINDOWS = MeasureConfig(window_s=0.6, warmup_s=0.3, max_windows=4)
 
 
 @pytest.fixture(scope="module")
