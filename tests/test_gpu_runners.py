@@ -390,18 +390,23 @@ def test_tensorrt_matches_onnx_runtime_and_reuses_its_engine(precision, tiny_cnn
     again.close()
 
 
-@needs_torch
-def test_a_tensor_on_a_device_is_handed_to_tensorrt_cast_and_contiguous_where_it_is():
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=needs_torch), pytest.param("cuda", marks=needs_cuda)]
+)
+def test_only_a_tensor_on_a_gpu_is_handed_to_tensorrt_as_it_is_cast_and_contiguous(device):
     """What the TensorRT runner copies device to device: a ``DeviceTensor``'s or a stage's
-    torch tensor, in the engine's dtype, contiguous, on its own device; a host array is
-    not one (it goes through pinned memory)."""
+    torch tensor on a GPU, in the engine's dtype, contiguous, on its own device. Rows on
+    the host (an array, a CPU tensor) are not (they go through pinned memory)."""
     import torch
 
-    rows = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
+    rows = torch.arange(24, dtype=torch.float64, device=device).reshape(2, 3, 4)
     got = device_source(
         DeviceTensor(rows.transpose(1, 2), np.dtype(np.float64)), np.dtype(np.float32)
     )
+    assert device_source(rows.cpu().numpy(), np.dtype(np.float32)) is None
+    if device == "cpu":
+        assert got is None and device_source(rows, np.dtype(np.float32)) is None
+        return
     assert got.dtype == torch.float32 and got.is_contiguous() and got.device == rows.device
     assert torch.equal(got, rows.transpose(1, 2).float())
     assert device_source(rows, np.dtype(np.float16)).dtype == torch.float16
-    assert device_source(rows.numpy(), np.dtype(np.float32)) is None

@@ -355,6 +355,7 @@ class _Lane:
                 d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
                 cuda("cudaMemcpyAsync", device, on_gpu.data_ptr(), nbytes, d2d, self.stream)
                 continue
+            a = np.asarray(a)  # a CPU tensor's or a DeviceTensor's rows on the host
             if a.dtype != host.dtype or not a.flags.c_contiguous:
                 view = host.reshape(-1)[: a.size].reshape(a.shape)
                 view[...] = a
@@ -388,15 +389,14 @@ class _Lane:
 
 
 def device_source(a: Any, dtype: np.dtype) -> Any:
-    """``a``'s torch tensor, contiguous and cast to ``dtype`` on its own device, and done
-    there (torch's stream synchronised), ready for a copy on another stream; None when
-    ``a`` is a host array."""
+    """``a``'s torch tensor when it is on a GPU, cast to ``dtype`` and made contiguous there,
+    and done (torch's stream synchronised), ready for a copy on another stream; None for
+    anything on the host (an array, a CPU tensor)."""
     tensor = a.tensor if isinstance(a, DeviceTensor) else a
-    if isinstance(tensor, np.ndarray) or not hasattr(tensor, "data_ptr"):
+    if not getattr(tensor, "is_cuda", False):
         return None
     import torch
 
     tensor = tensor.to(torch_dtype(dtype)).contiguous()
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
+    torch.cuda.current_stream(tensor.device).synchronize()
     return tensor
