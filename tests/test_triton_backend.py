@@ -298,6 +298,77 @@ def test_a_new_version_a_broken_one_and_a_rollback_under_load_fail_no_request(tr
         assert runs == [102.0, 202.0, 102.0], runs
 
 
+def test_a_tritonserver_that_dies_while_loading_leaves_nothing_behind(repo):
+    """Killed (as the OOM killer would) while its stubs load the models: the start fails
+    naming the exit, and no process, shared memory region or folder of it is left (a
+    Supervisor that tries again would otherwise pile them up)."""
+    import os
+    import signal
+
+    from servekit.errors import TritonSetupError
+    from servekit.runtime.processes import processes
+
+    process = TritonProcess(options(repo, "none"))
+    failed: list[Exception] = []
+
+    def start() -> None:
+        try:
+            process.start()
+        except TritonSetupError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        wait_until(lambda: process._workdir is not None and process._workdir.stubs(),
+                   "a stub started", 120)  # fmt: skip
+        workdir = process._workdir.path  # type: ignore[union-attr]
+        stubs = process._workdir.stubs().values()  # type: ignore[union-attr]
+        regions = [Path("/dev/shm") / a[2] for a in stubs if len(a) > 2]  # argv read mid-exec
+        assert process.is_alive()  # still loading: not live yet
+        os.kill(process._proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        thread.join(60)
+    finally:
+        if thread.is_alive() or not failed:
+            thread.join(60)
+            process.stop()
+    assert failed and "exited with code -9" in str(failed[0]), failed
+    assert processes(str(workdir)) == {}
+    assert [r for r in regions if r.exists()] == []
+    assert not workdir.exists()
+
+
+def test_a_start_that_triton_aborts_with_its_lock_exception_is_tried_once_more(
+    tmp_path, monkeypatch
+):
+    """Triton's Python backend now and then aborts tritonserver at model load (its
+    ``boost::interprocess::lock_exception``, seen here under CPU starvation): the start is
+    tried once more, from a clean slate. Here the first tritonserver says so and aborts
+    as Triton's does; any other death is not retried (the test above)."""
+    write_adder(tmp_path / "repo")
+    first = tmp_path / "aborted-once"
+    command = TritonProcess.command
+
+    def aborting_once(self, backends, env):  # type: ignore[no-untyped-def]
+        workdirs.append(backends.parent)
+        script = (
+            f'if [ ! -e {first} ]; then touch {first}; echo "terminate called after throwing '
+            "an instance of 'boost::interprocess::lock_exception'\"; kill -ABRT $$; fi; "
+            'exec "$@"'
+        )
+        return ["sh", "-c", script, "sh", *command(self, backends, env)]
+
+    monkeypatch.setattr(TritonProcess, "command", aborting_once)
+    workdirs: list[Path] = []
+    with TritonProcess(options(tmp_path / "repo", "none")) as process:
+        process.wait_ready(["adder"])
+        a = np.ones((1, 4), np.float32)
+        with Client(process.options.server.http_url) as c:
+            assert c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
+    assert first.exists() and len(workdirs) == 2
+    assert [w for w in workdirs if w.exists()] == []
+
+
 def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(triton, repo):
     write_adder(repo, "broken", versions=())
     vdir = repo / "broken" / "1"

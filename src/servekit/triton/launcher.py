@@ -8,6 +8,8 @@ alone (``--exit-on-error=false``): a missing or corrupt model never takes the ot
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +37,12 @@ from .env import (
     triton_environment,
 )
 from .logs import Workdir
+
+log = logging.getLogger(__name__)
+
+_ABORTED_AT_LOAD = "boost::interprocess::lock_exception"
+"""What Triton's Python backend says as it aborts tritonserver, now and then, while its
+stubs start under CPU starvation (seen here at model load on a 2-core machine)."""
 
 __all__ = ["TritonOptions", "TritonProcess", "backend_directory", "backend_model_file"]
 
@@ -183,7 +191,20 @@ class TritonProcess:
 
     def start(self, timeout_s: float = 120.0) -> TritonProcess:
         """Start tritonserver (and the front, once) and wait until it is live and has finished
-        its initial loads."""
+        its initial loads. A start that fails leaves nothing running: no stub, no shared
+        memory, no folder. One that Triton's Python backend aborts with its intermittent
+        ``boost::interprocess::lock_exception`` (triton-inference-server/server#8882) is
+        tried once more."""
+        try:
+            return self._start(timeout_s)
+        except TritonSetupError as exc:
+            if _ABORTED_AT_LOAD not in str(exc):
+                raise
+            log.warning("tritonserver aborted during its initial loads (%s): starting it "
+                        "once more", _ABORTED_AT_LOAD)  # fmt: skip
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> TritonProcess:
         env = triton_environment()
         if self.options.server.tracing.active:  # the servekit backend's spans go there too
             env.env[ENDPOINT_ENV] = self.options.server.tracing.endpoint
@@ -203,14 +224,13 @@ class TritonProcess:
         deadline = time.monotonic() + timeout_s
         while not self._http_ok("/v2/health/live"):
             if proc.poll() is not None:  # died, or stop() was called meanwhile
-                raise TritonSetupError(
-                    f"tritonserver exited with code {proc.returncode}:\n{self.log_tail()}"
-                )
+                tail = self.log_tail()
+                self._stop_server(drain=False)  # its stubs, their memory, the folders
+                raise TritonSetupError(f"tritonserver exited with code {proc.returncode}:\n{tail}")
             if time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.stop()
-                raise TritonSetupError(
-                    f"tritonserver not live after {timeout_s} s:\n{self.log_tail()}"
-                )
+                raise TritonSetupError(f"tritonserver not live after {timeout_s} s:\n{tail}")
             time.sleep(0.1)
         self._stubs = self._alive_stubs()  # its initial loads' (mode none and poll load first)
         if self.options.server.front and self._front is None:
@@ -323,6 +343,9 @@ class TritonProcess:
                     os.killpg(self._proc.pid, signal.SIGKILL)
                     self._proc.wait()
             code = self._proc.returncode
+            # What it forked and left (a stub it was starting as it died): its group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc = None
         if self._workdir is not None:
             self._workdir.close()
