@@ -12,7 +12,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servekit import Batcher, BatchingPolicy, FunctionRunner, ModelSpec, RunnerError, TensorSpec
+from servekit import (
+    Batcher,
+    BatchingPolicy,
+    FunctionRunner,
+    InvalidInput,
+    ModelSpec,
+    RunnerError,
+    TensorSpec,
+)
 from servekit.batching.execute import Fit, batch_steps, drive, run_requests
 from servekit.batching.faults import FaultLog
 
@@ -85,6 +93,25 @@ def test_a_model_that_fails_on_every_input_fails_a_batch_of_32_in_three_calls():
     results = run(model, requests([1] * 32, set()))
     assert len(model.calls) == 3
     assert all(isinstance(r, RunnerError) and "the model is broken" in str(r) for r in results)
+
+
+def test_the_same_bad_input_from_several_clients_fails_them_alone_not_their_batch():
+    """Eight clients send the same undecodable image now and then: a batch may hold two of
+    them, one in each half, and the decoder's words are the same for both. That is two
+    requests' fault (InvalidInput), not a broken model: every other request is answered."""
+
+    def decoder(inputs):
+        if (inputs["x"][:, 0] < 0).any():
+            raise InvalidInput("input 'x' row 0: cannot decode image (12 bytes)")
+        return {"y": inputs["x"] * 2}
+
+    batch = requests([1] * 8, {0, 5})
+    results = run(decoder, batch)
+    for i, result in enumerate(results):
+        if i in {0, 5}:
+            assert isinstance(result, InvalidInput) and "cannot decode" in str(result)
+        else:
+            np.testing.assert_array_equal(result["y"], batch[i]["x"] * 2)
 
 
 def test_out_of_memory_splits_and_the_batch_that_fitted_is_remembered(caplog):

@@ -5,7 +5,9 @@ A batch that raises (any exception: a bad image found while decoding, a user's
 each half run again, down to the requests that raise; every other request gets its own
 outputs. When both halves fail with the batch's own error the model is broken, not a
 request, and the whole batch fails at once (three runs, never log2(n) more). Two
-culprits in different halves raising the very same words are taken for a broken model.
+culprits in different halves raising the very same words are taken for a broken model,
+unless the error is ``InvalidInput`` (a bad image sent by several clients): that is
+always the requests' own, found by halving.
 ``run_requests`` does the same for requests a server already grouped (Triton, PyTriton,
 Ray), after validating each.
 """
@@ -143,7 +145,7 @@ class _Run:
         second = yield from self._run(right)
         if oom:
             self._fitted([m for m, e in ((left, first), (right, second)) if e is None])
-        elif first and second and same_fault(first, exc) and same_fault(second, exc):
+        elif _broken_model(exc, first, second):
             self._fail(members, exc)  # the model, not a request: no more runs
             return
         if first is not None:
@@ -168,6 +170,15 @@ class _Run:
                     self.name, sum(self.rows), rows,
                 )  # fmt: skip
             self.fit.rows = rows
+
+
+def _broken_model(exc: Exception, first: Exception | None, second: Exception | None) -> bool:
+    """Whether both halves failing with the batch's own words is the model's fault. Never
+    for InvalidInput: the model named a request's input, and several clients sending the
+    same bad input get the same words."""
+    if first is None or second is None or isinstance(exc, InvalidInput):
+        return False
+    return same_fault(first, exc) and same_fault(second, exc)
 
 
 _FITS: weakref.WeakKeyDictionary[object, Fit] = weakref.WeakKeyDictionary()
