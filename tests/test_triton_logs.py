@@ -1,10 +1,15 @@
-"""tritonserver's log on the console: known-harmless lines explained once, errors kept."""
+"""tritonserver's log on the console: known-harmless lines explained once, errors kept;
+and its private folder frees what its stubs held."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
-from servekit.triton.logs import LogFollower, filter_line
+from servekit.triton.logs import LogFollower, Workdir, filter_line
 
 START = """\
 W1123 13:44:21.880105 675 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory pool will not be available: CUDA driver version is insufficient"
@@ -75,3 +80,37 @@ def test_the_follower_logs_a_growing_file_and_everything_when_verbose(tmp_path):
             logger.disabled = was[1]
             logging.disable(muted)
         assert len(kept.records) == expected, [r.getMessage() for r in kept.records]
+
+
+MAPS = """import mmap, sys, time
+held = [open("/dev/shm/" + n, "r+b") for n in sys.argv[1:]]
+maps = [mmap.mmap(f.fileno(), 0) for f in held]
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stub_region_the_server_maps_is_freed_though_no_stub_names_it():
+    """tritonserver makes and maps a stub's region before it starts the stub (a new one,
+    or a replacement for a dead one): killed in between, no stub names the region. The
+    workdir notes what the server maps and frees it with the rest; a client's registered
+    system shared memory, which tritonserver maps too, is never touched."""
+    tag = uuid.uuid4().hex
+    stub_region, client_region = f"triton_servekit_backend_shm_region_{tag}", f"client-{tag}"
+    for name in (stub_region, client_region):
+        Path("/dev/shm", name).write_bytes(b"\0" * 4096)
+    server = subprocess.Popen(
+        [sys.executable, "-c", MAPS, stub_region, client_region], stdout=subprocess.PIPE
+    )
+    workdir = Workdir("servekit-test-")
+    try:
+        assert server.stdout is not None and server.stdout.readline() == b"mapped\n"
+        assert workdir.stubs(server.pid) == {}  # no stub runs, yet the region is noted
+    finally:
+        server.kill()
+        server.communicate()
+        workdir.close()
+        kept = Path("/dev/shm", client_region).exists()
+        Path("/dev/shm", client_region).unlink(missing_ok=True)
+    assert not Path("/dev/shm", stub_region).exists()
+    assert kept

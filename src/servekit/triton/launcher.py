@@ -330,7 +330,8 @@ class TritonProcess:
         code = None
         self._stubs = {}
         if self._workdir is not None:
-            self._workdir.stubs()  # their regions, for ``close`` to free after a kill
+            server = self._proc.pid if self._proc is not None else None
+            self._workdir.stubs(server)  # their regions, for ``close`` to free after a kill
         if self._proc is not None:
             if self._proc.poll() is None and not drain:
                 os.killpg(self._proc.pid, signal.SIGKILL)
@@ -390,7 +391,9 @@ class TritonProcess:
         """Python backend stubs running now: pid -> model instance (the stub's argv[8])."""
         if self._workdir is None:
             return {}
-        return {pid: argv[8] for pid, argv in self._workdir.stubs().items() if len(argv) > 8}
+        server = self._proc.pid if self._proc is not None else None
+        stubs = self._workdir.stubs(server)
+        return {pid: argv[8] for pid, argv in stubs.items() if len(argv) > 8}
 
     def restart(self) -> None:
         """Start tritonserver again on the same ports; the front stays up meanwhile. With

@@ -124,10 +124,12 @@ class Workdir:
         self._regions: set[str] = set()
         self._loaded: set[Path] = set()
 
-    def stubs(self) -> dict[int, list[str]]:
+    def stubs(self, server: int | None = None) -> dict[int, list[str]]:
         """The Python backend stubs running here now: pid -> argv. Each one's shared memory
         region (its argv[2]) and the folder its model was loaded into (argv[1], when
-        tritonserver made one) are remembered, for ``close`` to free."""
+        tritonserver made one) are remembered, for ``close`` to free; so are the regions
+        their tritonserver (``server``, and each stub's parent) maps, which include that of
+        a stub it is still starting (a replacement for a dead one, say)."""
         from ..runtime.processes import processes
 
         found = {
@@ -140,6 +142,10 @@ class Workdir:
             for argv in found.values()
             if len(argv) > 2 and _REGION.match(argv[2])
         )
+        parents = {_parent(pid) for pid in found}
+        servers = {pid for pid in parents if pid is not None and _is_tritonserver(pid)}
+        for pid in servers | ({server} if server is not None else set()):
+            self._regions.update(_mapped_regions(pid))
         for argv in found.values():
             loaded = _LOADED.match(argv[1]) if len(argv) > 1 else None
             if loaded:
@@ -185,6 +191,44 @@ _REGION = re.compile(r"^/?\w[\w.-]*$")
 ``triton_<backend>_backend_shm_region_<uuid>``, PyTriton's ``pytrtion<pid>-<hash>-<uuid>``
 (one name in /dev/shm, never a path)."""
 
+_STUB_REGION = re.compile(r"^(triton_\w+_backend_shm_region_|pytrtion)[\w.-]+$")
+"""The names the Python backend and PyTriton give a stub's region, as tritonserver maps it."""
+
 _LOADED = re.compile(r"^(/tmp/folder[A-Za-z0-9]{6})/\d+/")
 """A stub's model file in the folder tritonserver makes (``mkdtemp`` of /tmp/folderXXXXXX)
 for a model loaded with its files in the load request, as PyTriton loads its models."""
+
+
+def _parent(pid: int) -> int | None:
+    """``pid``'s parent (None once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _is_tritonserver(pid: int) -> bool:
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return argv0.endswith(b"/tritonserver")
+
+
+def _mapped_regions(pid: int) -> set[str]:
+    """The Python backend's regions (names in /dev/shm) process ``pid`` maps now; never a
+    client's registered system shared memory, which tritonserver maps too."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    names = set()
+    for line in lines:  # address, perms, offset, device, inode[, path]
+        fields = line.split(maxsplit=5)
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+            name = path[len("/dev/shm/") :]
+            if _STUB_REGION.match(name):
+                names.add(name)
+    return names
