@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceTensor", "gather_on_device", "torch_dtype"]
+__all__ = ["DeviceTensor", "gather_on_device", "torch_dtype", "unwrap"]
 
 
 def torch_dtype(dtype: np.dtype) -> Any:
@@ -51,6 +51,11 @@ class DeviceTensor:
 
     def __repr__(self) -> str:
         return f"DeviceTensor({self.dtype}, {list(self.shape)}, on {self.device})"
+
+
+def unwrap(a: Any) -> Any:
+    """A ``DeviceTensor`` as its torch tensor (taken where it is); anything else as it is."""
+    return a.tensor if isinstance(a, DeviceTensor) else a
 
 
 def gather_on_device(parts: Sequence[Any]) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceTensor, torch_dtype
+from ..device import torch_dtype, unwrap
 from ..errors import RunnerError
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
@@ -288,10 +288,13 @@ class TensorRTRunner(BaseRunner):
     @property
     def tensor_device(self) -> Any:
         """The device whose torch tensors ``run`` takes without a host copy: this runner's
-        GPU, where torch is installed (None without it: inputs then come as host arrays)."""
+        GPU, where a CUDA build of torch is installed (None without one: inputs then come as
+        host arrays)."""
         try:
             import torch
         except ImportError:
+            return None
+        if not torch.cuda.is_available():  # a CPU-only torch beside TensorRT carries nothing
             return None
         return torch.device("cuda", self.device)
 
@@ -392,7 +395,7 @@ def device_source(a: Any, dtype: np.dtype) -> Any:
     """``a``'s torch tensor when it is on a GPU, cast to ``dtype`` and made contiguous there,
     and done (torch's stream synchronised), ready for a copy on another stream; None for
     anything on the host (an array, a CPU tensor)."""
-    tensor = a.tensor if isinstance(a, DeviceTensor) else a
+    tensor = unwrap(a)
     if not getattr(tensor, "is_cuda", False):
         return None
     import torch

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceTensor, torch_dtype
+from ..device import torch_dtype, unwrap
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
 from .lanes import Lanes
@@ -195,11 +195,6 @@ _OPS: dict[str, Any] = {
     "Transpose": lambda F, torch, x, a: x[0].permute(*a["perm"]),
     "Cast": None,  # in forward: to the weights' precision
 }
-
-
-def _unwrap(a: Any) -> Any:
-    """A request's ``DeviceTensor`` as its torch tensor (taken where it is); else ``a``."""
-    return a.tensor if isinstance(a, DeviceTensor) else a
 
 
 class _Lane:
@@ -384,7 +379,7 @@ class TorchRunner(BaseRunner):
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         torch = self._torch
-        ordered = [(t.name, _unwrap(inputs[t.name])) for t in self._spec.inputs]
+        ordered = [(t.name, unwrap(inputs[t.name])) for t in self._spec.inputs]
         rows = len(ordered[0][1]) if self._spec.batched else None
         if self._lanes is None:
             with torch.inference_mode():
