@@ -31,11 +31,13 @@ def ray(real_ray: None) -> Iterator[Callable[..., list[Traffic]]]:
 
     sharers: list[SharedTraffic] = []
 
-    def replicas(n: int, run_id: str, policy: CanaryPolicy | None = None) -> list[Traffic]:
+    def replicas(
+        n: int, run_id: str, policy: CanaryPolicy | None = None, kind: type[Traffic] = Traffic
+    ) -> list[Traffic]:
         out = []
-        for i in range(n):
-            t = Traffic("m", [1, 2], TrafficPolicy({1: 90, 2: 10}), policy)
-            sharers.append(SharedTraffic(run_id, {"m": t}, f"replica-{i}", poll_s=0.05))
+        for _ in range(n):
+            t = kind("m", [1, 2], TrafficPolicy({1: 90, 2: 10}), policy)
+            sharers.append(SharedTraffic(run_id, {"m": t}, f"replica-{len(sharers)}", poll_s=0.05))
             out.append(t)
         return out
 
@@ -80,6 +82,30 @@ def test_changes_made_at_once_in_every_replica_end_the_same_everywhere(ray):
     for t in threads:
         t.join()
     wait_until(lambda: same(traffic), "one split in every replica", 15)
+
+
+class SetWhileAdopting(Traffic):
+    """A replica whose split is set by a request just as another replica's change is
+    being applied here."""
+
+    raced = False
+
+    def adopt(self, shared, why, **kw):
+        if not self.raced:
+            self.raced = True
+            self.set_split({"1": 33, "2": 67})
+        return super().adopt(shared, why, **kw)
+
+
+def test_a_change_made_while_another_s_is_applied_is_the_newer_one_everywhere(ray):
+    run = f"test/{uuid.uuid4().hex}"
+    (a,) = ray(1, run, kind=SetWhileAdopting)
+    (b,) = ray(1, run)
+    b.set_split({"1": 0, "2": 100})
+    wait_until(lambda: b.split == {1: 33, 2: 67}, "the later change in replica b", 10)
+    time.sleep(0.5)  # a few turns of both sharers: nothing more is to come
+    assert a.raced and a.split == b.split == {1: 33, 2: 67}
+    assert a.events[-1]["event"] == "split"  # b's change skipped in a
 
 
 def test_a_canary_s_verdict_in_one_replica_is_every_replica_s(ray):

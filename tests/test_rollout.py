@@ -280,6 +280,16 @@ def test_a_copy_that_adopts_each_change_routes_as_the_traffic_that_made_it(chang
     assert len(told) == before
 
 
+def test_a_copy_with_a_change_of_its_own_still_unshared_does_not_adopt_another_s():
+    made, copy, told = copies(None, {1: 95, 2: 5})
+    made.set_split({"1": 50, "2": 50})
+    copy.set_split({"1": 10, "2": 90})  # newer, and not yet shared by the copy
+    assert not copy.adopt(told[-1], "from the other replica", unless=lambda: True)
+    assert copy.split == {1: 10, 2: 90} and copy.events[-1]["event"] == "split"
+    assert copy.adopt(told[-1], "from the other replica", unless=lambda: False)
+    assert copy.split == {1: 50, 2: 50}
+
+
 def test_an_adopted_judgement_goes_on_in_the_copy_with_a_fresh_window():
     made, copy, told = copies(CanaryPolicy(min_requests=10, step=(10, 50, 100)), {1: 95, 2: 5})
     feed(copy, 2, 9, 0.01)  # the copy's window of the old split, about to be dropped

@@ -352,3 +352,21 @@ def test_an_unreachable_endpoint_is_said_once_and_costs_a_stop_at_most_a_second(
     assert said == [f"trace endpoint {endpoint} does not answer: spans are dropped until it does"]
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
     assert stopped < 2.0, f"the stop took {stopped:.1f} s"
+
+
+def test_settings_changed_here_and_still_unshared_are_not_replaced_by_another_copy_s():
+    from conftest import free_port
+    from servekit.tracing import Tracing
+
+    endpoint = f"http://127.0.0.1:{free_port()}/v1/traces"
+    made, copy = Tracing(endpoint, rate=1.0), Tracing(endpoint, rate=1.0)
+    try:
+        made.update("", {"trace_level": ["OFF"]})
+        copy.update("", {"trace_rate": "7"})  # newer, and not yet shared by the copy
+        assert not copy.adopt(made.shared(), "from the other replica", unless=lambda: True)
+        assert copy.setting().rate == 7 and copy.setting().level != "OFF"
+        assert copy.adopt(made.shared(), "from the other replica", unless=lambda: False)
+        assert copy.shared() == made.shared()
+    finally:
+        made.shutdown()
+        copy.shutdown()

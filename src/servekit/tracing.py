@@ -204,16 +204,22 @@ class Tracing:
     def _shared(self) -> dict[str, Any]:
         return {m: dataclasses.asdict(s) for m, s in self.settings.items()}
 
-    def adopt(self, shared: Mapping[str, Any], why: str) -> None:
-        """Another copy's settings (``shared()`` there), in place of these."""
+    def adopt(
+        self, shared: Mapping[str, Any], why: str, *, unless: Callable[[], bool] | None = None
+    ) -> bool:
+        """Another copy's settings (``shared()`` there), in place of these; not (False) when
+        ``unless()`` holds under the lock every update here takes, as ``Traffic.adopt``."""
         settings = {str(m): TraceSettings(**s) for m, s in shared.items()}
         for s in settings.values():
             self._check_level(s.level)
         if "" not in settings:
             raise ValueError("shared trace settings without the server's own")
         with self._lock:
+            if unless is not None and unless():
+                return False
             self.settings = settings
         log.info("trace settings: %s", why)
+        return True
 
     # ------------------------------------------------------------ spans
     def sample(self, model: str) -> bool:

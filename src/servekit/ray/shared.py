@@ -7,10 +7,12 @@ would change that replica alone. Every change made in a replica (a split or a sh
 by request, a verdict) is written to Ray's GCS key-value store under the run's id as a
 new numbered entry (numbers taken with put-if-absent, so two replicas never take one),
 and every replica applies the highest-numbered entry it has not applied yet: whichever
-change was made last is the one every replica routes by. A replica that starts later (a
-host back, a replica replaced) applies it before it has served for long. Trace settings
-(``servekit.tracing``) are shared the same way: a change through Triton's trace
-extension on one replica is every replica's (``trace_count`` counts per replica).
+change was made last is the one every replica routes by. A change made here while
+another's is being applied is the newer one (it is published after), so the other's is
+skipped here. A replica that starts later (a host back, a replica replaced) applies the
+newest before it has served for long. Trace settings (``servekit.tracing``) are shared
+the same way: a change through Triton's trace extension on one replica is every
+replica's (``trace_count`` counts per replica).
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ class SharedTraffic:
         self.applied = {key: 0 for key in self.kept}
         """The number of the newest entry each one follows here (0: the file's)."""
         self._made: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._unshared = {key: 0 for key in self.kept}
+        """Changes made here not yet published, each counted under its owner's lock."""
+        self._count = threading.Lock()
         self._failing = False
         for key, t in self.kept.items():
-            t.on_change = lambda shared, key=key: self._made.put((key, shared))
+            t.on_change = lambda shared, key=key: self._made_here(key, shared)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="servekit-traffic", daemon=True)
         self._thread.start()
@@ -68,6 +73,11 @@ class SharedTraffic:
         """Stop sharing (a replica's thread otherwise ends with its process)."""
         self._closed.set()
         self._thread.join()
+
+    def _made_here(self, key: str, shared: dict[str, Any]) -> None:
+        with self._count:
+            self._unshared[key] += 1
+        self._made.put((key, shared))
 
     def _run(self) -> None:
         made: list[tuple[str, dict[str, Any]]] = []
@@ -81,7 +91,8 @@ class SharedTraffic:
             try:
                 while made:
                     self._publish(*made[0])
-                    made.pop(0)
+                    with self._count:
+                        self._unshared[made.pop(0)[0]] -= 1
                 for key in self.kept:
                     self._follow(key)
             except Exception as exc:  # the GCS briefly unreachable: try again next turn
@@ -127,7 +138,11 @@ class SharedTraffic:
         try:
             entry = json.loads(raw)
             if entry["by"] != self.replica:
-                self.kept[key].adopt(entry["shared"], f"change {number}, made by another replica")
+                self.kept[key].adopt(
+                    entry["shared"],
+                    f"change {number}, made by another replica",
+                    unless=lambda: self._unshared[key] > 0,
+                )
         except (ValueError, KeyError, TypeError) as exc:  # not one this run's replicas wrote
             log.error("%s: change %d not applied: %s: %s",
                       key, number, type(exc).__name__, exc)  # fmt: skip

@@ -207,10 +207,16 @@ class Traffic:
             "baseline": self.baseline,
         }
 
-    def adopt(self, shared: Mapping[str, Any], why: str) -> None:
+    def adopt(
+        self, shared: Mapping[str, Any], why: str, *, unless: Callable[[], bool] | None = None
+    ) -> bool:
         """Another copy's change (``shared()`` there), applied here as it was made there: a
-        canary still being judged starts a fresh window, a verdict given stays given."""
+        canary still being judged starts a fresh window, a verdict given stays given. Not
+        applied (False) when ``unless()`` holds, asked under the lock every change here
+        takes: a change made here meanwhile, still to be shared, is the newer one."""
         with self._lock:
+            if unless is not None and unless():
+                return False
             self._set_split(self._known({int(v): int(w) for v, w in shared["split"].items()}))
             self.shadow = shared["shadow"]
             if shared["state"] == "judging" and self.canary_policy is not None:
@@ -219,6 +225,7 @@ class Traffic:
                 self.state, self._windows = shared["state"], {}
                 self.canary, self.baseline = shared["canary"], shared["baseline"]
             self._event("adopted", why, split=dict(self._split), tell=False)
+            return True
 
     def state_dict(self) -> dict[str, Any]:
         """What ``GET /v2/models/<m>/traffic`` answers."""
