@@ -48,7 +48,11 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
     with Hosts(3) as hosts:
-        yield RayCluster(hosts, gpus_per_host=1).start()
+        cluster = RayCluster(hosts, gpus_per_host=1)
+        try:
+            yield cluster.start()
+        finally:
+            cluster.close()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import random
 import secrets
 import signal
@@ -57,6 +58,8 @@ class RayCluster:
             "RAY_health_check_timeout_ms": "1000",
             "RAY_health_check_failure_threshold": "3",
         }
+        self._driver: _Driver | None = None
+        self._driver_lock = threading.Lock()
 
     @property
     def head(self) -> Host:
@@ -119,20 +122,37 @@ class RayCluster:
         return host.popen(argv, env=self.env_on(host), **kwargs)
 
     def python(self, code: str, host: Host | None = None, timeout_s: float = 120) -> object:
-        """Run ``code`` as a Ray driver on ``host`` (the head) and return what it prints as
-        JSON: ``ray`` is connected, ``out(value)`` prints."""
-        script = (
-            "import json, ray\n"
-            f"ray.init(address={self.address!r}, log_to_driver=False)\n"
-            "def out(value):\n    print('servekit-out', json.dumps(value), flush=True)\n" + code
-        )
-        text = (host or self.head).run(
-            [sys.executable, "-c", script], timeout_s=timeout_s, env=self.env_on(host or self.head)
-        )
-        said = [line for line in text.splitlines() if line.startswith("servekit-out ")]
-        if not said:
-            raise RuntimeError(f"the driver printed no out(...): {text[-2000:]}")
-        return json.loads(said[-1].removeprefix("servekit-out "))
+        """Run ``code`` in a Ray driver on ``host`` and return what it last gave ``out`` (as
+        JSON): ``ray`` is connected, ``out(value)`` prints. On the head (None) one driver
+        runs every call, started at the first and again after it dies (a head killed):
+        a driver started a call costs seconds of a busy host's CPU, and tests poll."""
+        if host is not None and host is not self.head:
+            script = f"{_DRIVER_INIT}\nray.init(address={self.address!r}, log_to_driver=False)\n"
+            text = host.run(
+                [sys.executable, "-c", script + code], timeout_s=timeout_s, env=self.env_on(host)
+            )
+            said = [line for line in text.splitlines() if line.startswith("servekit-out ")]
+            if not said:
+                raise RuntimeError(f"the driver printed no out(...): {text[-2000:]}")
+            return json.loads(said[-1].removeprefix("servekit-out "))
+        with self._driver_lock:
+            if self._driver is None or self._driver.proc.poll() is not None:
+                self._driver = _Driver(self, self.head)
+            try:
+                return self._driver.call(code, timeout_s)
+            except _CodeFailed:
+                raise
+            except (RuntimeError, TimeoutError):  # the driver died or hangs: a new one next
+                self._driver.close()
+                self._driver = None
+                raise
+
+    def close(self) -> None:
+        """Stop the head's driver (the hosts' own ends stop the rest)."""
+        with self._driver_lock:
+            if self._driver is not None:
+                self._driver.close()
+                self._driver = None
 
     def nodes(self) -> dict[str, str]:
         """Each live node's id and address, from the GCS."""
@@ -181,6 +201,99 @@ class RayCluster:
         nodes = self.nodes()
         replicas = {w["replica"]: {**w, "address": nodes.get(w["node"], "?")} for w in seen}
         return list(replicas.values())
+
+
+_DRIVER_INIT = """import json, sys, ray
+def out(value):
+    print("servekit-out", json.dumps(value), flush=True)
+"""
+
+_DRIVER_LOOP = """
+ray.init(address=sys.argv[1], log_to_driver=False)
+from ray.serve import context
+print("servekit-ready", flush=True)
+for line in sys.stdin:
+    context._disconnect()  # Serve's controller may be another since the last call
+    try:
+        exec(json.loads(line), {"ray": ray, "out": out})
+    except Exception as exc:
+        print("servekit-error", json.dumps(f"{type(exc).__name__}: {exc}"), flush=True)
+    print("servekit-done", flush=True)
+"""
+
+
+class _CodeFailed(RuntimeError):
+    """The code sent to a driver raised (the driver itself goes on)."""
+
+
+class _Driver:
+    """One Python process connected to the cluster as a driver, running each call's code
+    as it is sent (one JSON line on its stdin; what it said, read from its stdout)."""
+
+    def __init__(self, cluster: RayCluster, host: Host) -> None:
+        self.host = host
+        self.log = (host.temp_dir / "driver.log").open("ab")
+        self.proc = cluster.popen(
+            host, [sys.executable, "-c", _DRIVER_INIT + _DRIVER_LOOP, cluster.address],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        )  # fmt: skip
+        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name="ray-driver", daemon=True)
+        self._reader.start()
+        try:
+            self._until("servekit-ready", 120)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for raw in self.proc.stdout:
+                self.lines.put(raw.decode(errors="replace").rstrip("\n"))
+        self.lines.put(None)
+
+    def _until(self, end: str, timeout_s: float) -> list[str]:
+        deadline, said = time.monotonic() + timeout_s, list[str]()
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the driver said nothing more in {timeout_s:g} s") from None
+            if line is None:
+                raise RuntimeError(f"the driver exited {self.proc.wait()}: {said[-5:]}")
+            if line == end:
+                return said
+            said.append(line)
+
+    def call(self, code: str, timeout_s: float) -> object:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(code).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise RuntimeError(f"the driver is gone: {exc}") from None
+        said = self._until("servekit-done", timeout_s)
+        errors = [line for line in said if line.startswith("servekit-error ")]
+        if errors:
+            raise _CodeFailed(json.loads(errors[-1].removeprefix("servekit-error ")))
+        outs = [line for line in said if line.startswith("servekit-out ")]
+        if not outs:
+            raise RuntimeError(f"the driver printed no out(...): {said[-5:]}")
+        return json.loads(outs[-1].removeprefix("servekit-out "))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.host.signal(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+        self._reader.join(10)
+        self.log.close()
 
 
 class ServekitOn:
