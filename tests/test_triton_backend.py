@@ -338,6 +338,35 @@ def test_a_tritonserver_that_dies_while_loading_leaves_nothing_behind(repo):
     assert not workdir.exists()
 
 
+def test_a_stub_region_made_after_the_last_look_is_freed_when_tritonserver_is_killed(tmp_path):
+    """tritonserver frees its stubs' shared memory only when it exits cleanly. A stub
+    started after servekit last looked (an explicit load here; in life a replacement for a
+    dead stub), then tritonserver killed with it: the stop frees that region too, as every
+    region of a start is named after it (``Workdir.region_prefix``)."""
+    import os
+    import signal
+
+    import tritonclient.http as th
+
+    write_adder(tmp_path / "repo")
+    process = TritonProcess(options(tmp_path / "repo", "explicit")).start()
+    try:
+        prefix = process._workdir.region_prefix  # type: ignore[union-attr]
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
+        try:
+            admin.load_model("adder")
+        finally:
+            admin.close()
+        regions = list(Path("/dev/shm").glob(f"{prefix}*"))
+        assert regions, "the stub's region is named after the start"
+        os.killpg(process._proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        process._proc.wait()  # type: ignore[union-attr]
+        assert all(r.exists() for r in regions)  # what the kill left
+    finally:
+        process.stop()
+    assert [r for r in regions if r.exists()] == []
+
+
 def test_a_start_that_triton_aborts_with_its_lock_exception_is_tried_once_more(
     tmp_path, monkeypatch
 ):

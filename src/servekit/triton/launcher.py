@@ -187,6 +187,10 @@ class TritonProcess:
         if t.active:  # tritonserver's own spans, in the trace the front passes on
             cmd += [f"--trace-config={c}" for c in triton_trace_config(t.endpoint, t.rate, t.level)]
         cmd += [f"--load-model={m}" for m in o.load_models]
+        named = any("shm-region-prefix-name" in a for a in o.extra_args)
+        if self._workdir is not None and not named:  # every stub region, for close to free
+            prefix = self._workdir.region_prefix
+            cmd.append(f"--backend-config=python,shm-region-prefix-name={prefix}")
         return cmd + list(o.extra_args)
 
     def start(self, timeout_s: float = 120.0) -> TritonProcess:

@@ -12,6 +12,7 @@ their executable's path under it) and its Python backend stubs' shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -119,6 +120,10 @@ class Workdir:
         import tempfile
 
         self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        self.region_prefix = f"servekit_{self.path.name.rsplit('-', 1)[-1]}_"
+        """The name every stub region of a tritonserver told it begins with (the Python
+        backend's ``shm-region-prefix-name``): ``close`` frees each, however late it was
+        made (a stub a crashed tritonserver was starting)."""
         self.log_path = self.path / "tritonserver.log"
         self._follower = LogFollower(self.log_path, verbose=verbose).start()
         self._regions: set[str] = set()
@@ -180,6 +185,9 @@ class Workdir:
                     "could not free the shared memory region %s: %s", name, exc
                 )
         self._regions.clear()
+        for region in Path("/dev/shm").glob(f"{self.region_prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
         for folder in self._loaded:
             shutil.rmtree(folder, ignore_errors=True)  # absent after a clean exit
         self._loaded.clear()
