@@ -28,7 +28,7 @@ from servekit import (
 from servekit.client import Client
 from servekit.protocol.pbtxt import model_config, parse, render
 from servekit.stages import Postprocess, Preprocess, synthetic_image
-from servekit.triton.launcher import TritonOptions, TritonProcess
+from servekit.triton.launcher import _ABORTED_AT_LOAD, TritonOptions, TritonProcess
 from servekit.triton.repo import build_repository, reference_repository
 from servekit.zoo._onnx import FLOAT, GraphBuilder
 
@@ -597,33 +597,44 @@ def test_twenty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the
         root = psutil.Process(pid)
         return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
-    with TritonProcess(options(tmp_path / "repo", "explicit")) as process:
-        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
-        pid = process._proc.pid  # type: ignore[union-attr]
-        try:
-            rss = []
-            with Client(process.options.server.http_url) as c:
-                for cycle in range(20):
-                    try:
-                        admin.load_model("tiny")
-                        assert c.infer("tiny", x)["logits"].shape == (1, 10)
-                        admin.unload_model("tiny")
-                        wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
-                    except Exception as exc:  # once seen on a slow host: the connection closed
-                        state = process.problem() or "tritonserver running"
-                        raise AssertionError(
-                            f"cycle {cycle + 1}: {exc!r}; {state}; its log ended:\n"
-                            f"{process.log_tail(30)}"
-                        ) from exc
-                    rss.append(tree_rss(pid))
-            growth = rss[-1] - rss[4]
-            print(
-                f"tree RSS MB after cycles 1, 5, 20: {[round(rss[i] / 2**20, 1) for i in (0, 4, 19)]}"
-            )
-            assert growth < 15 * 2**20, f"grew {growth / 2**20:.1f} MB over 15 cycles: {rss}"
-            for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
-                with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
-                    admin.load_model(name)
-            assert not admin.is_model_ready("outside")
-        finally:
-            admin.close()
+    def cycles(process: TritonProcess, admin) -> list[int] | None:
+        """The tree's RSS after each of 20 cycles; None if tritonserver died of Triton's
+        own intermittent abort at a load (``_ABORTED_AT_LOAD``, under CPU starvation)."""
+        pid, rss = process._proc.pid, []  # type: ignore[union-attr]
+        with Client(process.options.server.http_url) as c:
+            for cycle in range(20):
+                try:
+                    admin.load_model("tiny")
+                    assert c.infer("tiny", x)["logits"].shape == (1, 10)
+                    admin.unload_model("tiny")
+                    wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
+                except Exception as exc:
+                    if _ABORTED_AT_LOAD in process.log_text():
+                        return None
+                    state = process.problem() or "tritonserver running"
+                    raise AssertionError(
+                        f"cycle {cycle + 1}: {exc!r}; {state}; its log ended:\n"
+                        f"{process.log_tail(30)}"
+                    ) from exc
+                rss.append(tree_rss(pid))
+        return rss
+
+    for attempt in (1, 2):  # once more after Triton's own abort, as TritonProcess.start does
+        with TritonProcess(options(tmp_path / "repo", "explicit")) as process:
+            admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
+            try:
+                rss = cycles(process, admin)
+                if rss is None:
+                    assert attempt == 1, f"Triton aborted at a load twice:\n{process.log_tail(30)}"
+                    continue
+                growth = rss[-1] - rss[4]
+                print(f"tree RSS MB after cycles 1, 5, 20: "
+                      f"{[round(rss[i] / 2**20, 1) for i in (0, 4, 19)]}")  # fmt: skip
+                assert growth < 15 * 2**20, f"grew {growth / 2**20:.1f} MB over 15 cycles: {rss}"
+                for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
+                    with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
+                        admin.load_model(name)
+                assert not admin.is_model_ready("outside")
+            finally:
+                admin.close()
+        break
