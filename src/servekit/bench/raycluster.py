@@ -125,7 +125,7 @@ class RayCluster:
         """Run ``code`` in a Ray driver on ``host`` and return what it last gave ``out`` (as
         JSON): ``ray`` is connected, ``out(value)`` prints. On the head (None) one driver
         runs every call, started at the first and again after it dies (a head killed):
-        a driver started a call costs seconds of a busy host's CPU, and tests poll."""
+        a driver started for each call costs seconds of a busy host's CPU, and tests poll."""
         if host is not None and host is not self.head:
             script = f"{_DRIVER_INIT}\nray.init(address={self.address!r}, log_to_driver=False)\n"
             text = host.run(
