@@ -131,10 +131,7 @@ class RayCluster:
             text = host.run(
                 [sys.executable, "-c", script + code], timeout_s=timeout_s, env=self.env_on(host)
             )
-            said = [line for line in text.splitlines() if line.startswith("servekit-out ")]
-            if not said:
-                raise RuntimeError(f"the driver printed no out(...): {text[-2000:]}")
-            return json.loads(said[-1].removeprefix("servekit-out "))
+            return _last_out(text.splitlines(), text[-2000:])
         with self._driver_lock:
             if self._driver is None or self._driver.proc.poll() is not None:
                 self._driver = _Driver(self, self.head)
@@ -222,6 +219,14 @@ for line in sys.stdin:
 """
 
 
+def _last_out(lines: list[str], context: object) -> object:
+    """The value a driver last gave ``out`` among the ``lines`` it printed."""
+    outs = [line for line in lines if line.startswith("servekit-out ")]
+    if not outs:
+        raise RuntimeError(f"the driver printed no out(...): {context}")
+    return json.loads(outs[-1].removeprefix("servekit-out "))
+
+
 class _CodeFailed(RuntimeError):
     """The code sent to a driver raised (the driver itself goes on)."""
 
@@ -277,10 +282,7 @@ class _Driver:
         errors = [line for line in said if line.startswith("servekit-error ")]
         if errors:
             raise _CodeFailed(json.loads(errors[-1].removeprefix("servekit-error ")))
-        outs = [line for line in said if line.startswith("servekit-out ")]
-        if not outs:
-            raise RuntimeError(f"the driver printed no out(...): {said[-5:]}")
-        return json.loads(outs[-1].removeprefix("servekit-out "))
+        return _last_out(said, said[-5:])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
