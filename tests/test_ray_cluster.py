@@ -86,6 +86,8 @@ def test_every_host_serves_the_replicas_spread_and_sigterm_drains_them(served, c
         signalled = time.monotonic()  # SIGTERM with 8 clients on all three hosts' proxies
         code = served.stop()
     assert code == 0
+    # The stop returned once Serve was gone: a Serve started next takes over none of it.
+    assert cluster.serve_actors() == []
     assert [o for sent, _, o in load.calls if sent < signalled and o is not True] == []
     after = load.failed(since=signalled)
     assert all(isinstance(o, ModelNotReady | ServerUnreachable) for o in after), after

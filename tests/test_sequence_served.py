@@ -46,7 +46,20 @@ def models(strategy: str) -> tuple[ModelConfig, ...]:
             ),
         ),
         ModelConfig("add_sub", batching=BatchingPolicy(max_batch_size=8)),
+        # The same accumulator for the comparison with tritonserver's own batcher, which
+        # is about answers: an idle sequence is released after 10 s, not 1, since one
+        # request at a time through Ray's proxy on a starved host can leave it idle 1 s.
+        ModelConfig(
+            "accumulate", COMPARED, batching=BatchingPolicy(max_batch_size=8), instances=2,
+            sequence_batching=SequencePolicy(
+                strategy, max_sequence_idle_us=10_000_000, max_candidate_sequences=8,
+                states=STATE,
+            ),
+        ),
     )  # fmt: skip
+
+
+COMPARED = "accumulate_compared"
 
 
 RUNTIMES = [(r, s) for r in ("native", "triton") for s in ("direct", "oldest")] + [
@@ -266,7 +279,7 @@ def tritons_own(request, tmp_path_factory):
         yield triton.options.server
 
 
-def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
+def _stream_sequences(port: int, k: int, model: str = "accumulate") -> dict[str, np.ndarray]:
     """Client ``k``'s two interleaved sequences of five, streamed, every request sent before
     any answer is read: OUTPUT by request id."""
     answers: queue.Queue = queue.Queue()
@@ -276,7 +289,7 @@ def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
         for step in range(5):
             for sid in (100 + 2 * k, 101 + 2 * k):
                 c.async_stream_infer(
-                    "accumulate", [_tensor(grpcclient, "INPUT", float(sid * step % 13), 4)],
+                    model, [_tensor(grpcclient, "INPUT", float(sid * step % 13), 4)],
                     request_id=f"{sid}-{step}", sequence_id=sid,
                     sequence_start=step == 0, sequence_end=step == 4,
                 )  # fmt: skip
@@ -291,7 +304,7 @@ def _stream_sequences(port: int, k: int) -> dict[str, np.ndarray]:
         c.close()
 
 
-def _http_sequences(port: int, k: int) -> dict[str, np.ndarray]:
+def _http_sequences(port: int, k: int, model: str = "accumulate") -> dict[str, np.ndarray]:
     """The same sequences as ``_stream_sequences``, over HTTP, one request at a time."""
     c = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
@@ -299,7 +312,7 @@ def _http_sequences(port: int, k: int) -> dict[str, np.ndarray]:
         for step in range(5):
             for sid in (100 + 2 * k, 101 + 2 * k):
                 result = c.infer(
-                    "accumulate", [_tensor(httpclient, "INPUT", float(sid * step % 13), 4)],
+                    model, [_tensor(httpclient, "INPUT", float(sid * step % 13), 4)],
                     sequence_id=sid, sequence_start=step == 0, sequence_end=step == 4,
                 )  # fmt: skip
                 out[f"{sid}-{step}"] = result.as_numpy("OUTPUT")
@@ -320,7 +333,7 @@ def test_tritonservers_own_sequence_batcher_gives_the_same_answers(served, runti
         else (_stream_sequences, served.grpc_port)
     )
     with ThreadPoolExecutor(16) as pool:
-        ours = pool.map(ask, [port] * 8, range(8))
+        ours = pool.map(ask, [port] * 8, range(8), [COMPARED] * 8)
         theirs = pool.map(_stream_sequences, [tritons_own.grpc_port] * 8, range(8))
         ours, theirs = list(ours), list(theirs)
     for k, (mine, triton) in enumerate(zip(ours, theirs, strict=True)):

@@ -186,6 +186,16 @@ class RayCluster:
         assert isinstance(found, dict)
         return found
 
+    def serve_actors(self) -> list[str]:
+        """The names of Serve's own actors (controller, proxies, replicas) alive now."""
+        found = self.python(
+            "import ray\n"
+            "out(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)"
+            " if a['namespace'] == 'serve' and a['name'].startswith('SERVE_')))"
+        )
+        assert isinstance(found, list)
+        return found
+
     def where(self, deployment: str, calls: int = 60) -> list[dict[str, object]]:
         """What ``calls`` calls of ``deployment``'s ``where()`` found, one entry a replica
         (servekit's model replicas answer it): each with its host's ``address``."""
@@ -341,7 +351,7 @@ class ServekitOn:
         if self.proc.poll() is None:
             self.host.signal(self.proc, signal.SIGTERM)
         try:
-            return self.proc.wait(60)
+            return self.proc.wait(150)  # a drain, then Serve's shutdown, then its actors gone
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -167,8 +168,34 @@ def _stop_serve(serve: Any) -> None:
     if others:
         log.info("deleting Serve application %r; %s keep serving", APP_NAME, others)
         serve.delete(APP_NAME)
-    else:
-        serve.shutdown()
+        return
+    serve.shutdown()
+    # serve.shutdown gives up waiting after 30 s and the controller goes on: a Serve
+    # started meanwhile (servekit's next start) would take over the proxies it is about
+    # to kill. So the stop ends when Serve's actors are gone.
+    left = _serve_actors()
+    deadline = time.monotonic() + SERVE_GONE_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _serve_actors()
+    if left:
+        log.warning("%d of Serve's actors still alive %g s after its shutdown: %s",
+                    len(left), SERVE_GONE_S, sorted(left))  # fmt: skip
+
+
+SERVE_GONE_S = 60.0
+"""How long a stop waits for Serve's controller, proxies and replicas to be gone."""
+
+
+def _serve_actors() -> set[str]:
+    """The names of Serve's own actors alive on the cluster (none when Ray is gone)."""
+    import ray
+
+    try:
+        named = ray.util.list_named_actors(all_namespaces=True)
+    except Exception:  # the GCS is gone: nothing of Serve's is left
+        return set()
+    return {a["name"] for a in named if a["namespace"] == "serve" and a["name"].startswith("SERVE_")}
 
 
 @contextlib.contextmanager
