@@ -6,6 +6,8 @@ served runtimes, with workers really killed, are in test_recovery_served.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
 
 import pytest
@@ -244,6 +246,47 @@ def test_a_pooled_connection_closed_with_the_request_sent_and_no_server_after_is
     first, second = asyncio.run(run())
     assert first[0] == 200  # type: ignore[index]
     assert isinstance(second, Dropped)
+
+
+def test_a_connection_that_answers_what_no_request_asked_is_never_reused():
+    """A server that sends a second answer after each one: the forwarder leaves that
+    connection, so two requests sent together never share one connection (the first's
+    caller would wait for good and the second get the first's answer)."""
+    from servekit.front.http import HttpForwarder
+
+    async def run() -> list[object]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with (
+                contextlib.closing(writer),
+                contextlib.suppress(ConnectionError, asyncio.IncompleteReadError),
+            ):
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+                    body = await reader.readexactly(length)
+                    for answer in (body, b"stale " + body):
+                        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                     % (len(answer), answer))  # fmt: skip
+                    await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        forwarder = HttpForwarder(f"http://127.0.0.1:{port}")
+        path = "/v2/models/m/infer"
+        try:
+            answers = [await forwarder.exchange(forwarder.request_bytes(path, b"1"))]
+            await asyncio.sleep(0.2)  # the stale answer arrives on the idle connection
+            together = [
+                forwarder.exchange(forwarder.request_bytes(path, b"%d" % k)) for k in (2, 3)
+            ]
+            answers += await asyncio.wait_for(asyncio.gather(*together), 10)
+            return answers
+        finally:
+            await forwarder.close()
+            server.close()
+
+    answers = asyncio.run(run())
+    assert [a[1] for a in answers] == [b"1", b"2", b"3"]  # type: ignore[index]
 
 
 def test_a_tensors_key_tells_names_shapes_and_data_apart_and_is_made_only_when_asked():

@@ -5,7 +5,9 @@ way on is the way it came: the same bytes, over a keep-alive HTTP/1.1 connection
 loopback, and Triton's answer passed back as it is. No tensors are rebuilt, re-encoded
 or decoded again on the way, and no task is made per request: a pooled connection
 takes the bytes and calls back with the answer (``send``); ``post`` awaits the same. A
-reused connection that the server closed meanwhile is replaced once, transparently.
+reused connection that the server closed meanwhile is replaced once, transparently. A
+connection is pooled again only when its last exchange was clean: one that carries an
+answer no request asked for, or answered before the request was all written, is closed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
+        if self.done is None:  # bytes no request asked for: what follows them is unknowable
+            self._drop()
+            return
         self.answered = True
         try:
             self.parser.feed_data(data)
@@ -74,13 +79,26 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         done, self.done = self.done, None
+        if done is None:  # an answer no request asked for (after one that did)
+            self._drop()
+            return
         answer = (self.parser.get_status_code(), b"".join(self._body), self._headers)
-        if self.parser.should_keep_alive() and self.transport and not self.transport.is_closing():
+        t = self.transport
+        # Answered before the whole request was written, the server would read the rest
+        # as the next request's start: only a connection clean both ways is reused.
+        keep = self.parser.should_keep_alive() and t is not None and not t.is_closing()
+        if keep and not t.get_write_buffer_size():  # type: ignore[union-attr]
             self.pool.idle.append(self)
-        elif self.transport is not None:
+        else:
+            self._drop()
+        done(answer)
+
+    def _drop(self) -> None:
+        """Out of the pool and closed."""
+        if self in self.pool.idle:
+            self.pool.idle.remove(self)
+        if self.transport is not None:
             self.transport.close()
-        if done is not None:
-            done(answer)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self in self.pool.idle:

@@ -195,7 +195,9 @@ def _serve_actors() -> set[str]:
         named = ray.util.list_named_actors(all_namespaces=True)
     except Exception:  # the GCS is gone: nothing of Serve's is left
         return set()
-    return {a["name"] for a in named if a["namespace"] == "serve" and a["name"].startswith("SERVE_")}
+    return {
+        a["name"] for a in named if a["namespace"] == "serve" and a["name"].startswith("SERVE_")
+    }
 
 
 @contextlib.contextmanager
