@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,26 @@ def add_version(repo: Path, name: str, version: int) -> None:
 def options(repo: Path, mode: str = "none", **kw) -> TritonOptions:
     server = ServerConfig.on_loopback(exit_timeout_s=2, front=False)
     return TritonOptions(repo, server, model_control_mode=mode, **kw)
+
+
+def started_over_once(options: TritonOptions, body: Callable[[TritonProcess], None]) -> None:
+    """``body`` against tritonserver run with ``options``; started over once if tritonserver
+    died of Triton's own intermittent abort at a load (``_ABORTED_AT_LOAD``: a Python
+    backend stub starting under CPU starvation, triton-inference-server/server#8882), as
+    ``TritonProcess.start`` does at start. Any other failure names tritonserver's state
+    and its log's end."""
+    for attempt in (1, 2):
+        with TritonProcess(options) as process:
+            try:
+                body(process)
+                return
+            except Exception as exc:
+                if _ABORTED_AT_LOAD in process.log_text():
+                    assert attempt == 1, f"Triton aborted at a load twice:\n{process.log_tail(30)}"
+                    continue
+                state = process.problem() or "tritonserver running"
+                raise AssertionError(f"{exc!r}; {state}; its log ended:\n"
+                                     f"{process.log_tail(30)}") from exc  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -415,12 +436,13 @@ def test_a_corrupt_model_fails_to_load_with_a_clear_message_while_others_serve(t
 
 
 def test_explicit_load_unload_and_a_specific_version_policy(tmp_path):
+    import tritonclient.http as th
+
     write_adder(tmp_path, "adder", versions=(1, 2), policy="specific:1")
     write_adder(tmp_path, "missing_file", versions=())
     (tmp_path / "missing_file" / "1").mkdir()
-    with TritonProcess(options(tmp_path, "explicit")) as process:
-        import tritonclient.http as th
 
+    def body(process: TritonProcess) -> None:
         admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
         try:
             admin.load_model("adder")
@@ -437,6 +459,8 @@ def test_explicit_load_unload_and_a_specific_version_policy(tmp_path):
                 admin.load_model("missing_file")
         finally:
             admin.close()
+
+    started_over_once(options(tmp_path, "explicit"), body)
 
 
 def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(tmp_path):
@@ -597,44 +621,29 @@ def test_twenty_load_unload_cycles_leave_memory_flat_and_names_cannot_escape_the
         root = psutil.Process(pid)
         return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
-    def cycles(process: TritonProcess, admin) -> list[int] | None:
-        """The tree's RSS after each of 20 cycles; None if tritonserver died of Triton's
-        own intermittent abort at a load (``_ABORTED_AT_LOAD``, under CPU starvation)."""
+    def body(process: TritonProcess) -> None:
         pid, rss = process._proc.pid, []  # type: ignore[union-attr]
-        with Client(process.options.server.http_url) as c:
-            for cycle in range(20):
-                try:
-                    admin.load_model("tiny")
-                    assert c.infer("tiny", x)["logits"].shape == (1, 10)
-                    admin.unload_model("tiny")
-                    wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
-                except Exception as exc:
-                    if _ABORTED_AT_LOAD in process.log_text():
-                        return None
-                    state = process.problem() or "tritonserver running"
-                    raise AssertionError(
-                        f"cycle {cycle + 1}: {exc!r}; {state}; its log ended:\n"
-                        f"{process.log_tail(30)}"
-                    ) from exc
-                rss.append(tree_rss(pid))
-        return rss
+        admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
+        try:
+            with Client(process.options.server.http_url) as c:
+                for cycle in range(20):
+                    try:
+                        admin.load_model("tiny")
+                        assert c.infer("tiny", x)["logits"].shape == (1, 10)
+                        admin.unload_model("tiny")
+                        wait_until(lambda: not admin.is_model_ready("tiny"), "tiny unloaded", 10)
+                    except Exception as exc:
+                        raise RuntimeError(f"cycle {cycle + 1}: {exc!r}") from exc
+                    rss.append(tree_rss(pid))
+            growth = rss[-1] - rss[4]
+            print(f"tree RSS MB after cycles 1, 5, 20: "
+                  f"{[round(rss[i] / 2**20, 1) for i in (0, 4, 19)]}")  # fmt: skip
+            assert growth < 15 * 2**20, f"grew {growth / 2**20:.1f} MB over 15 cycles: {rss}"
+            for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
+                with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
+                    admin.load_model(name)
+            assert not admin.is_model_ready("outside")
+        finally:
+            admin.close()
 
-    for attempt in (1, 2):  # once more after Triton's own abort, as TritonProcess.start does
-        with TritonProcess(options(tmp_path / "repo", "explicit")) as process:
-            admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
-            try:
-                rss = cycles(process, admin)
-                if rss is None:
-                    assert attempt == 1, f"Triton aborted at a load twice:\n{process.log_tail(30)}"
-                    continue
-                growth = rss[-1] - rss[4]
-                print(f"tree RSS MB after cycles 1, 5, 20: "
-                      f"{[round(rss[i] / 2**20, 1) for i in (0, 4, 19)]}")  # fmt: skip
-                assert growth < 15 * 2**20, f"grew {growth / 2**20:.1f} MB over 15 cycles: {rss}"
-                for name in ("../outside", "..%2Foutside", "tiny/../../outside"):
-                    with pytest.raises(Exception):  # noqa: B017 (Triton's own error types vary)
-                        admin.load_model(name)
-                assert not admin.is_model_ready("outside")
-            finally:
-                admin.close()
-        break
+    started_over_once(options(tmp_path / "repo", "explicit"), body)

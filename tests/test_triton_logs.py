@@ -42,6 +42,21 @@ def test_harmless_lines_are_explained_once_and_errors_stay():
     assert not any("Repository Agent" in t or t.endswith(": ") for t in texts)
 
 
+def test_a_crash_s_own_lines_are_errors():
+    """Triton's Python backend aborting (triton-inference-server/server#8882) prints in no
+    format of Triton's; those lines are what says why tritonserver died."""
+    crash = [
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
+        "  what():  boost::interprocess::lock_exception",
+        "Signal (6) received.",
+    ]
+    assert [filter_line(line, set()) for line in crash] == [
+        (logging.ERROR, f"tritonserver: {line}") for line in crash
+    ]
+    for line in ("a stub's own print", "Signal (15) received."):  # the second: a stop
+        assert filter_line(line, set()) == (logging.INFO, f"tritonserver: {line}")
+
+
 class Kept(logging.Handler):
     """The records a logger passes, kept."""
 

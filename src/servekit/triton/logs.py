@@ -36,6 +36,11 @@ HARMLESS = {
 """Substring -> why the line is harmless."""
 
 _LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ?(.*)$")
+_FATAL = re.compile(
+    r"terminate called|^\s*what\(\):|^Signal \((?!2\)|15\))\d+\) received|core dumped"
+)
+"""A crash's own lines (a C++ abort, the signal handler's report of any signal but a
+stop's SIGINT or SIGTERM): not in Triton's format, errors all the same."""
 
 
 def filter_line(line: str, explained: set[str]) -> tuple[int, str] | None:
@@ -52,7 +57,8 @@ def filter_line(line: str, explained: set[str]) -> tuple[int, str] | None:
         return None  # the start-up tables
     m = _LINE.match(stripped)
     if m is None:
-        return logging.INFO, f"tritonserver: {stripped}"
+        level = logging.ERROR if _FATAL.search(stripped) else logging.INFO
+        return level, f"tritonserver: {stripped}"
     kind, text = m.groups()
     if not text.strip():
         return None  # a table's heading line
