@@ -72,8 +72,10 @@ def slow_server():
 
 
 CFG = MeasureConfig(window_s=1.0, warmup_s=0.3, max_windows=6)
-OVERHEAD = 1.12
-"""Latency over loopback on a shared 2-core VM: the service time plus up to 12 %."""
+OVERHEAD = 1.5
+"""Latency over loopback on a shared 2-core VM: the service time plus up to 50 % (12 % on
+a quiet host; 14 % seen on a starved one). A request measured with another's wait, or
+queued behind another, would take twice the service time."""
 
 
 def served_within_overhead(p50_ms: float) -> bool:

@@ -217,7 +217,9 @@ def test_eight_clients_on_ten_models_and_a_budget_of_three_always_make_progress(
 
         in_threads(client, 8)
         assert not failures, failures[:5]
-        assert answered[0] >= 100 and refused[0] <= answered[0] / 10, (answered, refused)
+        # Progress, not speed: the livelock answered next to nothing; a quiet host answers
+        # well over 100 in the 10 s, a starved one 85.
+        assert answered[0] >= 40 and refused[0] <= answered[0] / 10, (answered, refused)
         assert most_resident[0] == 3
 
         time.sleep(1.0)  # the server is idle within a second after the clients stop

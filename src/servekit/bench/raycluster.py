@@ -189,9 +189,7 @@ class RayCluster:
     def serve_actors(self) -> list[str]:
         """The names of Serve's own actors (controller, proxies, replicas) alive now."""
         found = self.python(
-            "import ray\n"
-            "out(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)"
-            " if a['namespace'] == 'serve' and a['name'].startswith('SERVE_')))"
+            "from servekit.ray.runtime import serve_actors\nout(sorted(serve_actors()))"
         )
         assert isinstance(found, list)
         return found

@@ -86,8 +86,12 @@ class _Connection(asyncio.Protocol):
         t = self.transport
         # Answered before the whole request was written, the server would read the rest
         # as the next request's start: only a connection clean both ways is reused.
-        keep = self.parser.should_keep_alive() and t is not None and not t.is_closing()
-        if keep and not t.get_write_buffer_size():  # type: ignore[union-attr]
+        if (
+            self.parser.should_keep_alive()
+            and t is not None
+            and not t.is_closing()
+            and not t.get_write_buffer_size()
+        ):
             self.pool.idle.append(self)
         else:
             self._drop()

@@ -173,11 +173,11 @@ def _stop_serve(serve: Any) -> None:
     # serve.shutdown gives up waiting after 30 s and the controller goes on: a Serve
     # started meanwhile (servekit's next start) would take over the proxies it is about
     # to kill. So the stop ends when Serve's actors are gone.
-    left = _serve_actors()
+    left = serve_actors()
     deadline = time.monotonic() + SERVE_GONE_S
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _serve_actors()
+        left = serve_actors()
     if left:
         log.warning("%d of Serve's actors still alive %g s after its shutdown: %s",
                     len(left), SERVE_GONE_S, sorted(left))  # fmt: skip
@@ -187,7 +187,7 @@ SERVE_GONE_S = 60.0
 """How long a stop waits for Serve's controller, proxies and replicas to be gone."""
 
 
-def _serve_actors() -> set[str]:
+def serve_actors() -> set[str]:
     """The names of Serve's own actors alive on the cluster (none when Ray is gone)."""
     import ray
 

@@ -43,16 +43,25 @@ def kill_leftovers(prefix: str) -> int:
     parent becomes init). Each holds memory; this finds them by the executable path under
     the server's private workspace.
     """
-    killed = 0
+    killed = set()
     for pid in processes(prefix):
         try:
             os.kill(pid, signal.SIGKILL)
-            killed += 1
+            killed.add(pid)
         except OSError:
             pass
     if killed:
-        log.warning("killed %d process(es) left behind under %s", killed, prefix)
-    return killed
+        log.warning("killed %d process(es) left behind under %s", len(killed), prefix)
+    # A SIGKILL lands when the process next runs (on a starved host, a while later): gone
+    # on return, so nothing it holds is freed under it and a caller's look finds none.
+    deadline = time.monotonic() + LEFTOVER_GONE_S
+    while killed & processes(prefix).keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(killed)
+
+
+LEFTOVER_GONE_S = 10.0
+"""How long ``kill_leftovers`` waits for the processes it killed to be gone."""
 
 
 def descendants(root: int | None = None) -> dict[int, list[str]]:
