@@ -55,7 +55,7 @@ def kill_leftovers(prefix: str) -> int:
     # A SIGKILL lands when the process next runs (on a starved host, a while later): gone
     # on return, so nothing it holds is freed under it and a caller's look finds none.
     deadline = time.monotonic() + LEFTOVER_GONE_S
-    while killed & processes(prefix).keys() and time.monotonic() < deadline:
+    while killed and killed & processes(prefix).keys() and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(killed)
 
