@@ -370,22 +370,23 @@ def test_a_stub_region_made_after_the_last_look_is_freed_when_tritonserver_is_ki
     import tritonclient.http as th
 
     write_adder(tmp_path / "repo")
-    process = TritonProcess(options(tmp_path / "repo", "explicit")).start()
-    try:
+    regions: list[Path] = []
+
+    def killed_with_a_stub(process: TritonProcess) -> None:
         prefix = process._workdir.region_prefix  # type: ignore[union-attr]
         admin = th.InferenceServerClient(f"127.0.0.1:{process.options.server.http_port}")
         try:
             admin.load_model("adder")
         finally:
             admin.close()
-        regions = list(Path("/dev/shm").glob(f"{prefix}*"))
+        regions[:] = Path("/dev/shm").glob(f"{prefix}*")
         assert regions, "the stub's region is named after the start"
         os.killpg(process._proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
         process._proc.wait()  # type: ignore[union-attr]
         assert all(r.exists() for r in regions)  # what the kill left
-    finally:
-        process.stop()
-    assert [r for r in regions if r.exists()] == []
+
+    started_over_once(options(tmp_path / "repo", "explicit"), killed_with_a_stub)
+    assert [r for r in regions if r.exists()] == []  # freed by the stop
 
 
 def test_a_start_that_triton_aborts_with_its_lock_exception_is_tried_once_more(
