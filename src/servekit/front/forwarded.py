@@ -53,7 +53,14 @@ from .grpc import GrpcForwarder, Status, infer_request, response_outputs
 from .http import Answer, Done, Dropped, HttpForwarder
 from .journal import SequenceJournal
 
-__all__ = ["ForwardedModel", "TritonVersion", "triton_fetch", "triton_ready"]
+__all__ = [
+    "CONTROL_WAIT_S",
+    "FETCH_WAIT_S",
+    "ForwardedModel",
+    "TritonVersion",
+    "triton_fetch",
+    "triton_ready",
+]
 
 log = logging.getLogger(__name__)
 
@@ -434,15 +441,29 @@ class TritonVersion:
         return await triton_ready(http_url, self.model.name, self.version or None)
 
 
+FETCH_WAIT_S = 10.0
+"""How long the front waits for tritonserver's answer to a call it passes on as it is
+(an index, statistics, a shared-memory registration): each is answered at once."""
+
+CONTROL_WAIT_S = 3600.0
+"""How long the front waits for tritonserver's answer to a load or unload: Triton answers
+once the model is loaded, which can take minutes (a big model read, a TensorRT engine
+built, a Python backend stub started on a busy host). The client's own timeout, as with
+Triton's own port, is what ends its wait sooner."""
+
+
 async def triton_fetch(
     http_url: str,
     headers: Mapping[str, str],
     method: str,
     path: str,
     body: bytes | None = None,
+    *,
+    wait_s: float | None = None,
 ) -> tuple[int, bytes, dict[str, str]]:
     """tritonserver's answer to a request on its private HTTP port, as it is (a POST
-    without ``body`` sends ``{}``)."""
+    without ``body`` sends ``{}``), waited for ``wait_s`` (default ``FETCH_WAIT_S``)."""
+    wait = FETCH_WAIT_S if wait_s is None else wait_s
 
     def call() -> tuple[int, bytes, dict[str, str]]:
         request = urllib.request.Request(
@@ -452,7 +473,7 @@ async def triton_fetch(
             data=(body or b"{}") if method == "POST" else None,
         )
         try:
-            with urllib.request.urlopen(request, timeout=10) as r:
+            with urllib.request.urlopen(request, timeout=wait) as r:
                 return r.status, r.read(), {"content-type": "application/json"}
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read(), {"content-type": "application/json"}

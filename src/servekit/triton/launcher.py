@@ -139,6 +139,7 @@ class TritonProcess:
         self.restarts = 0
         """How many times ``wait`` restarted a tritonserver that died."""
         self.log_path: Path | None = None
+        self._last_log = ""
         self._front: Any = None
         # With the front, tritonserver's endpoints keep private ports across restarts.
         s = options.server
@@ -311,16 +312,14 @@ class TritonProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def log_text(self) -> str:
-        return (
-            self.log_path.read_text(errors="replace")
-            if self.log_path and self.log_path.exists()
-            else ""
-        )
+        """tritonserver's log: as far as it goes now, or, once stopped, all of it (its
+        folder is gone, and a crash at exit wrote its last lines as it stopped)."""
+        if self.log_path is not None and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")
+        return self._last_log
 
     def stop(self) -> None:
         """Stop the front, then tritonserver: SIGTERM (Triton drains for ``exit_timeout_s``),
@@ -353,6 +352,7 @@ class TritonProcess:
                 os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc = None
         if self._workdir is not None:
+            self._last_log = self.log_text()
             self._workdir.close()
             self._workdir = None
         return code
