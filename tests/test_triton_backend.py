@@ -485,14 +485,12 @@ def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(
     """servekit triton --model-control-mode explicit: tritonclient's load, unload and index
     through servekit's front reach tritonserver, which checks the client's control token.
     A load is waited for as long as tritonserver takes: here the front's wait for other
-    calls is cut to 0.5 s, shorter than any load of a Python backend model (its stub
-    imports numpy and servekit), and the load still succeeds."""
+    calls is cut to 0.5 s during the load, shorter than any load of a Python backend
+    model (its stub imports numpy and servekit), and the load still succeeds."""
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
     import servekit.front.forwarded
-
-    monkeypatch.setattr(servekit.front.forwarded, "FETCH_WAIT_S", 0.5)
 
     write_adder(tmp_path, "adder", versions=(1,))
     server = ServerConfig.on_loopback(exit_timeout_s=2, control_token="ctl")
@@ -506,7 +504,9 @@ def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(
             ):
                 client.load_model("adder")
             token = {"servekit-control-token": "ctl"}
-            client.load_model("adder", headers=token)
+            with monkeypatch.context() as m:  # the other calls keep the usual wait
+                m.setattr(servekit.front.forwarded, "FETCH_WAIT_S", 0.5)
+                client.load_model("adder", headers=token)
             a = np.ones((1, 4), np.float32)
             with Client(server.http_url) as c:
                 assert c.infer("adder", {"a": a, "b": a})["sum"][0, 0] == 102.0
