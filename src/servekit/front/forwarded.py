@@ -27,16 +27,18 @@ The server itself (``Front``: HTTP and gRPC on one loop) is in ``server``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
 import re
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -63,6 +65,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class ForwardedModel:
@@ -459,11 +463,12 @@ async def triton_fetch(
     path: str,
     body: bytes | None = None,
     *,
-    wait_s: float | None = None,
+    control: bool = False,
 ) -> tuple[int, bytes, dict[str, str]]:
     """tritonserver's answer to a request on its private HTTP port, as it is (a POST
-    without ``body`` sends ``{}``), waited for ``wait_s`` (default ``FETCH_WAIT_S``)."""
-    wait = FETCH_WAIT_S if wait_s is None else wait_s
+    without ``body`` sends ``{}``), waited for ``FETCH_WAIT_S``; ``control`` (a load or
+    unload): for ``CONTROL_WAIT_S``, on a thread of its own (``_on_own_thread``)."""
+    wait = CONTROL_WAIT_S if control else FETCH_WAIT_S
 
     def call() -> tuple[int, bytes, dict[str, str]]:
         request = urllib.request.Request(
@@ -480,7 +485,34 @@ async def triton_fetch(
         except (urllib.error.URLError, OSError) as exc:
             raise ModelNotReady(f"tritonserver is not answering: {exc}") from None
 
-    return await asyncio.to_thread(call)
+    return await (_on_own_thread(call) if control else asyncio.to_thread(call))
+
+
+async def _on_own_thread(fn: Callable[[], _T]) -> _T:
+    """``fn()`` on a daemon thread of its own: a load that takes tritonserver long holds
+    neither the loop's shared worker threads (readiness checks and other passed-on calls
+    wait on those) nor the process's exit (the interpreter joins those at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, exc: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(cast(_T, result))
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 (handed to the caller as it is)
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a stop)
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="servekit-control", daemon=True).start()
+    return await done
 
 
 async def triton_ready(http_url: str, name: str, version: str | None) -> bool:

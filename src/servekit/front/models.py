@@ -25,13 +25,7 @@ from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import spec_from_config
 from .cached import FrontCache
-from .forwarded import (
-    CONTROL_WAIT_S,
-    ForwardedModel,
-    TritonVersion,
-    triton_fetch,
-    triton_ready,
-)
+from .forwarded import ForwardedModel, TritonVersion, triton_fetch, triton_ready
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
 
@@ -198,9 +192,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         if why is not None:
             why = f"POST {path}: {why}"
             return 400, json.dumps({"error": why}).encode(), {"content-type": "application/json"}
-        answer = await triton_fetch(
-            self.http_url, headers, "POST", path, body, wait_s=CONTROL_WAIT_S
-        )
+        answer = await triton_fetch(self.http_url, headers, "POST", path, body, control=True)
         name = urllib.parse.unquote(path.split("/")[4])
         cached = self._cache.get(name)
         if cached is not None:  # looked up afresh next time (kept while it serves the same spec)
