@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from servekit.front.forwarded import triton_fetch
+from servekit.front.private import triton_fetch
 
 
 def test_slow_loads_hold_no_thread_that_other_calls_need():

@@ -490,7 +490,7 @@ def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
-    import servekit.front.forwarded
+    import servekit.front.private
 
     write_adder(tmp_path, "adder", versions=(1,))
     server = ServerConfig.on_loopback(exit_timeout_s=2, control_token="ctl")
@@ -505,7 +505,7 @@ def test_the_front_passes_model_control_to_tritonserver_with_the_client_s_token(
                 client.load_model("adder")
             token = {"servekit-control-token": "ctl"}
             with monkeypatch.context() as m:  # the other calls keep the usual wait
-                m.setattr(servekit.front.forwarded, "FETCH_WAIT_S", 0.5)
+                m.setattr(servekit.front.private, "FETCH_WAIT_S", 0.5)
                 client.load_model("adder", headers=token)
             a = np.ones((1, 4), np.float32)
             with Client(server.http_url) as c:

@@ -25,7 +25,8 @@ from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import spec_from_config
 from .cached import FrontCache
-from .forwarded import ForwardedModel, TritonVersion, triton_fetch, triton_ready
+from .forwarded import ForwardedModel, TritonVersion
+from .private import triton_fetch, triton_ready
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
 
