@@ -53,6 +53,8 @@ TRITONSERVER = {
     "invalid json": "tritonserver answers 500 to a body that is not JSON",
     "shape mismatch": "tritonserver answers 500 when 'data' does not fill the shape",
     "null data": "tritonserver answers 500 to null in FP32 data",
+    "bool in FP32 data": "tritonserver answers 500 to true in FP32 data",
+    "too big for a double": "tritonserver answers 500 to 1e400",
     "nested too deep": "tritonserver 2.51 flattens 'data' nested more than 100 levels deep (200)",
     "repository index nested too deep": "tritonserver 2.51 answers 500 to an index body nested "
     "200 levels deep",
@@ -388,6 +390,19 @@ MALFORMED = {
             ]
         },
         "INPUT0",
+    ),
+    "bool in FP32 data": (
+        {
+            "inputs": [
+                {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [True] * 16},
+                {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16},
+            ]
+        },
+        "INPUT0",
+    ),
+    "too big for a double": (
+        b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [1e400]}]}',
+        "1e400",
     ),
     "nested too deep": (
         {

@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import InvalidInput
+from ..protocol.jsonbody import check_range
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
 from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 from ..spec import as_dtype
@@ -174,6 +175,8 @@ def decode_inputs(
             array = np.empty(count, dtype=object)
             array[:] = list(values)
         else:
+            if datatype != "BOOL" and field.startswith(("int", "uint")):
+                check_range(values, datatype, name, field)  # INT8 in int_contents: int32s
             array = np.asarray(values, dtype=as_dtype(datatype).numpy)
         inputs[name] = array.reshape(shape)
     return inputs

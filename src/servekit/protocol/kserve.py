@@ -19,10 +19,10 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
-import orjson
 
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
+from .jsonbody import json_body, json_tensor, parse_json
 from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 
 __all__ = [
@@ -42,14 +42,10 @@ __all__ = [
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATATYPES = {d.datatype for d in DTYPES}
-_NUMBERS = frozenset({int, float, bool})
 _NONE: frozenset[str] = frozenset()
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
-_DIMENSION_TYPES = frozenset({int, bool})
-"""JSON's types that ``isinstance(d, int)`` accepts."""
-MAX_JSON_DEPTH = 100
-"""How deep a request's JSON may nest, as in Triton: an input's ``data`` is flattened at any
-nesting up to this depth (Triton's QA sends it 50 deep), whatever the tensor's rank."""
+_DIMENSIONS = frozenset({int})
+"""A dimension's one JSON type (``true`` is no 1 here, as in Triton)."""
 MAX_RANK = 32
 """Dimensions a tensor may have (numpy's limit)."""
 
@@ -155,48 +151,6 @@ def _element_count(shape: list[int], name: str, available: int) -> int:
     return count
 
 
-def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
-    """The values of a nested list, level by level (no recursion, no numpy dimension
-    limit), and their types; nesting deeper than ``MAX_JSON_DEPTH`` is refused."""
-    flat, depth = data, 1
-    kinds = set(map(type, flat))  # JSON gives exact types: a set of them is C-fast
-    while list in kinds:
-        depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidInput(
-                f"input {name!r}: 'data' is nested more than {MAX_JSON_DEPTH} levels deep"
-            )
-        flat = [x for v in flat for x in (v if isinstance(v, list) else (v,))]
-        kinds = set(map(type, flat))
-    return flat, kinds
-
-
-def _json_data(data: Any, datatype: str, shape: list[int], name: str, count: int) -> np.ndarray:
-    """A JSON input's ``data`` (``count`` values, checked already against the body)."""
-    if not isinstance(data, list):
-        raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
-    flat, kinds = _flatten(data, name)
-    if len(flat) != count:
-        raise InvalidInput(
-            f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
-        )
-    if datatype == "BYTES":
-        if not kinds <= {str}:
-            raise InvalidInput(f"input {name!r}: BYTES 'data' must hold strings")
-        out = np.empty(count, dtype=object)
-        out[:] = [v.encode() for v in flat]
-        return out.reshape(shape)
-    if not kinds <= _NUMBERS:
-        bad = next(v for v in flat if type(v) not in _NUMBERS)
-        raise InvalidInput(
-            f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not a number"
-        )
-    try:
-        return np.asarray(flat, dtype=as_dtype(datatype).numpy).reshape(shape)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None
-
-
 def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> Mapping[str, Any]:
     """``obj``'s ``parameters`` object; ``what`` (and ``name``) say whose in an error."""
     params = obj.get("parameters")
@@ -208,42 +162,6 @@ def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> M
     return params
 
 
-def _json_header(data: bytes, what: str = "request") -> Any:
-    """The request's JSON header (or ``what`` else): orjson's parse, or, for what orjson
-    refuses (NaN, Infinity, deep nesting, bad JSON), Python's json, which decides and says
-    why."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidInput(f"{what} JSON is nested too deeply") from None
-
-
-def parse_json(body: bytes, what: str) -> Any:
-    """A JSON request body other than an infer request's (the repository index's), parsed
-    with the same limits: valid JSON nested at most ``MAX_JSON_DEPTH`` deep."""
-    data = _json_header(body, what)
-    level, depth = [data], 1
-    while level:
-        level = [
-            v
-            for c in level
-            if isinstance(c, list | dict)
-            for v in (c.values() if isinstance(c, dict) else c)
-            if isinstance(v, list | dict)
-        ]
-        if level:
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise InvalidInput(f"{what}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
-    return data
-
-
 def decode_request(
     body: bytes, header_length: int | None = None, regions: Regions | None = None
 ) -> DecodedRequest:
@@ -253,7 +171,7 @@ def decode_request(
         raise InvalidInput(
             f"Inference-Header-Content-Length {header_length} does not fit a {len(body)}-byte body"
         )
-    header = _json_header(header_bytes)
+    header = json_body(header_bytes)
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InvalidInput("request must be a JSON object with an 'inputs' list")
     binary = memoryview(body)[header_length:] if header_length is not None else memoryview(b"")
@@ -267,7 +185,7 @@ def decode_request(
             raise InvalidInput(f"inputs[{i}] needs a 'name'")
         datatype = check_datatype(name, datatype)
         if not isinstance(shape, list) or not (
-            set(map(type, shape)) <= _DIMENSION_TYPES and min(shape, default=0) >= 0
+            set(map(type, shape)) <= _DIMENSIONS and min(shape, default=0) >= 0
         ):
             raise InvalidInput(
                 f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
@@ -287,14 +205,14 @@ def decode_request(
             continue
         count = _element_count(shape, name, len(body))
         if size is not None:
-            if not isinstance(size, int) or size < 0 or pos + size > len(binary):
+            if type(size) is not int or size < 0 or pos + size > len(binary):
                 raise InvalidInput(
                     f"input {name!r}: binary_data_size {size!r} exceeds the {len(binary) - pos} binary bytes left"
                 )
             inputs[name] = tensor_from_raw(name, datatype, shape, binary[pos : pos + size], count)
             pos += size
         elif "data" in item:
-            inputs[name] = _json_data(item["data"], datatype, shape, name, count)
+            inputs[name] = json_tensor(item["data"], datatype, shape, name, count)
         else:
             raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
     if pos != len(binary):

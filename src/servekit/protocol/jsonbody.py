@@ -1,0 +1,154 @@
+"""JSON in the KServe v2 HTTP encoding: request bodies, and tensors sent as ``data``.
+
+Each JSON value must be of the tensor's kind, as tritonserver reads it: numbers for FP16,
+FP32 and FP64, integers within the datatype's range for INT* and UINT*, ``true`` and
+``false`` for BOOL, strings for BYTES. Python's JSON would otherwise take ``true`` as 1
+and numpy ``1.5`` as 1 in an INT32, or ``-1`` as 255 in a UINT8: such a value is refused
+naming the input, the datatype and the value, as is a number too big for a double
+(``1e400``, which Python reads as infinity) or for the datatype (``70000`` in an FP16). ``NaN`` and ``Infinity`` are taken, as
+tritonserver takes them, and answered the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..errors import InvalidInput
+from ..spec import as_dtype
+
+__all__ = ["MAX_JSON_DEPTH", "check_range", "json_body", "json_tensor", "parse_json"]
+
+MAX_JSON_DEPTH = 100
+"""How deep a request's JSON may nest, as in Triton: an input's ``data`` is flattened at any
+nesting up to this depth (Triton's QA sends it 50 deep), whatever the tensor's rank."""
+
+_FLOATS = frozenset({int, float})
+_INTEGERS = frozenset({int})
+_BOOLS = frozenset({bool})
+
+
+def _kinds(datatype: str) -> tuple[frozenset[type], str]:
+    """The JSON types a tensor of ``datatype`` takes, and how an error names them."""
+    if datatype == "BOOL":
+        return _BOOLS, "true or false"
+    if datatype.startswith(("INT", "UINT")):
+        return _INTEGERS, "an integer"
+    return _FLOATS, "a number"
+
+
+def _double(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused where no double holds it."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise InvalidInput(f"the number {text[:40]} does not fit a double (64-bit float)")
+    return value
+
+
+def json_body(data: bytes, what: str = "request") -> Any:
+    """A JSON body (``what`` names it in errors): orjson's parse, or, for what orjson
+    refuses (NaN, Infinity, deep nesting, huge numbers, bad JSON), Python's json, which
+    decides and says why."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(data, parse_float=_double)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{what}: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{what} JSON is nested too deeply") from None
+    except ValueError as exc:  # bad JSON, bad UTF-8, an integer of over 4,300 digits
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
+
+
+def parse_json(body: bytes, what: str) -> Any:
+    """A JSON request body other than an infer request's (the repository index's), parsed
+    with the same limits: valid JSON nested at most ``MAX_JSON_DEPTH`` deep."""
+    data = json_body(body, what)
+    level, depth = [data], 1
+    while level:
+        level = [
+            v
+            for c in level
+            if isinstance(c, list | dict)
+            for v in (c.values() if isinstance(c, dict) else c)
+            if isinstance(v, list | dict)
+        ]
+        if level:
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidInput(f"{what}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return data
+
+
+def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
+    """The values of a nested list, level by level (no recursion, no numpy dimension
+    limit), and their types; nesting deeper than ``MAX_JSON_DEPTH`` is refused."""
+    flat, depth = data, 1
+    kinds = set(map(type, flat))  # JSON gives exact types: a set of them is C-fast
+    while list in kinds:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInput(
+                f"input {name!r}: 'data' is nested more than {MAX_JSON_DEPTH} levels deep"
+            )
+        flat = [x for v in flat for x in (v if isinstance(v, list) else (v,))]
+        kinds = set(map(type, flat))
+    return flat, kinds
+
+
+def check_range(values: Sequence[int], datatype: str, name: str, where: str) -> None:
+    """Integers for an INT* or UINT* tensor, each within the datatype's range: numpy would
+    wrap ``-1`` to 255 in a UINT8; ``InvalidInput`` names the first value outside."""
+    if not len(values):
+        return
+    info = np.iinfo(as_dtype(datatype).numpy)
+    bad = next((v for v in (min(values), max(values)) if not info.min <= v <= info.max), None)
+    if bad is not None:
+        raise InvalidInput(
+            f"input {name!r}: {where} is not {datatype}: {bad} is outside [{info.min}, {info.max}]"
+        )
+
+
+def json_tensor(data: Any, datatype: str, shape: list[int], name: str, count: int) -> np.ndarray:
+    """An input's ``data`` as a tensor of ``shape`` (``count`` values, checked already
+    against the body's size)."""
+    if not isinstance(data, list):
+        raise InvalidInput(f"input {name!r}: 'data' must be a list, got {type(data).__name__}")
+    flat, kinds = _flatten(data, name)
+    if len(flat) != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} needs {count} values, 'data' has {len(flat)}"
+        )
+    if datatype == "BYTES":
+        if not kinds <= {str}:
+            raise InvalidInput(f"input {name!r}: BYTES 'data' must hold strings")
+        out = np.empty(count, dtype=object)
+        out[:] = [v.encode() for v in flat]
+        return out.reshape(shape)
+    dtype = as_dtype(datatype).numpy
+    allowed, what = _kinds(datatype)
+    if not kinds <= allowed:
+        bad = next(v for v in flat if type(v) not in allowed)
+        raise InvalidInput(
+            f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not {what}"
+        )
+    if allowed is _INTEGERS:
+        check_range(flat, datatype, name, "'data'")
+    try:
+        with np.errstate(over="raise"):  # a finite value past the type's range, not inf
+            return np.asarray(flat, dtype=dtype).reshape(shape)
+    except FloatingPointError:
+        top = float(np.finfo(dtype).max)
+        bad = next((v for v in flat if top < abs(v) < float("inf")), "a value")
+        raise InvalidInput(
+            f"input {name!r}: 'data' is not {datatype}: {bad} is outside [-{top:g}, {top:g}]"
+        ) from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {exc}") from None

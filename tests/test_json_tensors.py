@@ -1,0 +1,144 @@
+"""Tensors sent as JSON ``data`` are read as tritonserver reads them: each value of the
+datatype's kind (numbers for FP*, integers in range for INT* and UINT*, true and false
+for BOOL) or a 400 naming the input, the datatype and the value; never a silent cast
+(``true`` as 1.0, ``1.5`` as 1, ``-1`` as 255) and never a 500. gRPC's typed contents
+are held to the same ranges."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from servekit.errors import InvalidInput
+from servekit.protocol.kserve import decode_request
+from servekit.spec import as_dtype
+
+NUMERIC = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+           "FP16", "FP32", "FP64"]  # fmt: skip
+
+
+def body(data: object, datatype: str = "FP32", shape: object = None) -> bytes:
+    n = len(data) if isinstance(data, list) else 1
+    item = {"name": "x", "datatype": datatype, "shape": [n] if shape is None else shape}
+    return json.dumps({"inputs": [{**item, "data": data}]}).encode()
+
+
+def fits(value: object, datatype: str) -> bool:
+    """Whether tritonserver reads ``value`` as an element of ``datatype``."""
+    if datatype == "BOOL":
+        return type(value) is bool
+    dtype = as_dtype(datatype).numpy
+    if datatype.startswith(("INT", "UINT")):
+        info = np.iinfo(dtype)
+        return type(value) is int and info.min <= value <= info.max
+    return type(value) in (int, float) and abs(value) <= np.finfo(dtype).max
+
+
+values = st.one_of(
+    st.booleans(),
+    st.integers(-(2**64), 2**64),
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+)
+
+
+@given(datatype=st.sampled_from(NUMERIC), data=st.lists(values, min_size=1, max_size=6))
+def test_a_value_is_taken_only_where_it_is_of_the_datatypes_kind(datatype, data):
+    if all(fits(v, datatype) for v in data):
+        x = decode_request(body(data, datatype)).inputs["x"]
+        assert x.dtype == as_dtype(datatype).numpy
+        assert np.array_equal(x, np.array(data).astype(x.dtype))
+    else:
+        with pytest.raises(InvalidInput, match=f"input 'x': 'data' is not {datatype}"):
+            decode_request(body(data, datatype))
+
+
+@pytest.mark.parametrize(
+    ("data", "datatype", "says"),
+    [
+        ([True, 2.0], "FP32", "it holds true, not a number"),
+        ([1.5], "INT32", "it holds 1.5, not an integer"),
+        ([1.0], "INT64", "it holds 1.0, not an integer"),
+        ([-1], "UINT8", "-1 is outside [0, 255]"),
+        ([300], "UINT8", "300 is outside [0, 255]"),
+        ([2**63], "INT64", "9223372036854775808 is outside"),
+        ([1, 0], "BOOL", "it holds 1, not true or false"),
+        ([70000], "FP16", "70000 is outside [-65504, 65504]"),
+        ([1e39], "FP32", "1e+39 is outside [-3.40282e+38, 3.40282e+38]"),
+        ([None], "FP32", "it holds null, not a number"),
+        (["1"], "INT32", 'it holds "1", not an integer'),
+    ],
+)
+def test_what_a_refusal_says(data, datatype, says):
+    with pytest.raises(InvalidInput) as e:
+        decode_request(body(data, datatype))
+    assert f"input 'x': 'data' is not {datatype}" in str(e.value) and says in str(e.value)
+
+
+def test_numbers_json_cannot_hold_are_a_400_naming_them():
+    with pytest.raises(InvalidInput, match=r"the number 1e400 does not fit a double"):
+        decode_request(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], '
+                       b'"data": [1e400]}]}')  # fmt: skip
+    digits = b"9" * 5000  # past Python's 4,300-digit limit: was a 500 (ValueError)
+    with pytest.raises(InvalidInput, match="request is not valid JSON"):
+        decode_request(b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], '
+                       b'"data": [' + digits + b"]}]}")  # fmt: skip
+    huge = str(10**400).encode()  # an integer no double holds
+    with pytest.raises(InvalidInput, match="input 'x': 'data' is not FP64"):
+        decode_request(b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], '
+                       b'"data": [' + huge + b"]}]}")  # fmt: skip
+
+
+def test_nan_and_infinity_are_taken_as_tritonserver_takes_them():
+    x = decode_request(body([math.nan, math.inf, -math.inf])).inputs["x"]
+    assert np.isnan(x[0]) and x[1] == np.inf and x[2] == -np.inf
+
+
+def test_a_dimension_or_a_binary_size_of_true_is_refused():
+    with pytest.raises(InvalidInput, match=r"'shape' must be a list of non-negative integers"):
+        decode_request(body([1.0, 2.0], shape=[True, 2]))
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "UINT8",
+                    "shape": [1],
+                    "parameters": {"binary_data_size": True},
+                }
+            ]
+        }  # fmt: skip
+    ).encode()
+    with pytest.raises(InvalidInput, match="binary_data_size True"):
+        decode_request(header + b"\x01", len(header))
+
+
+@pytest.mark.parametrize(
+    ("datatype", "field", "values", "says"),
+    [
+        ("INT8", "int_contents", [300], "int_contents is not INT8: 300 is outside [-128, 127]"),
+        ("UINT16", "uint_contents", [70000], "uint_contents is not UINT16: 70000 is outside"),
+    ],
+)
+def test_over_grpc_typed_contents_past_the_datatypes_range_are_refused(
+    datatype, field, values, says
+):
+    """gRPC's typed contents carry INT8 and INT16 as int32s (UINT8, UINT16 as uint32s):
+    a value the tensor cannot hold is refused as in JSON, not wrapped."""
+    from tritonclient.grpc import service_pb2
+
+    from servekit.grpc.tensors import decode_inputs
+
+    request = service_pb2.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype=datatype, shape=[len(values)])
+    getattr(tensor.contents, field).extend(values)
+    with pytest.raises(InvalidInput) as e:
+        decode_inputs(request)
+    assert str(e.value).startswith("input 'x': ") and says in str(e.value)
+    del getattr(tensor.contents, field)[:]
+    getattr(tensor.contents, field).extend([1])
+    assert decode_inputs(request)["x"].tolist() == [1]
