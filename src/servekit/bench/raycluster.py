@@ -208,22 +208,30 @@ class RayCluster:
         return list(replicas.values())
 
 
-_DRIVER_INIT = """import json, sys, ray
+_DRIVER_INIT = """import json, os, sys
+# The replies' own channel: Ray's threads print a node's death to stdout (with
+# log_to_driver off too), in the middle of a reply's line. Everything else goes to stderr.
+channel = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+import ray
+def say(*words):
+    channel.write(" ".join(words) + "\\n")
+    channel.flush()
 def out(value):
-    print("servekit-out", json.dumps(value), flush=True)
+    say("servekit-out", json.dumps(value))
 """
 
 _DRIVER_LOOP = """
 ray.init(address=sys.argv[1], log_to_driver=False)
 from ray.serve import context
-print("servekit-ready", flush=True)
+say("servekit-ready")
 for line in sys.stdin:
     context._disconnect()  # Serve's controller may be another since the last call
     try:
         exec(json.loads(line), {"ray": ray, "out": out})
     except Exception as exc:
-        print("servekit-error", json.dumps(f"{type(exc).__name__}: {exc}"), flush=True)
-    print("servekit-done", flush=True)
+        say("servekit-error", json.dumps(f"{type(exc).__name__}: {exc}"))
+    say("servekit-done")
 """
 
 
