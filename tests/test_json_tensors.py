@@ -36,7 +36,10 @@ def fits(value: object, datatype: str) -> bool:
     if datatype.startswith(("INT", "UINT")):
         info = np.iinfo(dtype)
         return type(value) is int and info.min <= value <= info.max
-    return type(value) in (int, float) and abs(value) <= np.finfo(dtype).max
+    # Past FP32's range a double is inf, as tritonserver's cast makes it (numpy warns);
+    # FP16, which tritonserver takes in no JSON, is held to its range.
+    top = np.finfo(dtype).max if dtype == np.float16 else np.inf
+    return type(value) in (int, float) and abs(value) <= top
 
 
 values = st.one_of(
@@ -68,7 +71,6 @@ def test_a_value_is_taken_only_where_it_is_of_the_datatypes_kind(datatype, data)
         ([2**63], "INT64", "9223372036854775808 is outside"),
         ([1, 0], "BOOL", "it holds 1, not true or false"),
         ([70000], "FP16", "70000 is outside [-65504, 65504]"),
-        ([1e39], "FP32", "1e+39 is outside [-3.40282e+38, 3.40282e+38]"),
         ([None], "FP32", "it holds null, not a number"),
         (["1"], "INT32", 'it holds "1", not an integer'),
     ],

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from ..errors import InvalidInput
-from ..protocol.jsonbody import check_range
+from ..protocol.jsonbody import integer_tensor
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
 from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
 from ..spec import as_dtype
@@ -101,6 +101,8 @@ _CONTENTS = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+_NARROW = frozenset({"INT8", "INT16", "UINT8", "UINT16"})
+"""Datatypes narrower than the contents field that carries them."""
 """Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
 
 
@@ -174,9 +176,9 @@ def decode_inputs(
         if datatype == "BYTES":
             array = np.empty(count, dtype=object)
             array[:] = list(values)
+        elif datatype in _NARROW:  # an INT8 travels as int32s: 300 must not wrap to 44
+            array = integer_tensor(values, datatype, name, field)
         else:
-            if datatype != "BOOL" and field.startswith(("int", "uint")):
-                check_range(values, datatype, name, field)  # INT8 in int_contents: int32s
             array = np.asarray(values, dtype=as_dtype(datatype).numpy)
         inputs[name] = array.reshape(shape)
     return inputs

@@ -2,11 +2,12 @@
 
 Each JSON value must be of the tensor's kind, as tritonserver reads it: numbers for FP16,
 FP32 and FP64, integers within the datatype's range for INT* and UINT*, ``true`` and
-``false`` for BOOL, strings for BYTES. Python's JSON would otherwise take ``true`` as 1
-and numpy ``1.5`` as 1 in an INT32, or ``-1`` as 255 in a UINT8: such a value is refused
+``false`` for BOOL, strings for BYTES. numpy would otherwise take ``true`` as 1.0 in an
+FP32, ``1.5`` as 1 in an INT32 and ``-1`` as 255 in a UINT8: such a value is refused
 naming the input, the datatype and the value, as is a number too big for a double
-(``1e400``, which Python reads as infinity) or for the datatype (``70000`` in an FP16). ``NaN`` and ``Infinity`` are taken, as
-tritonserver takes them, and answered the same way.
+(``1e400``, which Python reads as infinity) or for an FP16 (``70000``; tritonserver takes
+no FP16 in JSON at all). ``1e39`` in an FP32 is infinity, as tritonserver's cast makes it;
+``NaN`` and ``Infinity`` are taken, as tritonserver takes them, and answered the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import orjson
 from ..errors import InvalidInput
 from ..spec import as_dtype
 
-__all__ = ["MAX_JSON_DEPTH", "check_range", "json_body", "json_tensor", "parse_json"]
+__all__ = ["MAX_JSON_DEPTH", "integer_tensor", "json_body", "json_tensor", "parse_json"]
 
 MAX_JSON_DEPTH = 100
 """How deep a request's JSON may nest, as in Triton: an input's ``data`` is flattened at any
@@ -30,6 +31,11 @@ nesting up to this depth (Triton's QA sends it 50 deep), whatever the tensor's r
 _FLOATS = frozenset({int, float})
 _INTEGERS = frozenset({int})
 _BOOLS = frozenset({bool})
+_BOUNDS = {
+    np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
+    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+}
+"""Each integer dtype's range, looked up per request (``np.iinfo`` costs microseconds)."""
 
 
 def _kinds(datatype: str) -> tuple[frozenset[type], str]:
@@ -103,17 +109,25 @@ def _flatten(data: list[Any], name: str) -> tuple[list[Any], set[type]]:
     return flat, kinds
 
 
-def check_range(values: Sequence[int], datatype: str, name: str, where: str) -> None:
-    """Integers for an INT* or UINT* tensor, each within the datatype's range: numpy would
-    wrap ``-1`` to 255 in a UINT8; ``InvalidInput`` names the first value outside."""
-    if not len(values):
-        return
-    info = np.iinfo(as_dtype(datatype).numpy)
-    bad = next((v for v in (min(values), max(values)) if not info.min <= v <= info.max), None)
+def integer_tensor(values: Sequence[int], datatype: str, name: str, where: str) -> np.ndarray:
+    """Integers as an INT* or UINT* tensor, each within the datatype's range (numpy would
+    wrap ``-1`` to 255 in a UINT8): read as int64s, the bounds checked at C speed, or
+    else one by one; ``InvalidInput`` names the first value outside and ``where`` it was."""
+    dtype = as_dtype(datatype).numpy
+    low, high = _BOUNDS[dtype]
+    if dtype != np.uint64:
+        try:
+            wide = np.asarray(values, dtype=np.int64)
+        except OverflowError:  # past 64 bits: named below
+            wide = None
+        if wide is not None and (not len(wide) or (low <= wide.min() and wide.max() <= high)):
+            return wide.astype(dtype, copy=False)
+    bad = next((v for v in (min(values), max(values)) if not low <= v <= high), None)
     if bad is not None:
         raise InvalidInput(
-            f"input {name!r}: {where} is not {datatype}: {bad} is outside [{info.min}, {info.max}]"
+            f"input {name!r}: {where} is not {datatype}: {bad} is outside [{low}, {high}]"
         )
+    return np.asarray(values, dtype=dtype)
 
 
 def json_tensor(data: Any, datatype: str, shape: list[int], name: str, count: int) -> np.ndarray:
@@ -140,9 +154,11 @@ def json_tensor(data: Any, datatype: str, shape: list[int], name: str, count: in
             f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not {what}"
         )
     if allowed is _INTEGERS:
-        check_range(flat, datatype, name, "'data'")
+        return integer_tensor(flat, datatype, name, "'data'").reshape(shape)
     try:
-        with np.errstate(over="raise"):  # a finite value past the type's range, not inf
+        if dtype != np.float16:
+            return np.asarray(flat, dtype=dtype).reshape(shape)
+        with np.errstate(over="raise"):  # 70000 would be inf, not an FP16
             return np.asarray(flat, dtype=dtype).reshape(shape)
     except FloatingPointError:
         top = float(np.finfo(dtype).max)
