@@ -24,8 +24,10 @@ def body(inputs: list[tuple[str, str, list[int], list[object]]]) -> bytes:
 
 BODIES = {
     "add_sub: two FP32 [1, 16]": body(
-        [("INPUT0", "FP32", [1, 16], [float(i) for i in range(16)]),
-         ("INPUT1", "FP32", [1, 16], [1.0] * 16)]  # fmt: skip
+        [
+            ("INPUT0", "FP32", [1, 16], [float(i) for i in range(16)]),
+            ("INPUT1", "FP32", [1, 16], [1.0] * 16),
+        ]  # fmt: skip
     ),
     "INT32 [16]": body([("x", "INT32", [16], list(range(16)))]),
     "INT64 [1000]": body([("x", "INT64", [1000], list(range(1000)))]),
