@@ -54,6 +54,7 @@ TRITONSERVER = {
     "shape mismatch": "tritonserver answers 500 when 'data' does not fill the shape",
     "null data": "tritonserver answers 500 to null in FP32 data",
     "bool in FP32 data": "tritonserver answers 500 to true in FP32 data",
+    "binary flag not a boolean": "tritonserver answers 500 to binary_data_output \"yes\"",
     "too big for a double": "tritonserver answers 500 to 1e400",
     "nested too deep": "tritonserver 2.51 flattens 'data' nested more than 100 levels deep (200)",
     "repository index nested too deep": "tritonserver 2.51 answers 500 to an index body nested "
@@ -423,6 +424,10 @@ MALFORMED = {
         "OUTPUT0",
     ),
     "reserved parameter": (well_formed(parameters={"triton_secret": 1}), "triton_"),
+    "binary flag not a boolean": (
+        well_formed(parameters={"binary_data_output": "yes"}),
+        "binary_data_output",
+    ),
     "unknown output": (well_formed(outputs=[{"name": "OUTPUT9"}]), "OUTPUT9"),
     "missing input": (
         {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]},

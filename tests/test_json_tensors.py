@@ -115,7 +115,9 @@ def test_a_dimension_or_a_binary_size_of_true_is_refused():
             ]
         }  # fmt: skip
     ).encode()
-    with pytest.raises(InvalidInput, match="binary_data_size True"):
+    with pytest.raises(
+        InvalidInput, match="binary_data_size must be a non-negative integer, got True"
+    ):
         decode_request(header + b"\x01", len(header))
 
 
@@ -144,3 +146,46 @@ def test_over_grpc_typed_contents_past_the_datatypes_range_are_refused(
     del getattr(tensor.contents, field)[:]
     getattr(tensor.contents, field).extend([1])
     assert decode_inputs(request)["x"].tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "outputs", "says"),
+    [
+        ({"binary_data_output": "yes"}, None, "request: parameter 'binary_data_output' must be"),
+        ({"binary_data_output": 1}, None, "must be true or false, got 1"),
+        (None, [{"name": "y", "parameters": {"binary_data": "no"}}],
+         "output 'y': parameter 'binary_data' must be true or false, got 'no'"),
+    ],
+)  # fmt: skip
+def test_binary_flags_are_true_or_false(parameters, outputs, says):
+    """``"no"`` was truthy: an output asked for as JSON came back binary."""
+    request: dict[str, object] = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1],
+                                              "data": [1.0]}]}  # fmt: skip
+    if parameters is not None:
+        request["parameters"] = parameters
+    if outputs is not None:
+        request["outputs"] = outputs
+    with pytest.raises(InvalidInput, match=says.replace("(", r"\(")):
+        decode_request(json.dumps(request).encode())
+    request.pop("parameters", None)
+    request["outputs"] = [{"name": "y", "parameters": {"binary_data": False}}]
+    assert decode_request(json.dumps(request).encode()).json_outputs == {"y"}
+
+
+def test_a_binary_size_that_is_no_integer_says_so():
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "UINT8",
+                    "shape": [1],
+                    "parameters": {"binary_data_size": 1.5},
+                }
+            ]
+        }  # fmt: skip
+    ).encode()
+    with pytest.raises(
+        InvalidInput, match="binary_data_size must be a non-negative integer, got 1.5"
+    ):
+        decode_request(header + b"\x01", len(header))

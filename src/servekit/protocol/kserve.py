@@ -162,6 +162,14 @@ def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> M
     return params
 
 
+def _flag(params: Mapping[str, Any], key: str, whose: str) -> bool:
+    """A boolean parameter (false where absent); ``"no"`` is no false."""
+    value = params.get(key, False)
+    if type(value) is not bool:
+        raise InvalidInput(f"{whose}: parameter {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def decode_request(
     body: bytes, header_length: int | None = None, regions: Regions | None = None
 ) -> DecodedRequest:
@@ -205,7 +213,11 @@ def decode_request(
             continue
         count = _element_count(shape, name, len(body))
         if size is not None:
-            if type(size) is not int or size < 0 or pos + size > len(binary):
+            if type(size) is not int or size < 0:
+                raise InvalidInput(
+                    f"input {name!r}: binary_data_size must be a non-negative integer, got {size!r}"
+                )
+            if pos + size > len(binary):
                 raise InvalidInput(
                     f"input {name!r}: binary_data_size {size!r} exceeds the {len(binary) - pos} binary bytes left"
                 )
@@ -224,7 +236,7 @@ def decode_request(
             raise InvalidInput(f"request parameters {reserved} are reserved (triton_*)")
     requested = header.get("outputs")
     names: tuple[str, ...] | None = None
-    binary_out: set[str] = {"*"} if parameters.get("binary_data_output", False) else set()
+    binary_out: set[str] = {"*"} if _flag(parameters, "binary_data_output", "request") else set()
     json_out: set[str] = set()
     classification: dict[str, int] = {}
     shm_outputs: dict[str, ShmRef] = {}
@@ -240,7 +252,8 @@ def decode_request(
         for o in requested:
             params = _parameters(o, "output", o["name"])
             if "binary_data" in params:  # an output's own choice wins over the request's
-                (binary_out if params["binary_data"] else json_out).add(o["name"])
+                own = _flag(params, "binary_data", f"output {o['name']!r}")
+                (binary_out if own else json_out).add(o["name"])
             ref = shm_ref(params, f"output {o['name']!r}")
             if ref is not None:
                 served(regions, ref, o["name"])
