@@ -54,7 +54,7 @@ TRITONSERVER = {
     "shape mismatch": "tritonserver answers 500 when 'data' does not fill the shape",
     "null data": "tritonserver answers 500 to null in FP32 data",
     "bool in FP32 data": "tritonserver answers 500 to true in FP32 data",
-    "binary flag not a boolean": "tritonserver answers 500 to binary_data_output \"yes\"",
+    "binary flag not a boolean": 'tritonserver answers 500 to binary_data_output "yes"',
     "too big for a double": "tritonserver answers 500 to 1e400",
     "nested too deep": "tritonserver 2.51 flattens 'data' nested more than 100 levels deep (200)",
     "repository index nested too deep": "tritonserver 2.51 answers 500 to an index body nested "
