@@ -101,9 +101,9 @@ _CONTENTS = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+"""Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
 _NARROW = frozenset({"INT8", "INT16", "UINT8", "UINT16"})
 """Datatypes narrower than the contents field that carries them."""
-"""Datatype -> the ``InferTensorContents`` field that carries it (FP16/BF16: raw only)."""
 
 
 def parameter(value: Any) -> Any:
