@@ -189,3 +189,69 @@ def test_a_binary_size_that_is_no_integer_says_so():
         InvalidInput, match="binary_data_size must be a non-negative integer, got 1.5"
     ):
         decode_request(header + b"\x01", len(header))
+
+
+BAD = [
+    ([True] * 16, "it holds true, not a number"),
+    ([math.inf] + [0.0] * 15, "does not fit a double"),  # sent as 1e400
+    ([None] * 16, "it holds null, not a number"),
+]
+
+
+def test_eight_clients_bad_values_fail_alone_and_the_others_get_their_own_answers(
+    add_sub_path,
+):
+    """Over real HTTP, two of eight clients send values of the wrong kind, in turn with six
+    sending good ones into the same batches: each bad request gets its 400, every good one
+    its own sums, and nothing is left in the batcher."""
+    import urllib.error
+    import urllib.request
+
+    from conftest import each_client, serving
+    from servekit.batching import Batcher, BatchingPolicy
+    from servekit.http.app import KServeApp
+    from servekit.runners.onnx import OnnxRuntimeRunner
+
+    runner = OnnxRuntimeRunner(add_sub_path)
+    batcher = Batcher(runner, BatchingPolicy(8, (), 2000), name="add_sub")
+    wrong: list[str] = []
+    try:
+        with serving(KServeApp({"add_sub": batcher})) as url:
+
+            def send(data: object, other: list[float]) -> tuple[int, dict]:
+                raw = json.dumps({"inputs": [
+                    {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": data},
+                    {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": other},
+                ]}).replace("Infinity", "1e400").encode()  # fmt: skip
+                request = urllib.request.Request(f"{url}/v2/models/add_sub/infer", raw)
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as r:
+                        return r.status, json.loads(r.read())
+                except urllib.error.HTTPError as exc:
+                    return exc.code, json.loads(exc.read())
+
+            def client(k: int) -> None:
+                for i in range(20):
+                    other = [float(k * 100 + i)] * 16
+                    if k < 2:
+                        values, says = BAD[(k + i) % len(BAD)]
+                        status, answer = send(values, other)
+                        if status != 400 or says not in answer.get("error", ""):
+                            wrong.append(f"bad client {k}: {status} {answer}, wanted {says!r}")
+                        continue
+                    x = [float(j) for j in range(16)]
+                    status, answer = send(x, other)
+                    sums = next(
+                        (o["data"] for o in answer.get("outputs", []) if o["name"] == "OUTPUT0"),
+                        None,
+                    )
+                    if status != 200 or sums != [a + b for a, b in zip(x, other, strict=True)]:
+                        wrong.append(f"client {k} request {i}: {status} {answer}")
+
+            each_client(client)
+    finally:
+        pending = batcher.pending
+        batcher.close()
+        runner.close()
+    assert wrong == []
+    assert pending == 0
