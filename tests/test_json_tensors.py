@@ -255,3 +255,19 @@ def test_eight_clients_bad_values_fail_alone_and_the_others_get_their_own_answer
         runner.close()
     assert wrong == []
     assert pending == 0
+
+
+def test_a_number_no_double_holds_is_named_with_its_input():
+    with pytest.raises(InvalidInput, match=r"input 'x': 'data' is not FP32: the number 1e400"):
+        decode_request(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], '
+                       b'"data": [1e400]}]}')  # fmt: skip
+    with pytest.raises(InvalidInput, match=r"'shape' must be a list of non-negative integers"):
+        decode_request(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1e400], '
+                       b'"data": [1.0]}]}')  # fmt: skip
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+def test_an_empty_tensor_of_any_datatype_decodes(datatype):
+    """No values to check (min() of none was a ValueError: a 500)."""
+    x = decode_request(body([], datatype, shape=[1, 0])).inputs["x"]
+    assert x.shape == (1, 0) and x.dtype == as_dtype(datatype).numpy

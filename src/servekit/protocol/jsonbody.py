@@ -47,12 +47,15 @@ def _kinds(datatype: str) -> tuple[frozenset[type], str]:
     return _FLOATS, "a number"
 
 
-def _double(text: str) -> float:
-    """A JSON number with a fraction or exponent, refused where no double holds it."""
+class _Unfit(str):
+    """A JSON number no double holds (``1e400``; Python would read infinity), kept as its
+    text so that the tensor it is in is named in the refusal."""
+
+
+def _double(text: str) -> float | _Unfit:
+    """A JSON number with a fraction or exponent; ``_Unfit`` where no double holds it."""
     value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise InvalidInput(f"the number {text[:40]} does not fit a double (64-bit float)")
-    return value
+    return _Unfit(text[:40]) if value in (float("inf"), float("-inf")) else value
 
 
 def json_body(data: bytes, what: str = "request") -> Any:
@@ -65,8 +68,6 @@ def json_body(data: bytes, what: str = "request") -> Any:
         pass
     try:
         return json.loads(data, parse_float=_double)
-    except InvalidInput as exc:
-        raise InvalidInput(f"{what}: {exc}") from None
     except RecursionError:
         raise InvalidInput(f"{what} JSON is nested too deeply") from None
     except ValueError as exc:  # bad JSON, bad UTF-8, an integer of over 4,300 digits
@@ -114,13 +115,15 @@ def integer_tensor(values: Sequence[int], datatype: str, name: str, where: str) 
     wrap ``-1`` to 255 in a UINT8): read as int64s, the bounds checked at C speed, or
     else one by one; ``InvalidInput`` names the first value outside and ``where`` it was."""
     dtype = as_dtype(datatype).numpy
+    if not len(values):
+        return np.empty(0, dtype)
     low, high = _BOUNDS[dtype]
     if dtype != np.uint64:
         try:
             wide = np.asarray(values, dtype=np.int64)
         except OverflowError:  # past 64 bits: named below
             wide = None
-        if wide is not None and (not len(wide) or (low <= wide.min() and wide.max() <= high)):
+        if wide is not None and low <= wide.min() and wide.max() <= high:
             return wide.astype(dtype, copy=False)
     bad = next((v for v in (min(values), max(values)) if not low <= v <= high), None)
     if bad is not None:
@@ -150,9 +153,12 @@ def json_tensor(data: Any, datatype: str, shape: list[int], name: str, count: in
     allowed, what = _kinds(datatype)
     if not kinds <= allowed:
         bad = next(v for v in flat if type(v) not in allowed)
-        raise InvalidInput(
-            f"input {name!r}: 'data' is not {datatype}: it holds {json.dumps(bad)}, not {what}"
+        held = (
+            f"the number {bad} does not fit a double (64-bit float)"
+            if type(bad) is _Unfit
+            else f"it holds {json.dumps(bad)}, not {what}"
         )
+        raise InvalidInput(f"input {name!r}: 'data' is not {datatype}: {held}")
     if allowed is _INTEGERS:
         return integer_tensor(flat, datatype, name, "'data'").reshape(shape)
     try:
