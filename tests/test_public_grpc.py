@@ -24,7 +24,9 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("tritonclient.grpc")
-from tritonclient.grpc import service_pb2_grpc  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from conftest import each_client, wait_until  # noqa: E402
 from h2raw import (  # noqa: E402
@@ -43,6 +45,7 @@ from servekit.grpc.frames import (  # noqa: E402
     CONTINUATION,
     DATA,
     END_HEADERS,
+    END_STREAM,
     HEADERS,
     PING,
     SETTINGS,
@@ -110,8 +113,6 @@ def test_tensors_larger_than_the_window_pass_both_ways(server):
     """1.2 MB in and out: past tritonserver's flow-control windows on the Triton runtimes
     (the front's client waits for its WINDOW_UPDATEs), and servekit's own on native.
     Not under ``live``: PyTriton keeps shared memory open for tensors this large."""
-    import tritonclient.grpc as grpcclient
-
     client = grpcclient.InferenceServerClient(address(server))
     try:
         data = np.random.default_rng(0).standard_normal((3, WIDE)).astype(np.float32)
@@ -129,6 +130,42 @@ def test_a_malformed_call_gets_a_status_naming_it(live, server):
         assert trailers["grpc-status"] == "3", trailers  # INVALID_ARGUMENT
         assert "not a ModelInferRequest" in trailers["grpc-message"], trailers
         assert raw.add(3, 2.5) == 5.0  # and the connection goes on
+
+
+def test_a_call_with_too_many_headers_is_refused_and_its_connection_goes_on(live, server):
+    """Over the 64 KiB the server advertises (SETTINGS_MAX_HEADER_LIST_SIZE), a call is
+    answered RESOURCE_EXHAUSTED, as grpc-core answers it; its block is still decoded, so
+    HPACK's tables stay in step and the calls sharing the connection are answered."""
+    with RawH2(server) as raw:
+        raw.call(1, grpc_message(adder_request(1.0).SerializeToString()), end=False)
+        raw.call(3, grpc_message(adder_request(2.0).SerializeToString()),
+                 headers=[("x-big", "b" * 100_000)])  # fmt: skip
+        _, _, trailers = raw.response(3)
+        assert trailers["grpc-status"] == "8", trailers  # RESOURCE_EXHAUSTED
+        assert "exceeds the limit of 65536 bytes" in trailers["grpc-message"], trailers
+        raw.send(DATA, END_STREAM, 1, b"")  # the call begun before it ends now
+        _, answer, trailers = raw.response(1)
+        assert trailers["grpc-status"] == "0", trailers
+        assert sums(service_pb2.ModelInferResponse.FromString(answer[5:]))[0] == 2.0
+        assert raw.add(5, 2.5) == 5.0
+
+    url = address(server)
+    x = np.full((1, 16), 1.0, np.float32)
+
+    def client(k: int) -> None:  # eight clients, one of them sending 100 KB of metadata
+        with grpcclient.InferenceServerClient(url) as c:
+            inputs = [grpcclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+            for tensor in inputs:
+                tensor.set_data_from_numpy(x * k)
+            for _ in range(10):
+                if k == 0:
+                    with pytest.raises(InferenceServerException, match="exceeds the limit"):
+                        c.infer("adder", inputs, headers={"x-big": "b" * 100_000})
+                else:
+                    got = c.infer("adder", inputs).as_numpy("OUTPUT0")
+                    assert np.array_equal(got, x * 2 * k)
+
+    each_client(client)
 
 
 def test_rapid_reset(live, server):
@@ -194,7 +231,6 @@ STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 def _tensors(value: float, width: int = 16) -> list:
-    import tritonclient.grpc as grpcclient
 
     tensors = []
     for name in ("INPUT0", "INPUT1"):
@@ -209,8 +245,6 @@ def test_tritonclient_streams_from_eight_clients_answer_every_request_by_id(live
     to a model that does not exist: every request is answered once, by id, the two with
     errors naming what was wrong, and each stream goes on past them."""
     import queue
-
-    import tritonclient.grpc as grpcclient
 
     def client(k: int) -> None:
         answers: queue.Queue = queue.Queue()
@@ -254,7 +288,6 @@ def test_tritonclient_streams_from_eight_clients_answer_every_request_by_id(live
 
 
 def test_stop_stream_cancelling_its_requests_leaves_the_server_serving(live, server):
-    import tritonclient.grpc as grpcclient
 
     c = grpcclient.InferenceServerClient(address(server))
     try:

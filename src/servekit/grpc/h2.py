@@ -21,9 +21,10 @@ cancelled, a stream's generator closed), flow control both ways, PING, GOAWAY on
 all the requests still arriving or not yet taken on one connection (a unary request past
 it is refused; a stream's messages past it, or past ``STREAM_BACKLOG`` untaken on one
 stream, leave the socket unread until the calls take them), ``max_unsent_bytes`` of a stream's responses the peer has not read (its generator
-waits), 100 concurrent calls per connection (REFUSED_STREAM beyond), a 64 KiB header
-block. A connection that breaks HTTP/2 itself (bad preface, frame or header block) gets
-GOAWAY and is closed; every other connection and call goes on.
+waits), 100 concurrent calls per connection (REFUSED_STREAM beyond), 64 KiB of headers
+per call (RESOURCE_EXHAUSTED; the block is still decoded, so the connection goes on).
+A connection that breaks HTTP/2 itself (bad preface, frame or header block, or a header
+block over 1 MiB) gets GOAWAY and is closed; every other connection and call goes on.
 
 Against a peer that means harm (the known HTTP/2 denial-of-service classes), as nghttp2
 and grpc-core do: a budget per connection of streams the peer resets (rapid reset,

@@ -34,6 +34,7 @@ from .frames import (
     PROTOCOL_ERROR,
     PUSH_PROMISE,
     REFUSED_STREAM,
+    RESOURCE_EXHAUSTED,
     RST_STREAM,
     S_INITIAL_WINDOW_SIZE,
     S_MAX_FRAME_SIZE,
@@ -48,18 +49,25 @@ from .h2calls import Calls, H2Error, Stream, cancel
 
 __all__ = [
     "FRAMES_PER_TURN",
+    "HEADER_BLOCK_CAP",
     "MAX_FRAME",
     "MAX_HEADER_BLOCK",
     "MAX_STREAMS",
     "BlockDecoder",
     "Budget",
     "Frames",
+    "HeadersTooLarge",
 ]
 
 MAX_STREAMS = 100
 MAX_FRAME = 1 << 20
 """The largest frame this server takes (advertised); it sends at most the peer's."""
 MAX_HEADER_BLOCK = 64 * 1024
+"""The largest header list a call may send (advertised as SETTINGS_MAX_HEADER_LIST_SIZE,
+counted as RFC 9113 does): a call past it is answered RESOURCE_EXHAUSTED, and the
+connection, with the calls on it, goes on."""
+HEADER_BLOCK_CAP = 1 << 20
+"""The largest header block, as sent or decoded, a connection is read past (GOAWAY)."""
 FRAMES_PER_TURN = 256
 """Frames of one connection handled per turn of the loop before the others get theirs."""
 
@@ -79,6 +87,14 @@ class Budget:
         return self.tokens >= 0
 
 
+class HeadersTooLarge(Exception):
+    """A header block decoded whole (the HPACK tables stay in step) to a list over the limit."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"header list of {size} bytes exceeds the limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
 class BlockDecoder:
     """HPACK decoding for one connection. A block of indexed fields only reads the tables
     without changing them, so it means the same until a block that may change them: a
@@ -86,15 +102,21 @@ class BlockDecoder:
 
     def __init__(self, max_header_list_size: int = MAX_HEADER_BLOCK) -> None:
         self.decoder = hpack.Decoder()
-        self.decoder.max_header_list_size = max_header_list_size
+        # Past the cap the decoder stops mid-block, its tables no longer the peer's.
+        self.decoder.max_header_list_size = max(max_header_list_size, HEADER_BLOCK_CAP)
+        self.limit = max_header_list_size
         self.decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        """The block's headers (raw bytes); ``hpack.HPACKError`` if it is malformed."""
+        """The block's headers (raw bytes); ``hpack.HPACKError`` if it is malformed,
+        ``HeadersTooLarge`` if they are over the limit but under the cap."""
         headers = self.decoded.get(block)
         if headers is not None:
             return headers
         headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        if size > self.limit:
+            raise HeadersTooLarge(size, self.limit)
         if block.translate(None, INDEXED) or len(self.decoded) >= 64:
             self.decoded.clear()
         else:
@@ -225,13 +247,17 @@ class Frames(Calls):
     def _block(self, payload: bytes, flags: int) -> None:
         assert self.block is not None
         self.block += payload
-        if len(self.block) > MAX_HEADER_BLOCK:
-            raise H2Error(PROTOCOL_ERROR, f"header block over {MAX_HEADER_BLOCK} bytes")
+        if len(self.block) > HEADER_BLOCK_CAP:
+            raise H2Error(PROTOCOL_ERROR, f"header block over {HEADER_BLOCK_CAP} bytes")
         if not flags & END_HEADERS:
             return
         block, sid, ends = bytes(self.block), self.block_stream, self.block_ends
         self.block = None
-        headers = self._decode(block)
+        too_large: HeadersTooLarge | None = None
+        try:
+            headers = self._decode(block)
+        except HeadersTooLarge as exc:
+            headers, too_large = [], exc
         stream = self.streams.get(sid)
         if stream is None:
             self.last_stream = sid
@@ -239,13 +265,22 @@ class Frames(Calls):
                 self._write(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
                 return
             stream = self.streams[sid] = Stream(self.peer_window)
+            if too_large is not None:
+                self._answer(sid, stream, RESOURCE_EXHAUSTED, str(too_large), reset=not ends)
+                return
             stream.headers = headers
             method = self.server.methods.get(dict(headers).get(b":path", b""))
             if method is not None and method.streaming:
                 self._open(sid, stream, method)
                 if self.streams.get(sid) is not stream:
                     return  # refused
-        if stream.inbox is not None:
+        if too_large is not None:  # a request's trailers (gRPC clients send none)
+            if stream.task is not None:
+                stream.task.cancel()
+                self._finish(sid, stream, RESOURCE_EXHAUSTED, str(too_large), reset=True)
+            else:
+                self._drop(sid, stream, str(too_large))
+        elif stream.inbox is not None:
             if ends:
                 self._stream_data(sid, stream, b"", True)
         elif ends:
