@@ -447,6 +447,50 @@ def test_malformed_requests_get_a_4xx_naming_the_problem(endpoint: Endpoint, nam
     assert needle in json.dumps(answer), answer
 
 
+def _int_contents(request: Any) -> None:
+    request.inputs[0].contents.int_contents.extend([1] * 16)
+
+
+def _contents_and_raw(request: Any) -> None:
+    request.raw_input_contents.extend([A.tobytes(), B.tobytes()])
+
+
+GRPC_MALFORMED = {
+    "contents of another datatype": _int_contents,
+    "contents beside raw_input_contents": _contents_and_raw,
+}
+"""gRPC requests whose values would be dropped unsaid if read as sent: tritonserver
+refuses each (INVALID_ARGUMENT naming the input), and so does every gRPC port here."""
+
+
+@pytest.mark.parametrize("name", sorted(GRPC_MALFORMED))
+def test_malformed_grpc_requests_are_invalid_argument_naming_the_input(
+    endpoint: Endpoint, name: str
+):
+    if endpoint.grpc_port is None:
+        pytest.skip(f"{endpoint.runtime} serves no gRPC")
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def adder() -> Any:
+        request = service_pb2.ModelInferRequest(model_name=MODEL)
+        for input_name, values in (("INPUT0", A), ("INPUT1", B)):
+            tensor = request.inputs.add(name=input_name, datatype="FP32", shape=[1, 16])
+            tensor.contents.fp32_contents.extend(values.ravel().tolist())
+        return request
+
+    bad = adder()
+    GRPC_MALFORMED[name](bad)
+    with grpc.insecure_channel(f"{endpoint.host}:{endpoint.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(bad, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "INPUT0" in e.value.details(), e.value.details()
+        answer = stub.ModelInfer(adder(), timeout=30)  # and the next call is answered
+        assert {o.name for o in answer.outputs} == {"OUTPUT0", "OUTPUT1"}
+
+
 @case("unsupported encoding")
 def test_an_encoding_the_server_cannot_decode_is_refused(endpoint: Endpoint):
     raw = json.dumps(well_formed()).encode()

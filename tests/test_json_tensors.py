@@ -148,6 +148,22 @@ def test_over_grpc_typed_contents_past_the_datatypes_range_are_refused(
     assert decode_inputs(request)["x"].tolist() == [1]
 
 
+def test_over_grpc_contents_beside_a_shared_memory_region_are_refused():
+    """As tritonserver does: values sent both ways would leave one of them unread."""
+    from tritonclient.grpc import service_pb2
+
+    from servekit.grpc.tensors import decode_inputs
+
+    request = service_pb2.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[2])
+    tensor.parameters["shared_memory_region"].string_param = "r0"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 8
+    tensor.contents.fp32_contents.extend([1.0, 2.0])
+    with pytest.raises(InvalidInput, match="input 'x': 'contents' given, but its data is in "
+                       "shared-memory region 'r0'"):  # fmt: skip
+        decode_inputs(request)
+
+
 @pytest.mark.parametrize(
     ("parameters", "outputs", "says"),
     [

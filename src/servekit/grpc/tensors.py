@@ -154,13 +154,23 @@ def decode_inputs(
         check_datatype(name, datatype)
         if any(d < 0 for d in shape):
             raise InvalidInput(f"input {name!r}: shape {shape} has a negative dimension")
-        ref = refs[i]
+        ref, typed = refs[i], tensor.HasField("contents")
         if ref is not None:
+            if typed:
+                raise InvalidInput(
+                    f"input {name!r}: 'contents' given, but its data is in shared-memory "
+                    f"region {ref.region!r}: send one or the other"
+                )
             element_count(shape, name, ref.byte_size)
             inputs[name] = served(regions, ref, name).tensor(ref, name, datatype, shape)
             continue
         count = element_count(shape, name, available)
         if raw:
+            if typed:
+                raise InvalidInput(
+                    f"input {name!r}: 'contents' given with raw_input_contents: send one or "
+                    "the other"
+                )
             data = memoryview(raw[position])
             position += 1
             inputs[name] = tensor_from_raw(name, datatype, shape, data, count)
@@ -168,6 +178,12 @@ def decode_inputs(
         field = _CONTENTS.get(datatype)
         if field is None:
             raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
+        stray = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+        if stray:  # Triton refuses them too; taking only ``field`` would drop them unsaid
+            raise InvalidInput(
+                f"input {name!r}: a {datatype} tensor's values go in contents.{field}, "
+                f"got contents.{stray[0]}"
+            )
         values = getattr(tensor.contents, field)
         if len(values) != count:
             raise InvalidInput(
