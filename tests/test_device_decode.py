@@ -97,6 +97,9 @@ def test_a_bad_image_is_named_by_its_row_and_a_huge_one_by_its_size():
     huge = synthetic_image(1, (800, 600))
     with pytest.raises(InvalidInput, match=r"row 1: image of 800x600 pixels exceeds the limit"):
         decode(np.array([good, huge], dtype=object).reshape(-1, 1))
+    thin = synthetic_image(2, (4000, 2))  # 8,000 pixels, 1,024,000x256 once resized
+    with pytest.raises(InvalidInput, match=r"row 1: image of 4000x2 pixels would resize to "):
+        decode(np.array([good, thin], dtype=object).reshape(-1, 1))
 
 
 def test_runtimes_that_run_preprocessing_apart_refuse_a_device_by_name():

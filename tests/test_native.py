@@ -10,6 +10,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from conftest import each_client  # noqa: E402
 from servekit import (  # noqa: E402
     BatchingPolicy,
     Client,
@@ -130,6 +131,50 @@ def test_bad_grpc_requests_get_a_code_naming_the_problem_and_the_server_lives(
             c.infer("nothing", [grpcclient.InferInput("x", [1], "FP32")])
     finally:
         c.close()
+
+
+def _png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 90, 160)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_eight_clients_and_images_that_would_resize_to_gigabytes(native):
+    """A PNG of a few hundred bytes, 100000x1 or 1x100000, would resize (shorter side to
+    37 for this model, 256 for ResNet-50) to hundreds of millions of pixels: refused by its
+    size before any is made, while seven other clients' images are answered as when sent
+    alone."""
+    url = native.config.server.http_url.removeprefix("http://")
+    images = [synthetic_image(k) for k in range(8)]
+
+    def classes(client, data: bytes) -> np.ndarray:
+        tensor = httpclient.InferInput("image", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[data]], dtype=object))
+        return client.infer("tiny_image", [tensor]).as_numpy("classes")
+
+    with httpclient.InferenceServerClient(url) as c:
+        alone = [classes(c, data) for data in images]
+
+    def client(k: int) -> None:
+        with httpclient.InferenceServerClient(url) as c:
+            for _ in range(5):
+                if k == 0:
+                    for width, height in ((100_000, 1), (1, 100_000)):
+                        with pytest.raises(InferenceServerException) as e:
+                            classes(c, _png(width, height))
+                        assert e.value.status() == "400", e.value
+                        assert (
+                            f"input 'image' row 0: image of {width}x{height} pixels would "
+                            "resize to" in e.value.message()
+                        ), e.value.message()
+                else:
+                    np.testing.assert_array_equal(classes(c, images[k]), alone[k])
+
+    each_client(client)
 
 
 def test_the_inference_token_guards_both_protocols(tiny_cnn_path):

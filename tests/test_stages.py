@@ -6,12 +6,13 @@ import io
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 from servekit import InvalidInput, Postprocess, Preprocess
 from servekit.stages import IMAGENET_MEAN, IMAGENET_STD, softmax, synthetic_image, top_k
+from servekit.stages.image import fit
 
 
 def encode(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
@@ -94,6 +95,39 @@ def test_images_over_the_pixel_limit_are_rejected_before_decoding():
     small = Preprocess(max_pixels=1000, workers=1)
     with pytest.raises(InvalidInput, match="320x240 pixels exceeds the limit of 1000"):
         small.images([synthetic_image(0)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 100_000), st.integers(1, 100_000), st.integers(16, 512))
+def test_fit_refuses_exactly_the_images_that_would_pass_the_pixel_limit(w, h, resize):
+    """Decoded or resized (shorter side to ``resize``), no image held passes the limit: an
+    image that would is refused naming which; any other gets its shorter side ``resize``
+    and a crop that lies inside it."""
+    crop, limit = resize * 7 // 8, 4_000_000
+    short, long = min(w, h), max(w, h)
+    resized = resize * int(resize * long / short)
+    try:
+        width, height, left, top = fit(w, h, resize, crop, limit, "input 'image' row 3")
+    except InvalidInput as exc:
+        if w * h > limit:
+            assert str(exc) == (
+                f"input 'image' row 3: image of {w}x{h} pixels exceeds the limit of {limit} pixels"
+            )
+        else:
+            assert resized > limit and "would resize to" in str(exc), str(exc)
+        return
+    assert w * h <= limit and resized <= limit
+    assert min(width, height) == resize and width * height == resized
+    assert 0 <= left <= width - crop and 0 <= top <= height - crop
+
+
+def test_an_image_that_would_resize_past_the_limit_is_refused_before_any_pixel(pre):
+    """30000x2: 60,000 pixels decoded, but 3,840,000x256 once its shorter side is 256."""
+    out = io.BytesIO()
+    Image.new("RGB", (30_000, 2), (1, 2, 3)).save(out, "PNG")
+    with pytest.raises(InvalidInput, match=r"row 1: image of 30000x2 pixels would resize to "
+                       r"3840000x256, over the limit of 64000000 pixels"):  # fmt: skip
+        pre.images([synthetic_image(0), out.getvalue()])
 
 
 def test_preprocess_signature_is_triton_style_bytes(pre):

@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ..errors import InvalidInput
-from .image import Preprocess, decode_image, pixel_scaling
+from .image import Preprocess, decode_image, fit, pixel_scaling
 
 __all__ = ["DeviceDecode", "device_decode_available"]
 
@@ -61,20 +60,17 @@ class DeviceDecode:
         self.last_fallbacks = 0
 
     def _header(self, row: int, data: bytes) -> bool:
-        """Whether the device decodes this image: a JPEG in RGB or greyscale within the
-        pixel limit (its header only is read). Anything else takes the host path, which
-        names what is wrong with a bad image."""
+        """Whether the device decodes this image: a JPEG in RGB or greyscale that ``fit``
+        takes (its header only is read). Anything else takes the host path, which names
+        what is wrong with a bad image."""
         try:
             img = Image.open(io.BytesIO(data))
             w, h = img.size
             ok = img.format == "JPEG" and img.mode in ("RGB", "L")
         except Exception:
             return False
-        if w * h > self.pre.max_pixels:
-            raise InvalidInput(
-                f"input {self.pre.input_name!r} row {row}: image of {w}x{h} pixels exceeds "
-                f"the limit of {self.pre.max_pixels} pixels"
-            )
+        pre = self.pre
+        fit(w, h, pre.resize, pre.crop, pre.max_pixels, f"input {pre.input_name!r} row {row}")
         return ok
 
     def _decoded(self, rows: list[tuple[int, bytes]]) -> dict[int, Any]:
@@ -93,27 +89,18 @@ class DeviceDecode:
                     out[row] = self._decode_jpeg(data, mode=self._rgb, device=self.device)
             return out
 
-    def _fit(self, img: Any) -> Any:
-        """Resize the shorter side to ``resize`` and centre-crop ``crop`` (``decode_image``'s
-        sizes and offsets)."""
+    def _fit(self, img: Any, row: int) -> Any:
+        """Resize the shorter side to ``resize`` and centre-crop ``crop`` (``fit``'s sizes
+        and offsets, as ``decode_image``'s)."""
         pre, tvf = self.pre, self._tvf
         _, h, w = img.shape
-        size = (
-            (pre.resize, int(pre.resize * h / w))
-            if w <= h
-            else (int(pre.resize * w / h), pre.resize)
-        )
-        if size != (w, h):
+        where = f"input {pre.input_name!r} row {row}"
+        width, height, left, top = fit(w, h, pre.resize, pre.crop, pre.max_pixels, where)
+        if (width, height) != (w, h):
             img = tvf.resize(
-                img,
-                [size[1], size[0]],
-                interpolation=tvf.InterpolationMode.BILINEAR,
+                img, [height, width], interpolation=tvf.InterpolationMode.BILINEAR,
                 antialias=True,
-            )
-        w, h = size
-        if w < pre.crop or h < pre.crop:
-            return None
-        top, left = int(round((h - pre.crop) / 2.0)), int(round((w - pre.crop) / 2.0))
+            )  # fmt: skip
         return img[:, top : top + pre.crop, left : left + pre.crop]
 
     def __call__(self, blobs: np.ndarray) -> Any:
@@ -128,7 +115,7 @@ class DeviceDecode:
         fallbacks = 0
         for row, data in enumerate(column):
             img = decoded.get(row)
-            crop = self._fit(img) if img is not None else None
+            crop = self._fit(img, row) if img is not None else None
             if crop is None:  # the host path, which also names a bad image's fault
                 fallbacks += 1
                 pixels = decode_image(

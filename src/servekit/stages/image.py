@@ -25,6 +25,7 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "Preprocess",
     "decode_image",
+    "fit",
     "input_scaling",
     "pixel_scaling",
     "synthetic_image",
@@ -59,6 +60,29 @@ def input_scaling(
     return mean, std
 
 
+def fit(
+    w: int, h: int, resize: int, crop: int, max_pixels: int, where: str
+) -> tuple[int, int, int, int]:
+    """A ``w``x``h`` image's size once its shorter side is ``resize``, and where the centred
+    ``crop`` starts in it: (width, height, left, top). ``InvalidInput`` naming ``where``
+    if the image, as decoded or as resized, holds more than ``max_pixels`` (a 200-byte
+    PNG of 30000x2 would resize to 3,840,000x256: gigabytes, from one request), or if the
+    resized image is smaller than the crop."""
+    if w * h > max_pixels:
+        raise InvalidInput(
+            f"{where}: image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels"
+        )
+    width, height = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
+    if width * height > max_pixels:
+        raise InvalidInput(
+            f"{where}: image of {w}x{h} pixels would resize to {width}x{height}, over the "
+            f"limit of {max_pixels} pixels"
+        )
+    if width < crop or height < crop:
+        raise InvalidInput(f"{where}: resized image {width}x{height} is smaller than crop {crop}")
+    return width, height, int(round((width - crop) / 2.0)), int(round((height - crop) / 2.0))
+
+
 def decode_image(
     data: bytes,
     resize: int = 256,
@@ -70,13 +94,14 @@ def decode_image(
     """Decode, resize the shorter side to ``resize`` and centre-crop ``crop``; HWC uint8 RGB.
 
     Raises:
-        InvalidInput: the bytes are not a decodable image, or it is larger than ``max_pixels``.
+        InvalidInput: the bytes are not a decodable image, or it is too large (``fit``).
     """
+    where = f"input {tensor!r} row {row}"
     if isinstance(data, np.ndarray):  # a BYTES element read from an ``S`` array
         data = data.tobytes()
     if not isinstance(data, bytes | bytearray) or not data:
         raise InvalidInput(
-            f"input {tensor!r} row {row}: expected encoded image bytes, got "
+            f"{where}: expected encoded image bytes, got "
             f"{'empty bytes' if isinstance(data, bytes | bytearray) else type(data).__name__}"
         )
     try:
@@ -84,14 +109,15 @@ def decode_image(
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img: Image.Image = Image.open(io.BytesIO(data))
             w, h = img.size
-            if w * h > max_pixels:
-                raise InvalidInput(
-                    f"input {tensor!r} row {row}: image of {w}x{h} pixels exceeds the limit of "
-                    f"{max_pixels} pixels"
-                )
+            width, height, left, top = fit(w, h, resize, crop, max_pixels, where)
             img = img.convert("RGB")
     except InvalidInput:
         raise
+    except Image.DecompressionBombError:  # Pillow's own limit, met before ours is asked
+        raise InvalidInput(
+            f"{where}: image exceeds the limit of {max_pixels} pixels "
+            f"(Pillow refuses over {2 * (Image.MAX_IMAGE_PIXELS or 0)})"
+        ) from None
     except Exception as exc:  # PIL raises several unrelated types for bad data
         reason = (
             "not an image format Pillow can read"
@@ -99,21 +125,11 @@ def decode_image(
             else f"{type(exc).__name__}: {exc}"
         )
         raise InvalidInput(
-            f"input {tensor!r} row {row}: cannot decode image ({len(data)} bytes, "
+            f"{where}: cannot decode image ({len(data)} bytes, "
             f"starting {bytes(data[:8])!r}): {reason}"
         ) from None
-    if w <= h:
-        size = (resize, int(resize * h / w))
-    else:
-        size = (int(resize * w / h), resize)
-    if size != (w, h):
-        img = img.resize(size, Image.Resampling.BILINEAR)
-    w, h = size
-    if w < crop or h < crop:
-        raise InvalidInput(
-            f"input {tensor!r} row {row}: resized image {w}x{h} is smaller than crop {crop}"
-        )
-    top, left = int(round((h - crop) / 2.0)), int(round((w - crop) / 2.0))
+    if (width, height) != (w, h):
+        img = img.resize((width, height), Image.Resampling.BILINEAR)
     img = img.crop((left, top, left + crop, top + crop))
     return np.asarray(img, dtype=np.uint8)
 
