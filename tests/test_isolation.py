@@ -24,7 +24,9 @@ from servekit import (
 from servekit.batching.execute import Fit, batch_steps, drive, run_requests
 from servekit.batching.faults import FaultLog
 
-SPEC = ModelSpec((TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [2]),), 64)
+SPEC = ModelSpec((TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [2]),), 96)
+"""Max batch 96: the property's largest batch, 32 requests of 3 rows (a batcher forms no
+larger one, and a batch past it would fail its output check, not the model)."""
 
 
 class Picky:
