@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+
 import pytest
 import tomllib
 from hypothesis import given
@@ -15,8 +19,13 @@ from servekit import (
     ServerConfig,
     TimeoutAction,
 )
+from servekit.autoscale import AutoscalePolicy
+from servekit.batching.sequence import SequencePolicy
 from servekit.config import RUNTIMES, RayOptions
+from servekit.config.server import StoreConfig, TracingConfig
 from servekit.rollout import ModelVersion
+from servekit.rollout.policy import CanaryPolicy, TrafficPolicy
+from servekit.storage.objects import StorageConfig
 
 FULL = """
 runtime = "native"
@@ -159,6 +168,77 @@ def test_bad_config_files_name_the_file_and_the_bad_key(tmp_path, text, message)
     with pytest.raises(ValueError, match=message) as info:
         ServeConfig.load(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server]\nfront = 'no'", "[server] front: expected true or false, got 'no'"),
+        ("[server]\nhttp_port = 'abc'", "[server] http_port: expected an integer, got 'abc'"),
+        ("[[models]]\nimage = 'false'", "[models.0] image: expected true or false, got 'false'"),
+        ("[[models]]\nthreads = 1.5", "[models.0] threads: expected an integer or null, got 1.5"),
+        (
+            "[[models]]\n[models.batching]\npreserve_ordering = 'no'",
+            "[models.0.batching] preserve_ordering: expected true or false, got 'no'",
+        ),
+        (
+            "[[models]]\n[models.batching]\npreferred_batch_sizes = [4, true]",
+            "[models.0.batching] preferred_batch_sizes: expected a list of integers, got [4, True]",
+        ),
+        ("runtime = 5", "[top level] runtime: expected a string, got 5"),
+    ],
+)
+def test_a_value_of_another_kind_than_its_key_takes_is_refused_naming_both(tmp_path, text, message):
+    """``front = "no"`` was taken as true (a non-empty string), ``8.5`` as a batch size,
+    and ``http_port = "abc"`` failed inside Python's comparison."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        ServeConfig.load(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+TABLES = [
+    (ServeConfig.from_dict, ServeConfig, "top level"),
+    (ServerConfig.from_dict, ServerConfig, "server"),
+    (TracingConfig.from_dict, TracingConfig, "server.tracing"),
+    (ModelConfig.from_dict, ModelConfig, "models"),
+    (BatchingPolicy.from_dict, BatchingPolicy, "batching"),
+    (QueuePolicy.from_dict, QueuePolicy, "batching.queue"),
+    (lambda d: SequencePolicy.from_dict(d, "seq"), SequencePolicy, "seq"),
+    (AutoscalePolicy.from_dict, AutoscalePolicy, "models.autoscale"),
+    (ModelVersion.from_dict, ModelVersion, "models.versions"),
+    (TrafficPolicy.from_dict, TrafficPolicy, "models.traffic"),
+    (CanaryPolicy.from_dict, CanaryPolicy, "models.canary"),
+    (StorageConfig.from_dict, StorageConfig, "storage"),
+    (RayOptions.from_dict, RayOptions, "ray"),
+    (StoreConfig.from_dict, StoreConfig, "store"),
+]
+
+
+@pytest.mark.parametrize(("read", "cls", "section"), TABLES, ids=[t[2] for t in TABLES])
+def test_every_table_refuses_a_value_of_the_wrong_kind_for_each_plain_key(read, cls, section):
+    """Every flag, number, string or list of them in every table, given a value a careless
+    file might hold: a flag as a string, a number as a string, a string as a number."""
+    hints = typing.get_type_hints(cls)
+    checked = 0
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if bool in kinds:
+            wrong: object = "no"
+        elif int in kinds or float in kinds:
+            wrong = "1"
+        elif str in kinds:
+            wrong = 1
+        elif any(typing.get_origin(k) is tuple and typing.get_args(k)[0] is int for k in kinds):
+            wrong = "4"
+        else:
+            continue  # a table or a choice of words: checked by its own class
+        with pytest.raises(ValueError, match=rf"^\[{section}\] {field.name}: expected "):
+            read({field.name: wrong})
+        checked += 1
+    assert checked
 
 
 def test_other_file_types_are_refused(tmp_path):

@@ -77,7 +77,7 @@ class AutoscalePolicy:
     def from_dict(
         cls, data: Mapping[str, Any], section: str = "models.autoscale"
     ) -> AutoscalePolicy:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         return cls(**data)
 
 

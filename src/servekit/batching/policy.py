@@ -67,7 +67,7 @@ class QueuePolicy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "batching.queue") -> QueuePolicy:
         """A queue policy from its table; unknown keys are named with their section."""
-        check_keys(section, data, set(cls.__dataclass_fields__))
+        check_keys(section, data, set(cls.__dataclass_fields__), cls)
         return cls(**data)
 
     def to_triton(self, msg: Any) -> None:
@@ -314,7 +314,7 @@ class BatchingPolicy:
             "priority_levels",
             "default_priority_level",
         }
-        check_keys(section, data, scalars | {"queue", "priority_queues"})
+        check_keys(section, data, scalars | {"queue", "priority_queues"}, cls)
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in scalars}
         if "preferred_batch_sizes" in kwargs:
             kwargs["preferred_batch_sizes"] = tuple(kwargs["preferred_batch_sizes"])

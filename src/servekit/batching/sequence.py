@@ -125,17 +125,18 @@ class SequencePolicy:
             data,
             {"strategy", "max_sequence_idle_us", "max_candidate_sequences",
              "max_queue_delay_us", "controls", "state"},
+            cls,
         )  # fmt: skip
         kwargs = {k: v for k, v in data.items() if k not in ("controls", "state")}
         controls = data.get("controls", {})
         if not isinstance(controls, Mapping):
             raise ValueError(f"{section}.controls: expected a table, got {controls!r}")
-        check_keys(f"{section}.controls", controls, {"start", "end", "ready", "corrid"})
+        check_keys(f"{section}.controls", controls, {"start", "end", "ready", "corrid"}, Controls)
         states = data.get("state", [])
         if not isinstance(states, Sequence) or isinstance(states, str):
             raise ValueError(f"[[{section}.state]]: expected a list of tables, got {states!r}")
         for i, state in enumerate(states):
-            check_keys(f"{section}.state.{i}", state, {"input", "output", "initial"})
+            check_keys(f"{section}.state.{i}", state, {"input", "output", "initial"}, StateSpec)
         return cls(controls=Controls(**controls), states=tuple(states), **kwargs)
 
     def to_triton(self, msg: Any, inputs: Mapping[str, Any]) -> None:

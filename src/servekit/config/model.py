@@ -332,7 +332,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "models") -> ModelConfig:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         kwargs = dict(data)
         kwargs["batching"] = BatchingPolicy.from_dict(
             data.get("batching", {}), f"{section}.batching"

@@ -236,7 +236,7 @@ class ServeConfig:
         data = dict(data)
         model_keys = {f.name for f in dataclasses.fields(ModelConfig)} | {"model"}
         top = {"runtime", "server", "models", "cache_dir", "ray", "store", "storage"}
-        check_keys("top level", data, top | (model_keys if "models" not in data else set()))
+        check_keys("top level", data, top | (model_keys if "models" not in data else set()), cls)
         flat = {k: data.pop(k) for k in list(data) if k in model_keys}
         if "model" in flat:  # the one-model shorthand
             flat["source"] = flat.pop("model")

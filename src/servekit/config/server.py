@@ -111,7 +111,7 @@ class TracingConfig:
     def from_dict(cls, data: Mapping[str, Any], section: str = "server.tracing") -> TracingConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"[{section}]: expected a table, got {data!r}")
-        check_keys(section, data, {"endpoint", "rate", "level"})
+        check_keys(section, data, {"endpoint", "rate", "level"}, cls)
         return cls(**data)
 
 
@@ -226,7 +226,7 @@ class ServerConfig(Endpoints):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "server") -> ServerConfig:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         kwargs = dict(data)
         if "cache" in data:
             kwargs["cache"] = CacheConfig.from_dict(data["cache"], f"{section}.cache")
@@ -297,7 +297,7 @@ class RayOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "ray") -> RayOptions:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         return cls(**data)
 
 
@@ -359,5 +359,5 @@ class StoreConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "store") -> StoreConfig:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         return cls(**data)

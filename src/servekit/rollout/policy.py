@@ -36,7 +36,7 @@ class ModelVersion:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "models.versions") -> ModelVersion:
-        check_keys(section, data, {"version", "source"})
+        check_keys(section, data, {"version", "source"}, cls)
         return cls(**data)
 
 
@@ -93,7 +93,7 @@ class TrafficPolicy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "models.traffic") -> TrafficPolicy:
-        check_keys(section, data, {"split", "sticky", "shadow"})
+        check_keys(section, data, {"split", "sticky", "shadow"}, cls)
         return cls(**data)
 
 
@@ -167,5 +167,5 @@ class CanaryPolicy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "models.canary") -> CanaryPolicy:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         return cls(**data)

@@ -65,7 +65,7 @@ class StorageConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "storage") -> StorageConfig:
-        check_keys(section, data, {f.name for f in dataclasses.fields(cls)})
+        check_keys(section, data, {f.name for f in dataclasses.fields(cls)}, cls)
         return cls(**data)
 
 
