@@ -186,6 +186,10 @@ def test_bad_config_files_name_the_file_and_the_bad_key(tmp_path, text, message)
             "[models.0.batching] preferred_batch_sizes: expected a list of integers, got [4, True]",
         ),
         ("runtime = 5", "[top level] runtime: expected a string, got 5"),
+        (
+            "[[models]]\n[models.batching]\nlatency_budget_ms = nan",
+            "[models.0.batching] latency_budget_ms: expected a number, got nan",
+        ),
     ],
 )
 def test_a_value_of_another_kind_than_its_key_takes_is_refused_naming_both(tmp_path, text, message):
@@ -214,6 +218,23 @@ TABLES = [
     (RayOptions.from_dict, RayOptions, "ray"),
     (StoreConfig.from_dict, StoreConfig, "store"),
 ]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BatchingPolicy(latency_budget_ms=float("nan")),
+        lambda: AutoscalePolicy(window_s=float("nan")),
+        lambda: ServerConfig(request_timeout_s=float("nan")),
+        lambda: StoreConfig(wait_s=float("nan")),
+        lambda: CanaryPolicy(max_p99_increase_ms=float("nan")),
+        lambda: StorageConfig(progress_s=float("nan")),
+    ],
+)
+def test_nan_is_no_duration_or_budget(make):
+    """NaN passed every ``< 0`` check (every comparison with it is false)."""
+    with pytest.raises(ValueError, match="nan"):
+        make()
 
 
 @pytest.mark.parametrize(("read", "cls", "section"), TABLES, ids=[t[2] for t in TABLES])

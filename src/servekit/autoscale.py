@@ -62,7 +62,7 @@ class AutoscalePolicy:
 
     def __post_init__(self) -> None:
         for key in ("latency_budget_ms", "window_s"):
-            if getattr(self, key) <= 0:
+            if not getattr(self, key) > 0:  # NaN too
                 raise ValueError(f"[models.autoscale] {key} must be > 0, got {getattr(self, key)}")
         for key in ("target_batch_fill", "target_queue_share"):
             if not 0 < getattr(self, key) <= 1:

@@ -76,7 +76,7 @@ def _is(value: Any, kind: Any) -> bool:
     if isinstance(value, bool):
         return False  # a flag is no number
     if kind is float:
-        return isinstance(value, int | float)
+        return isinstance(value, int | float) and value == value  # TOML's nan is no setting
     if kind is str:
         return isinstance(value, str | os.PathLike)
     return isinstance(value, kind)

@@ -165,7 +165,7 @@ class BatchingPolicy:
         object.__setattr__(self, "preferred_batch_sizes", sizes)
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
-        if self.latency_budget_ms < 0:
+        if not self.latency_budget_ms >= 0:  # NaN too
             raise ValueError(f"latency_budget_ms must be >= 0, got {self.latency_budget_ms}")
         if not 0 < self.latency_percentile <= 100:
             raise ValueError(

@@ -28,7 +28,7 @@ class CacheConfig:
     redis_url: str = ""
 
     def __post_init__(self) -> None:
-        if self.local_size_mb < 0:
+        if not self.local_size_mb >= 0:
             raise ValueError(f"[server.cache.local] size_mb must be > 0, got {self.local_size_mb}")
         if self.local_size_mb and self.redis_url:
             raise ValueError("[server.cache]: local or redis, not both")
@@ -183,7 +183,7 @@ class ServerConfig(Endpoints):
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         for key in ("keep_alive_s", "max_connections", "grpc_handshake_timeout_s",
                     "grpc_idle_timeout_s", "request_timeout_s", "max_worker_deaths"):  # fmt: skip
-            if getattr(self, key) <= 0:
+            if not getattr(self, key) > 0:  # NaN too
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
 
     def triton_ports(self) -> tuple[int, int, int]:
@@ -336,11 +336,11 @@ class StoreConfig:
             object.__setattr__(self, "root", os.fspath(self.root))
         if self.load not in STORE_LOADS:
             raise ValueError(f"[store] load must be one of {list(STORE_LOADS)}, got {self.load!r}")
-        if self.memory_budget_mb < 0:
+        if not self.memory_budget_mb >= 0:
             raise ValueError(f"[store] memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
-        if self.wait_s <= 0:
+        if not self.wait_s > 0:
             raise ValueError(f"[store] wait_s must be > 0, got {self.wait_s}")
-        if self.max_loads_per_s < 0:
+        if not self.max_loads_per_s >= 0:
             raise ValueError(f"[store] max_loads_per_s must be >= 0, got {self.max_loads_per_s}")
 
     @property

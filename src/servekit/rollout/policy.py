@@ -136,7 +136,7 @@ class CanaryPolicy:
                 raise ValueError(f"[models.canary] {key} must be in [0, 1], got {value}")
         if self.max_p99_ratio <= 0:
             raise ValueError(f"[models.canary] max_p99_ratio must be > 0, got {self.max_p99_ratio}")
-        if self.max_p99_increase_ms < 0:
+        if not self.max_p99_increase_ms >= 0:
             raise ValueError(
                 f"[models.canary] max_p99_increase_ms must be >= 0, got {self.max_p99_increase_ms}"
             )

@@ -50,7 +50,7 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.cache is not None:
             object.__setattr__(self, "cache", os.fspath(self.cache))
-        if self.progress_s < 0:
+        if not self.progress_s >= 0:
             raise ValueError(f"[storage] progress_s must be >= 0, got {self.progress_s}")
 
     @property
