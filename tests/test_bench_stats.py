@@ -67,9 +67,11 @@ def test_level_ranges():
     assert parse_levels("50:200:50") == [50, 100, 150, 200]
     assert parse_levels("1,2,4") == [1, 2, 4]
     assert parse_levels("2.5") == [2.5]
-    for bad in ("1:16:0", "a:b", "1:16:x1", "0,1", "1:2:3:4"):
+    for bad in ("1:16:0", "a:b", "1:16:x1", "0,1", "1:2:3:4", "nan", "inf", "1,nan"):
         with pytest.raises(ValueError, match="bad range"):
             parse_levels(bad)
+    with pytest.raises(ValueError, match="'5:1:1': its start is past its end"):
+        parse_levels("5:1:1")
 
 
 def test_rows_per_s_counts_rows_of_back_to_back_calls_after_the_warmup():

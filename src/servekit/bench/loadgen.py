@@ -10,6 +10,7 @@ sent, so a client that falls behind shows up as latency instead of hiding it
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -121,8 +122,10 @@ def parse_levels(spec: str) -> list[float]:
         raise ValueError(
             f"bad range {spec!r}: use start:end:step, start:end:xFACTOR or a,b,c"
         ) from None
-    if not levels or any(v <= 0 for v in levels):
-        raise ValueError(f"bad range {spec!r}: levels must be positive")
+    if not levels:
+        raise ValueError(f"bad range {spec!r}: its start is past its end")
+    if not all(0 < v < math.inf for v in levels):  # NaN fails both comparisons
+        raise ValueError(f"bad range {spec!r}: levels must be positive numbers")
     return [int(v) if v == int(v) else v for v in levels]
 
 
