@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from servekit.bench import (
+    MeasureConfig,
     WindowStats,
     is_stable,
     parse_levels,
@@ -72,6 +73,21 @@ def test_level_ranges():
             parse_levels(bad)
     with pytest.raises(ValueError, match="'5:1:1': its start is past its end"):
         parse_levels("5:1:1")
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"window_s": math.nan},
+        {"warmup_s": math.nan},
+        {"window_s": math.inf},
+        {"stability": math.nan},
+    ],
+)
+def test_a_window_that_would_never_end_is_refused(knobs):
+    """``--window nan`` measured forever: no clock reading reaches NaN seconds."""
+    with pytest.raises(ValueError, match="nan|inf"):
+        MeasureConfig(**knobs)
 
 
 def test_rows_per_s_counts_rows_of_back_to_back_calls_after_the_warmup():

@@ -41,10 +41,13 @@ class MeasureConfig:
     """The server's process: its whole tree's CPU is measured per request (same host only)."""
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.warmup_s < 0:
+        # Written so NaN fails too: a window of NaN seconds never ends.
+        if not (0 < self.window_s < math.inf and 0 <= self.warmup_s < math.inf):
             raise ValueError(
                 f"window_s must be > 0 and warmup_s >= 0, got {self.window_s}, {self.warmup_s}"
             )
+        if not 0 <= self.stability < math.inf:
+            raise ValueError(f"stability must be >= 0, got {self.stability}")
         if self.max_windows < self.stable_windows:
             raise ValueError(
                 f"max_windows ({self.max_windows}) must be >= stable_windows ({self.stable_windows})"
