@@ -10,7 +10,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from conftest import each_client  # noqa: E402
+from conftest import each_client, scrape  # noqa: E402
 from servekit import (  # noqa: E402
     BatchingPolicy,
     Client,
@@ -175,6 +175,12 @@ def test_eight_clients_and_images_that_would_resize_to_gigabytes(native):
                     np.testing.assert_array_equal(classes(c, images[k]), alone[k])
 
     each_client(client)
+    gauges = scrape(f"{native.config.server.http_url}/metrics")
+    idle = (
+        "nv_inference_pending_request_count",
+        frozenset({("model", "tiny_image"), ("version", "1")}),
+    )
+    assert gauges[idle] == 0  # idle again once the clients stop
 
 
 def test_the_inference_token_guards_both_protocols(tiny_cnn_path):
