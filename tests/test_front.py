@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("pytriton", reason="needs the triton extra: pip install 'servekit[triton]'")
 
-from conftest import served_models
+from conftest import each_client, scrape, served_models
 from servekit import BatchingPolicy, InvalidInput, OnnxRuntimeRunner
 from servekit.client import AsyncClient, Client
 from servekit.config import ServerConfig
@@ -160,6 +160,45 @@ def test_concurrent_requests_each_get_their_own_answer(server, tiny_cnn_path):
     for i, out in enumerate(got):
         want = runner.infer({"input": np.full((1, 3, 32, 32), i / n, np.float32)})["logits"]
         np.testing.assert_allclose(out["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_eight_clients_two_sending_values_of_the_wrong_kind(server, tiny_cnn_path):
+    """The front's refusals of values tritonserver itself answers with a 500 (true in FP32
+    data, a number no double holds, a binary flag that is no boolean) come alone: the
+    other requests, batched together on tritonserver, get their own answers, and the
+    model is idle after."""
+    port = server.server.http_port
+    runner = OnnxRuntimeRunner(tiny_cnn_path)
+    wants = {
+        k: runner.infer({"input": np.full((1, 3, 32, 32), k / 8, np.float32)})["logits"]
+        for k in range(8)
+    }
+    too_big = '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32], '
+    too_big += '"data": [1e400' + ", 0" * 3071 + "]}]}"
+    bad = [
+        (one([1, 3, 32, 32], [True] * 3072), "is not FP32"),
+        (too_big, "1e400"),
+        ({**one([1, 3, 32, 32], [0.0] * 3072), "parameters": {"binary_data_output": "yes"}},
+         "binary_data_output"),
+    ]  # fmt: skip
+
+    def client(k: int) -> None:
+        for i in range(6):
+            if k < 2 and i % 2:
+                body, says = bad[(k + i) % 3]
+                status, payload = post(port, body)
+                assert status == 400 and says in payload["error"], (status, payload)
+                continue
+            status, payload = post(port, one([1, 3, 32, 32], [k / 8] * 3072))
+            assert status == 200, payload
+            (logits,) = [o for o in payload["outputs"] if o["name"] == "logits"]
+            got = np.asarray(logits["data"], np.float32).reshape(wants[k].shape)
+            np.testing.assert_allclose(got, wants[k], rtol=1e-5, atol=1e-5)
+
+    each_client(client)
+    assert server.is_alive()
+    idle = ("nv_inference_pending_request_count", frozenset({("model", "tiny"), ("version", "1")}))
+    assert scrape(server.server.metrics_url)[idle] == 0
 
 
 def post_binary(port: int, model: str, header: dict, tail: bytes) -> tuple[int, dict]:
