@@ -143,6 +143,7 @@ def test_a_call_with_too_many_headers_is_refused_and_its_connection_goes_on(live
         _, _, trailers = raw.response(3)
         assert trailers["grpc-status"] == "8", trailers  # RESOURCE_EXHAUSTED
         assert "exceeds the limit of 65536 bytes" in trailers["grpc-message"], trailers
+        assert "the largest: 'x-big', 100005 bytes" in trailers["grpc-message"], trailers
         raw.send(DATA, END_STREAM, 1, b"")  # the call begun before it ends now
         _, answer, trailers = raw.response(1)
         assert trailers["grpc-status"] == "0", trailers

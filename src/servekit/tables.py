@@ -18,9 +18,9 @@ _ITEMS = {int: "integers", str: "strings"}
 _NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def check_keys(section: str, data: Any, allowed: set[str], types: type | None = None) -> None:
+def check_keys(section: str, data: Any, allowed: set[str], typed: type | None = None) -> None:
     """Raise ``ValueError`` naming the section, any unknown keys and the known ones; with
-    ``types`` (the dataclass the table becomes), a value of another kind than its field's,
+    ``typed`` (the dataclass the table becomes), a value of another kind than its field's,
     naming the key, the kind and the value."""
     if not isinstance(data, Mapping):
         raise ValueError(f"[{section}]: expected a table, got {data!r}")
@@ -29,9 +29,9 @@ def check_keys(section: str, data: Any, allowed: set[str], types: type | None = 
         raise ValueError(
             f"unknown key(s) {unknown} in [{section}]; expected some of {sorted(allowed)}"
         )
-    if types is None:
+    if typed is None:
         return
-    kinds = _fields(types)
+    kinds = _fields(typed)
     for key, value in data.items():
         wanted = kinds.get(key)
         if wanted and not any(_is(value, kind) for kind in wanted):

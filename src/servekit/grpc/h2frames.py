@@ -88,10 +88,15 @@ class Budget:
 
 
 class HeadersTooLarge(Exception):
-    """A header block decoded whole (the HPACK tables stay in step) to a list over the limit."""
+    """A header block decoded whole (the HPACK tables stay in step) to a list over the limit;
+    the refusal names the largest header, the one to look at."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"header list of {size} bytes exceeds the limit of {limit} bytes")
+    def __init__(self, size: int, limit: int, largest: tuple[bytes, bytes]) -> None:
+        name, value = largest
+        super().__init__(
+            f"header list of {size} bytes exceeds the limit of {limit} bytes (the largest: "
+            f"{name.decode(errors='replace')!r}, {len(name) + len(value)} bytes)"
+        )
         self.size, self.limit = size, limit
 
 
@@ -116,7 +121,8 @@ class BlockDecoder:
         headers = cast(list[tuple[bytes, bytes]], self.decoder.decode(block, raw=True))
         size = sum(len(name) + len(value) + 32 for name, value in headers)
         if size > self.limit:
-            raise HeadersTooLarge(size, self.limit)
+            largest = max(headers, key=lambda h: len(h[0]) + len(h[1]))
+            raise HeadersTooLarge(size, self.limit, largest)
         if block.translate(None, INDEXED) or len(self.decoded) >= 64:
             self.decoded.clear()
         else:
