@@ -9,8 +9,8 @@ unregistered region a 404, as in Triton), and the server goes on.
 
 Everywhere: the registry's rules (one namespace with system regions, sizes and offsets,
 an unregister that waits for the copies on a region) and the HTTP surface run on a
-stand-in for the device's memory (``HostMemory``: host bytes behind the same interface as
-``cudashm.open_ipc``, which cannot open a handle without a GPU); a server that sees no
+stand-in for the device's memory (``cudamemory.HostMemory``: host bytes behind the same
+interface as ``cudashm.open_ipc``, which cannot open a handle without a GPU); a server that sees no
 GPU refuses CUDA registrations naming why; requests that carry device tensors
 (``DeviceTensor``) are checked and gathered as host arrays are, with torch's CPU tensors
 where PyTorch is installed.
@@ -30,55 +30,10 @@ import numpy as np
 import pytest
 
 from conftest import HAS_TORCH, has_cuda, needs_cuda, needs_torch
+from cudamemory import Devices
 from servekit import FunctionRunner, ModelSpec, TensorSpec
 from servekit.errors import InvalidInput, RegionNotFound
 from servekit.protocol.shm import SharedMemory, ShmRef, cuda_refusal
-
-
-class HostMemory:
-    """A stand-in for a buffer on a device: host bytes; ``gate`` (when set) holds every
-    read until it opens, as a long copy would."""
-
-    def __init__(self, buffer: bytearray, device_id: int, byte_size: int) -> None:
-        self.buffer, self.device_id, self.byte_size = buffer, device_id, byte_size
-        self.closed = False
-        self.gate: threading.Event | None = None
-
-    def to_host(self, start: int, size: int) -> np.ndarray:
-        if self.gate is not None:
-            self.gate.wait(10)
-        assert not self.closed, "read after unmapping"
-        return np.frombuffer(bytes(self.buffer[start : start + size]), np.uint8)
-
-    def to_device(self, start: int, size: int):
-        raise AssertionError("no model here takes device tensors")
-
-    def from_host(self, start: int, data: bytes) -> None:
-        assert not self.closed, "write after unmapping"
-        self.buffer[start : start + len(data)] = data
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Devices:
-    """Two stand-in devices; ``allocate`` returns a handle (64 bytes) and the buffer."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[bytes, tuple[int, bytearray]] = {}
-        self.opened: list[HostMemory] = []
-
-    def allocate(self, size: int, device_id: int = 0) -> tuple[bytes, bytearray]:
-        handle = len(self.buffers).to_bytes(8, "little") * 8
-        self.buffers[handle] = (device_id, bytearray(size))
-        return handle, self.buffers[handle][1]
-
-    def open(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> HostMemory:
-        if raw_handle not in self.buffers or self.buffers[raw_handle][0] != device_id:
-            raise InvalidInput(f"CUDA shared-memory region {name!r}: its handle does not open")
-        memory = HostMemory(self.buffers[raw_handle][1], device_id, byte_size)
-        self.opened.append(memory)
-        return memory
 
 
 @pytest.fixture
@@ -287,8 +242,8 @@ def test_device_tensors_are_checked_and_gathered_like_host_arrays():
     host = np.full((1, 3), 9, np.float32)
     with StagingPool(8, pinned=True).lend() as staging:
         batch = staging.gather([{"x": a}, {"x": host}, {"x": a}], ["x"])["x"]
-        assert torch.is_tensor(batch) and batch.device == a.device
-        assert batch.tolist() == [[0, 1, 2], [3, 4, 5], [9, 9, 9], [0, 1, 2], [3, 4, 5]]
+        assert isinstance(batch, DeviceTensor) and batch.device == a.device
+        assert batch.tensor.tolist() == [[0, 1, 2], [3, 4, 5], [9, 9, 9], [0, 1, 2], [3, 4, 5]]
         assert staging.allocations == 0  # no host buffer: the rows never crossed the host
 
 
@@ -318,8 +273,9 @@ def gpu_server(tiny_cnn_path):
 @needs_cuda
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_server, protocol):
-    """Inputs read on the GPU where the model runs, outputs written back into each
-    client's region: the answers are those the same inputs get over the socket."""
+    """Inputs read on the GPU where the model runs, outputs kept there and written device
+    to device into each client's region (``test_cuda_outputs``): the answers are those the
+    same inputs get over the socket."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     import tritonclient.utils.cuda_shared_memory as cudashm
@@ -341,8 +297,13 @@ def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_serve
                 name, cudashm.get_raw_handle(handle), 0, in_bytes + out_bytes, headers=headers
             )
             rng = np.random.default_rng(i)
-            for _ in range(5):
-                x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
+            xs = [rng.standard_normal((rows, 3, 32, 32)).astype(np.float32) for _ in range(8)]
+            wants = []
+            for x in xs:  # over the socket first: the shared-memory batches are then pure
+                plain = m.InferInput("input", list(x.shape), "FP32")
+                plain.set_data_from_numpy(x)
+                wants.append(client.infer("tiny", [plain]).as_numpy("logits"))
+            for x, want in zip(xs, wants, strict=True):
                 cudashm.set_shared_memory_region(handle, [x])
                 tensor = m.InferInput("input", list(x.shape), "FP32")
                 tensor.set_shared_memory(name, in_bytes)
@@ -350,9 +311,6 @@ def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_serve
                 out.set_shared_memory(name, out_bytes, offset=in_bytes)
                 client.infer("tiny", [tensor], outputs=[out])
                 got = cudashm.get_contents_as_numpy(handle, np.float32, [rows, 10], offset=in_bytes)
-                plain = m.InferInput("input", list(x.shape), "FP32")
-                plain.set_data_from_numpy(x)
-                want = client.infer("tiny", [plain]).as_numpy("logits")
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
             past = m.InferInput("input", [rows, 3, 32, 32], "FP32")
             past.set_shared_memory(name, in_bytes, offset=out_bytes + 8)

@@ -5,6 +5,11 @@ A ``DeviceTensor`` carries the numpy dtype and shape the signature checks
 is (``TorchRunner.tensor_device``). A batch of them is gathered on the device
 (``gather_on_device``), never through host memory; anything that wants host memory
 (``np.asarray``: the response cache's key, a runner on the host) gets a copy.
+
+A request whose every output goes into CUDA shared memory on the same device marks its
+inputs ``keep_outputs``; a batch made only of such requests is answered on the device
+(``TorchRunner``), each request's rows a ``DeviceTensor`` written into its region device
+to device (``protocol.shm.write_output``). Any other batch is answered on the host.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceTensor", "gather_on_device", "torch_dtype", "unwrap"]
+__all__ = ["DeviceTensor", "gather_on_device", "on_host", "torch_dtype", "unwrap"]
 
 
 def torch_dtype(dtype: np.dtype) -> Any:
@@ -27,12 +32,14 @@ def torch_dtype(dtype: np.dtype) -> Any:
 class DeviceTensor:
     """A tensor on a torch device, with the numpy ``dtype`` and ``shape`` it stands for."""
 
-    __slots__ = ("tensor", "dtype", "shape")
+    __slots__ = ("tensor", "dtype", "shape", "keep_outputs")
 
-    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
+    def __init__(self, tensor: Any, dtype: np.dtype, keep_outputs: bool = False) -> None:
         self.tensor = tensor
         self.dtype = np.dtype(dtype)
         self.shape: tuple[int, ...] = tuple(int(d) for d in tensor.shape)
+        self.keep_outputs = keep_outputs
+        """Whether the request this input belongs to wants its outputs on this device."""
 
     @property
     def ndim(self) -> int:
@@ -42,8 +49,16 @@ class DeviceTensor:
     def device(self) -> Any:
         return self.tensor.device
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
     def __len__(self) -> int:
         return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> DeviceTensor:
+        """Some rows, where they are (a view: ``batching.concat.split``)."""
+        return DeviceTensor(self.tensor[rows], self.dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         host = self.tensor.cpu().numpy()
@@ -58,17 +73,24 @@ def unwrap(a: Any) -> Any:
     return a.tensor if isinstance(a, DeviceTensor) else a
 
 
-def gather_on_device(parts: Sequence[Any]) -> Any:
+def on_host(a: Any) -> Any:
+    """``a`` as a host array where it is a ``DeviceTensor`` (a copy); anything else as it is."""
+    return np.asarray(a) if isinstance(a, DeviceTensor) else a
+
+
+def gather_on_device(parts: Sequence[Any]) -> DeviceTensor:
     """One batch tensor, on the device of the first ``DeviceTensor`` among ``parts``, of
     every part's rows in order: device parts are copied there device to device, host
     arrays (a batch mixing CUDA shared memory with bytes sent over the wire) uploaded.
+    It keeps its outputs on the device only where every part asked to.
     The memory comes from torch's caching allocator, which reuses its blocks once warm."""
     import torch
 
-    device = next(p.device for p in parts if isinstance(p, DeviceTensor))
+    first = next(p for p in parts if isinstance(p, DeviceTensor))
     tensors = [
         p.tensor if isinstance(p, DeviceTensor) else torch.from_numpy(np.ascontiguousarray(p))
         for p in parts
     ]
-    tensors = [t.to(device) for t in tensors]
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    tensors = [t.to(first.device) for t in tensors]
+    keep = all(isinstance(p, DeviceTensor) and p.keep_outputs for p in parts)
+    return DeviceTensor(tensors[0] if len(tensors) == 1 else torch.cat(tensors), first.dtype, keep)

@@ -257,7 +257,7 @@ class ModelSpec:
             if spec.name not in outputs:
                 raise RunnerError(f"model returned no output {spec.name!r}; got {sorted(outputs)}")
             array = outputs[spec.name]
-            if not isinstance(array, np.ndarray) or not spec.dtype_matches(array):
+            if not isinstance(array, (np.ndarray, DeviceTensor)) or not spec.dtype_matches(array):
                 got = getattr(array, "dtype", type(array).__name__)
                 raise RunnerError(
                     f"output {spec.name!r}: expected dtype {spec.dtype.datatype}, got {got}"

@@ -25,6 +25,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .._version import __version__
+from ..device import on_host
 from ..errors import (
     CONTROL_TOKEN_HEADER,
     GRPC_HEADER_PREFIX,
@@ -316,7 +317,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     else 0
                 )
                 if k:
-                    outputs[o.name] = classify(outputs[o.name], int(k), o.name)
+                    outputs[o.name] = classify(on_host(outputs[o.name]), int(k), o.name)
             # Inside: writing an output into its region can fail as the request's error.
             response = infer_response(request, outputs, wanted, answered, self._shm)
         except Exception as exc:

@@ -11,10 +11,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from ..device import on_host
 from ..errors import InvalidInput
+from ..protocol.cudashm import keep_outputs
 from ..protocol.jsonbody import integer_tensor
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
-from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
+from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref, write_output
 from ..spec import as_dtype
 from .calls import Parts, bytes_field
 
@@ -197,6 +199,10 @@ def decode_inputs(
         else:
             array = np.asarray(values, dtype=as_dtype(datatype).numpy)
         inputs[name] = array.reshape(shape)
+    if any(refs):  # inputs in shared memory: answered on the device if all outputs go there
+        classified = any("classification" in o.parameters for o in request.outputs)
+        wanted = () if classified else [o.name for o in request.outputs]
+        keep_outputs(regions, inputs, wanted, output_refs(request))
     return inputs
 
 
@@ -231,13 +237,12 @@ def infer_response(
         )
         ref = refs.get(out)
         if ref is not None:
-            _, raw = tensor_to_raw(array)
-            served(regions, ref, out).write(ref, out, raw)
+            size = write_output(served(regions, ref, out), ref, out, array)
             tensor.parameters[REGION].string_param = ref.region
-            tensor.parameters[BYTE_SIZE].int64_param = len(raw)
+            tensor.parameters[BYTE_SIZE].int64_param = size
             contents += bytes_field(RAW_OUTPUT_CONTENTS, b"")
         else:
-            contents += bytes_field(RAW_OUTPUT_CONTENTS, raw_view(array))
+            contents += bytes_field(RAW_OUTPUT_CONTENTS, raw_view(on_host(array)))
     return Parts([response.SerializeToString(), *contents])
 
 

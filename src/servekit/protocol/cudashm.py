@@ -7,7 +7,9 @@ and registers the handle, the device id and the size; the server maps the buffer
 ``open_ipc`` opens one handle through cuda-python's runtime bindings (the ``torch`` extra
 installs them); ``cuda_devices`` says how many devices this process sees and, where it
 sees none, why. The registry of regions (names, leases, offsets) is ``shm.SharedMemory``'s;
-this module only moves bytes.
+this module moves bytes, and ``OnDevice`` is the registry as a model on a GPU reads it:
+inputs stay on the device, and a request whose outputs all go into CUDA regions there is
+answered there (``keep_outputs``), its outputs copied device to device.
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..device import DeviceTensor
 from ..errors import InvalidInput
 
-__all__ = ["HANDLE_SIZE", "CudaMemory", "Opener", "cuda_devices", "open_ipc"]
+if TYPE_CHECKING:
+    from .shm import SharedMemory, ShmRef
+
+__all__ = [
+    "HANDLE_SIZE", "CudaMemory", "OnDevice", "Opener", "cuda_devices", "keep_outputs", "open_ipc",
+]  # fmt: skip
 
 log = logging.getLogger("servekit")
 
@@ -46,6 +55,11 @@ class CudaMemory(Protocol):
 
     def from_host(self, start: int, data: bytes) -> None:
         """Write ``data`` at ``start``, finished when this returns."""
+        ...
+
+    def from_tensor(self, start: int, tensor: Any) -> None:
+        """Write a torch tensor's bytes at ``start``, finished when this returns: device to
+        device where the tensor lies on the buffer's device, from the host otherwise."""
         ...
 
     def close(self) -> None: ...
@@ -188,6 +202,21 @@ class _IpcMemory:
         # From pageable memory the copy may still be in flight when cudaMemcpy returns.
         _checked(cudart.cudaStreamSynchronize(0), "writing CUDA shared memory")
 
+    def from_tensor(self, start: int, tensor: Any) -> None:
+        import torch
+
+        device = torch.device("cuda", self.device_id)
+        if tensor.device != device:
+            self.from_host(start, tensor.cpu().numpy().tobytes())
+            return
+        data = tensor.contiguous().reshape(-1).view(torch.uint8)
+        if not data.numel():
+            return
+        with torch.cuda.device(device):
+            span = torch.as_tensor(_Span(self.ptr + start, data.numel()), device=device)
+            span.copy_(data)  # device to device, on torch's current stream
+            torch.cuda.current_stream(device).synchronize()  # the client reads it once answered
+
     def close(self) -> None:
         self._on_device()
         self._cudart.cudaIpcCloseMemHandle(self.ptr)
@@ -207,3 +236,38 @@ def open_ipc(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> Cu
     """Map the buffer ``raw_handle`` exports, on ``device_id``; ``InvalidInput`` naming the
     region where the handle does not open there."""
     return _IpcMemory(name, raw_handle, device_id, byte_size)
+
+
+class OnDevice:
+    """``SharedMemory`` as a model that takes tensors on CUDA ``device`` reads it (``for_device``):
+    inputs in CUDA regions on that device stay there as ``DeviceTensor``s."""
+
+    def __init__(self, regions: SharedMemory, device: Any) -> None:
+        self._regions, self._device = regions, device
+
+    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> Any:
+        return self._regions.tensor(ref, name, datatype, shape, self._device)
+
+    def write(self, ref: ShmRef, name: str, raw: bytes | DeviceTensor) -> None:
+        self._regions.write(ref, name, raw)
+
+    def keep_outputs(
+        self, inputs: Mapping[str, Any], wanted: Sequence[str], refs: Mapping[str, ShmRef]
+    ) -> None:
+        """Mark a request's device inputs to have it answered on the device, where every
+        output it asks for (``wanted``) goes into a CUDA region (``refs``) on it."""
+        index = self._device.index or 0
+        if wanted and all(
+            n in refs and self._regions.cuda_device(refs[n].region) == index for n in wanted
+        ):
+            for value in inputs.values():
+                if isinstance(value, DeviceTensor):
+                    value.keep_outputs = True
+
+
+def keep_outputs(
+    regions: object, inputs: Mapping[str, Any], wanted: Sequence[str], refs: Mapping[str, ShmRef]
+) -> None:
+    """``OnDevice.keep_outputs`` where ``regions`` is that view; nothing otherwise."""
+    if isinstance(regions, OnDevice):
+        regions.keep_outputs(inputs, wanted, refs)

@@ -20,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from ..device import on_host
 from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
+from .cudashm import keep_outputs
 from .jsonbody import json_body, json_tensor, parse_json
-from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref
+from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref, write_output
 
 __all__ = [
     "DecodedRequest",
@@ -265,6 +267,7 @@ def decode_request(
                         f"output {o['name']!r}: classification expects a count >= 1, got {k!r}"
                     )
                 classification[o["name"]] = k
+    keep_outputs(regions, inputs, () if classification else names or (), shm_outputs)
     return DecodedRequest(
         inputs,
         names,
@@ -347,16 +350,16 @@ def encode_response(
     for name in wanted:
         array = outputs[name]
         if name in request.classification:
-            array = classify(array, request.classification[name], name)
+            array = classify(on_host(array), request.classification[name], name)
         datatype = as_dtype(array.dtype).datatype
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         ref = request.shm_outputs.get(name)
         if ref is not None and request.regions is not None:
-            _, raw = tensor_to_raw(array)
-            request.regions.write(ref, name, raw)
-            entry["parameters"] = {REGION: ref.region, BYTE_SIZE: len(raw)}
+            size = write_output(request.regions, ref, name, array)
+            entry["parameters"] = {REGION: ref.region, BYTE_SIZE: size}
             entries.append(entry)
             continue
+        array = on_host(array)
         binary = name in request.binary_outputs or (
             "*" in request.binary_outputs and name not in request.json_outputs
         )

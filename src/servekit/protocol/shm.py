@@ -25,8 +25,6 @@ import contextlib
 import math
 import mmap
 import os
-import re
-import stat
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -37,7 +35,8 @@ import numpy as np
 from ..device import DeviceTensor, torch_dtype
 from ..errors import InvalidInput, RegionNotFound, RunnerError
 from ..spec import ModelSpec, as_dtype
-from .cudashm import HANDLE_SIZE, CudaMemory, Opener, cuda_devices, open_ipc
+from .cudashm import HANDLE_SIZE, CudaMemory, OnDevice, Opener, cuda_devices, open_ipc
+from .shmkeys import SHM_ROOT, check_registration, open_key
 
 __all__ = [
     "BYTE_SIZE",
@@ -48,6 +47,7 @@ __all__ = [
     "no_room",
     "open_key",
     "served",
+    "write_output",
     "OFFSET",
     "REGION",
     "NO_CUDA_SHARED_MEMORY",
@@ -66,7 +66,6 @@ REGION, OFFSET, BYTE_SIZE = (
     "shared_memory_offset",
     "shared_memory_byte_size",
 )
-SHM_ROOT = "/dev/shm"
 NO_SHARED_MEMORY = (
     "is not served by this server: system shared memory is served on one host by the "
     "native, pytriton and triton runtimes (Ray's replicas may run on other hosts)"
@@ -87,12 +86,6 @@ def cuda_refusal(regions: SharedMemory | None) -> str | None:
     if why is None:
         return None
     return f"CUDA shared memory is not served by this server: {why}; {NO_CUDA_SHARED_MEMORY}"
-
-
-_KEY = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-RESERVED_KEYS = ("triton_python_backend", "psm_")
-"""Key prefixes of the serving stack's own regions (Triton's Python backend stubs,
-PyTriton's tensor store): never registrable by a client."""
 
 
 @dataclass(frozen=True)
@@ -134,9 +127,23 @@ class Regions(Protocol):
         """Input ``name`` from ``ref`` (a copy: the client may write the region again)."""
         ...
 
-    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
-        """Output ``name``'s bytes into ``ref``."""
+    def write(self, ref: ShmRef, name: str, raw: bytes | DeviceTensor) -> None:
+        """Output ``name``'s bytes (or its tensor, kept on a device) into ``ref``."""
         ...
+
+
+def write_output(regions: Regions, ref: ShmRef, name: str, array: Any) -> int:
+    """Output ``name`` written into the region ``ref`` names; the bytes it took. One kept
+    on a device (``DeviceTensor``) goes from there, device to device into a CUDA region on
+    that device."""
+    if isinstance(array, DeviceTensor):
+        regions.write(ref, name, array)
+        return array.nbytes
+    from .kserve import tensor_to_raw
+
+    _, raw = tensor_to_raw(array)
+    regions.write(ref, name, raw)
+    return len(raw)
 
 
 def served(regions: Regions | None, ref: ShmRef, name: str) -> Regions:
@@ -197,51 +204,8 @@ class Declared:
             return np.broadcast_to(np.array(b"", dtype=object), shape)
         return np.broadcast_to(np.zeros((), as_dtype(datatype).numpy), shape)
 
-    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
+    def write(self, ref: ShmRef, name: str, raw: bytes | DeviceTensor) -> None:
         raise AssertionError("the front never answers an infer itself")
-
-
-def open_key(name: str, key: Any, offset: Any, byte_size: Any, root: str = SHM_ROOT) -> int:
-    """A descriptor of the shared-memory object ``key`` (read and write), once the
-    registration of region ``name`` passes every check; ``InvalidInput`` naming the one
-    that failed. The front of the Triton runtimes runs the same checks before it passes a
-    registration on (tritonserver answers a missing key as its own error, a 500)."""
-    what = f"shared-memory region {name!r}"
-    if not isinstance(key, str) or not _KEY.match(key):
-        raise InvalidInput(
-            f"{what}: key must name a shared-memory object (/name: letters, digits, "
-            f"'.', '_', '-'), got {key!r}"
-        )
-    plain = key.lstrip("/")
-    if plain.startswith(RESERVED_KEYS):
-        raise InvalidInput(f"{what}: key {key!r} names one of the server's own regions")
-    for field, value in (("offset", offset), ("byte_size", byte_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInput(f"{what}: {field} must be a non-negative integer, got {value!r}")
-    try:
-        fd = os.open(os.path.join(root, plain), os.O_RDWR | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise InvalidInput(
-            f"{what}: cannot open shared-memory key {key!r}: {exc.strerror}"
-        ) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidInput(f"{what}: key {key!r} is not a shared-memory object")
-        if offset + byte_size > info.st_size or byte_size == 0:
-            raise InvalidInput(
-                f"{what}: offset {offset} + byte_size {byte_size} does not fit key "
-                f"{key!r} of {info.st_size} bytes"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def check_registration(name: str, key: Any, offset: Any, byte_size: Any) -> None:
-    """``open_key``'s checks alone (the front's, before tritonserver maps the key)."""
-    os.close(open_key(name, key, offset, byte_size))
 
 
 DECLARED = Declared()
@@ -394,7 +358,13 @@ class SharedMemory:
         (None, or not a CUDA device: every input is copied to the host)."""
         if device is None or getattr(device, "type", None) != "cuda" or not self._cuda:
             return self
-        return _OnDevice(self, device)
+        return OnDevice(self, device)
+
+    def cuda_device(self, name: str) -> int | None:
+        """The device CUDA region ``name`` lies on (None: no such region)."""
+        with self._lock:
+            region = self._cuda.get(name)
+        return None if region is None else region.memory.device_id
 
     def _span(self, ref: ShmRef, what: str) -> tuple[mmap.mmap, int]:
         """The region's map and where ``ref`` starts in it, once it lies inside."""
@@ -458,19 +428,25 @@ class SharedMemory:
             raw = view[start : start + ref.byte_size]  # a copy, made under the lock
         return tensor_from_raw(name, datatype, shape, memoryview(raw), count)
 
-    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
-        if len(raw) > ref.byte_size:
-            raise no_room(name, len(raw), ref)
+    def write(self, ref: ShmRef, name: str, raw: bytes | DeviceTensor) -> None:
+        size = raw.nbytes if isinstance(raw, DeviceTensor) else len(raw)
+        if size > ref.byte_size:
+            raise no_room(name, size, ref)
         what = f"output {name!r}"
         with self._leased(ref, what) as cuda:
             if cuda is not None:
                 try:
-                    cuda.from_host(ref.offset, raw)
+                    if isinstance(raw, DeviceTensor):
+                        cuda.from_tensor(ref.offset, raw.tensor)
+                    else:
+                        cuda.from_host(ref.offset, raw)
                 except Exception as exc:
                     raise RunnerError(
                         f"{what}: copying into CUDA shared-memory region {ref.region!r}: {exc}"
                     ) from exc
                 return
+        if isinstance(raw, DeviceTensor):
+            raw = np.asarray(raw).tobytes()
         with self._lock:
             view, start = self._span(ref, what)
             view[start : start + len(raw)] = raw
@@ -482,16 +458,3 @@ def _check_inside(ref: ShmRef, size: int, what: str) -> None:
             f"{what}: offset {ref.offset} + byte_size {ref.byte_size} runs past the end "
             f"of region {ref.region!r} ({size} bytes)"
         )
-
-
-class _OnDevice:
-    """``SharedMemory`` read for a model that takes tensors on ``device``."""
-
-    def __init__(self, regions: SharedMemory, device: Any) -> None:
-        self._regions, self._device = regions, device
-
-    def tensor(self, ref: ShmRef, name: str, datatype: str, shape: list[int]) -> Any:
-        return self._regions.tensor(ref, name, datatype, shape, self._device)
-
-    def write(self, ref: ShmRef, name: str, raw: bytes) -> None:
-        self._regions.write(ref, name, raw)

@@ -9,7 +9,8 @@ are safe. A CUDA runner's pool allocates page-locked (pinned) host memory, from 
 the host-to-device copy is one asynchronous DMA (Triton's pinned memory pool).
 
 A request read from CUDA shared memory (``device.DeviceTensor``) is gathered on its
-device instead (``device.gather_on_device``): its rows never cross the host.
+device instead (``device.gather_on_device``): its rows never cross the host, and a batch
+of requests that all want their outputs there stays a ``DeviceTensor`` that says so.
 
 The contract for runners: a batch's input arrays are valid for the call only (they are
 the next batch's buffers); an output that shares their memory is copied before it leaves.
@@ -70,7 +71,7 @@ class Staging:
             parts = [x[name] for x in inputs]
             first = parts[0]
             if any(isinstance(p, DeviceTensor) for p in parts):
-                out[name] = gather_on_device(parts)
+                out[name] = gather_on_device(parts)  # type: ignore[assignment]
                 continue
             if first.dtype == object:
                 out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device import torch_dtype, unwrap
+from ..device import DeviceTensor, torch_dtype, unwrap
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
 from .lanes import Lanes
@@ -197,6 +197,18 @@ _OPS: dict[str, Any] = {
 }
 
 
+def kept(spec: ModelSpec, values: Sequence[Any], rows: int | None) -> Arrays:
+    """A batch's outputs left on its device, cast to the spec's dtypes, each a
+    ``DeviceTensor`` of its own memory (a graph's outputs are its next replay's): for a
+    batch of requests whose outputs all go into CUDA shared memory there."""
+    out: Arrays = {}
+    for t, value in zip(spec.outputs, values, strict=True):
+        v = value[:rows] if rows is not None else value
+        own = v.to(torch_dtype(t.dtype.numpy), copy=True)
+        out[t.name] = DeviceTensor(own, t.dtype.numpy)  # type: ignore[assignment]
+    return out
+
+
 class _Lane:
     """One instance's stream, CUDA graphs and buffers: nothing in it is shared with another
     lane, so lanes run batches concurrently on one device."""
@@ -240,6 +252,12 @@ class _Lane:
             staged.append((t.name, host))
         self.stream.synchronize()
         return {name: host.numpy().copy() for name, host in staged}
+
+    def keep(self, values: Sequence[Any], rows: int | None) -> Arrays:
+        """The outputs left on the device (``kept``), once this lane's stream made them."""
+        out = kept(self._runner._spec, values, rows)
+        self.stream.synchronize()
+        return out
 
     def _buffer(
         self, cache: dict[tuple[str, Any], Any], name: str, dtype: Any, shape: Any, device: Any,
@@ -381,19 +399,22 @@ class TorchRunner(BaseRunner):
         torch = self._torch
         ordered = [(t.name, unwrap(inputs[t.name])) for t in self._spec.inputs]
         rows = len(ordered[0][1]) if self._spec.batched else None
+        keep = all(getattr(a, "keep_outputs", False) for a in inputs.values()) and bool(inputs)
         if self._lanes is None:
             with torch.inference_mode():
-                return self._outputs(self._module(*(self._to_device(a) for _, a in ordered)), None)
+                values = self._module(*(self._to_device(a) for _, a in ordered))
+                return kept(self._spec, values, None) if keep else self._outputs(values, None)
         size = next((n for n in self.graph_sizes if rows is not None and n >= rows), None)
         with self._lanes.use() as lane, torch.inference_mode(), torch.cuda.stream(lane.stream):
+            answer = lane.keep if keep else lane.download
             raw = [lane.upload(name, a) for name, a in ordered]
             if size is None:
-                return lane.download(self._module(*map(self._on_device, raw)), None)
+                return answer(self._module(*map(self._on_device, raw)), None)
             graph, static, result = lane.graphs[size]
             for dst, x in zip(static, raw, strict=True):
                 dst[:rows].copy_(x)  # the cast and channels-last, one kernel on the device
             graph.replay()
-            return lane.download(result, rows)
+            return answer(result, rows)
 
     def replay(self, batch: int, times: int) -> None:
         """Replay the first lane's graph for ``batch`` rows ``times`` times and wait: the
