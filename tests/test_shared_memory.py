@@ -154,6 +154,47 @@ def test_eight_clients_infer_through_their_own_regions(server, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_servekits_client_and_bench_take_the_outputs_through_the_region_too(server, protocol):
+    """As perf_analyzer's ``--shared-memory``: ``Client.prepare_in_region`` places the
+    inputs and, after them, every output of an earlier answer; the server writes the
+    outputs there (none come over the socket) and ``outputs_in_region`` reads them back.
+    ``servekit bench --shared-memory`` sends such requests, without an error."""
+    import asyncio
+
+    from servekit.bench import MeasureConfig, closed_loop, open_target
+    from servekit.client import AsyncClient, Client
+
+    urls = server.config.server
+    url = urls.http_url if protocol == "http" else urls.grpc_url
+    rng = np.random.default_rng(5)
+    x = {n: rng.standard_normal((3, ROW)).astype(np.float32) for n in ("INPUT0", "INPUT1")}
+    with Client(url, shared_memory=True, access_token=TOKEN) as client:
+        want = client.infer("adder", x)
+        inputs, outputs = client.prepare_in_region(x, want)
+
+        async def once() -> dict:
+            async with AsyncClient(url) as other:
+                return await other.infer_prepared("adder", inputs, outputs=outputs)
+
+        assert asyncio.run(once()) == {}  # nothing came over the socket
+        got = client.outputs_in_region()
+        np.testing.assert_allclose(got["OUTPUT0"], x["INPUT0"] + x["INPUT1"], rtol=1e-6)
+        np.testing.assert_allclose(got["OUTPUT1"], x["INPUT0"] - x["INPUT1"], rtol=1e-6)
+
+    async def bench():
+        target = open_target(url, "adder", x, shared_memory="system", access_token=TOKEN)
+        try:
+            return await closed_loop(
+                target, 4, MeasureConfig(window_s=0.5, warmup_s=0.1, max_windows=3, stability=1)
+            )
+        finally:
+            await target.close()
+
+    point = asyncio.run(bench())
+    assert point.stats.requests > 0 and point.stats.errors == 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_status_lists_a_region_until_it_is_unregistered(server, protocol):
     client = client_of(server, protocol)
     region = Region(client, protocol)

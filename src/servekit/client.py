@@ -6,11 +6,13 @@ errors come back as servekit's own exceptions (``InvalidInput`` for a 400 or
 INVALID_ARGUMENT, ``ModelNotFound``, ``ModelNotReady``...). With
 ``shared_memory="system"`` (or True; same host only) inputs travel through a system
 shared-memory region instead of the socket, and with ``"cuda"`` through a buffer on GPU 0
-(``tritonclient.utils.cuda_shared_memory``, which needs cuda-python and a GPU here).
+(``tritonclient.utils.cuda_shared_memory``, which needs cuda-python and a GPU here);
+``prepare_in_region`` places the outputs there too.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -120,6 +122,7 @@ class _Base:
         """None, ``"system"`` or ``"cuda"``: where inputs travel instead of the socket."""
         self._mod: Any = None
         self._shm: tuple[str, Any, int] | None = None  # (name, handle, size)
+        self._placed: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
 
     def _module(self) -> Any:
         if self._mod is None:
@@ -135,13 +138,15 @@ class _Base:
             self._mod = mod
         return self._mod
 
-    def _inputs(self, client: Any, inputs: Mapping[str, np.ndarray], binary: bool) -> list[Any]:
+    def _inputs(
+        self, client: Any, inputs: Mapping[str, np.ndarray], binary: bool, room: int = 0
+    ) -> list[Any]:
         mod = self._module()
         out = []
         arrays = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
         use_shm = self.shared_memory and all(a.dtype.kind != "O" for a in arrays.values())
         if use_shm:
-            self._ensure_region(client, sum(a.nbytes for a in arrays.values()))
+            self._ensure_region(client, sum(a.nbytes for a in arrays.values()) + room)
             name, handle, _ = self._shm  # type: ignore[misc]
             offset = 0
             if self.shared_memory == "cuda":  # written in one go, one after the other
@@ -171,10 +176,19 @@ class _Base:
         return out
 
     def _output_names(self, result: Any) -> list[str]:
+        """The outputs whose values came in the response; one written into a shared-memory
+        region comes with its shape alone (tritonserver does not name the region)."""
         response = result.get_response()
         if self.protocol == "http":
-            return [o["name"] for o in response["outputs"]]
-        return [o.name for o in response.outputs]
+            return [
+                o["name"] for o in response["outputs"]
+                if "data" in o or "binary_data_size" in o.get("parameters", {})
+            ]  # fmt: skip
+        raw = response.raw_output_contents
+        return [
+            o.name for i, o in enumerate(response.outputs)
+            if (i < len(raw) and (raw[i] or not math.prod(o.shape))) or o.HasField("contents")
+        ]  # fmt: skip
 
     def _ensure_region(self, client: Any, size: int) -> None:
         if self._shm is not None and self._shm[2] >= size:
@@ -323,6 +337,43 @@ class Client(_Base):
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
 
+    def prepare_in_region(
+        self, inputs: Mapping[str, np.ndarray], like: Mapping[str, np.ndarray]
+    ) -> tuple[list[Any], list[Any]]:
+        """Inputs and outputs both through this client's shared-memory region, as
+        perf_analyzer's ``--shared-memory`` sends them: the inputs written there (``prepare``),
+        and for each output of ``like`` (an answer to the same inputs) a place after them as
+        large as it is there, for ``infer_prepared(..., outputs=...)``; the server writes
+        them there and ``outputs_in_region`` reads them back. BYTES outputs, whose size
+        varies, are asked for over the socket."""
+        if not self.shared_memory:
+            raise ValueError("prepare_in_region needs a client made with shared_memory")
+        mod = self._module()
+        placed = {k: np.asarray(a) for k, a in like.items() if np.asarray(a).dtype != object}
+        prepared = self._inputs(self._client, inputs, True, sum(a.nbytes for a in placed.values()))
+        if len(prepared) != len(inputs) or self._shm is None:
+            raise ValueError("prepare_in_region: BYTES inputs travel over the socket")
+        name, offset = self._shm[0], sum(np.asarray(a).nbytes for a in inputs.values())
+        requested, self._placed = [], {}
+        for k in like:
+            out = mod.InferRequestedOutput(k)
+            if k in placed:
+                out.set_shared_memory(name, placed[k].nbytes, offset=offset)
+                self._placed[k] = (offset, placed[k].dtype, placed[k].shape)
+                offset += placed[k].nbytes
+            requested.append(out)
+        return prepared, requested
+
+    def outputs_in_region(self) -> dict[str, np.ndarray]:
+        """The outputs the last request made with ``prepare_in_region``'s outputs left in
+        the region (copies)."""
+        assert self._shm is not None, "no region: call prepare_in_region first"
+        shm, handle = _cuda_shm() if self.shared_memory == "cuda" else _system_shm(), self._shm[1]
+        return {
+            k: np.array(shm.get_contents_as_numpy(handle, dtype, shape, offset=offset))
+            for k, (offset, dtype, shape) in self._placed.items()
+        }
+
     def metadata(self, model: str) -> dict[str, Any]:
         """The model's KServe v2 metadata: ``inputs``/``outputs`` with name, datatype, shape."""
         try:
@@ -409,9 +460,12 @@ class AsyncClient(_Base):
         sequence_id: int | str = 0,
         sequence_start: bool = False,
         sequence_end: bool = False,
+        outputs: list[Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run ``model`` on inputs from ``prepare`` (this client's or a ``Client``'s);
-        ``sequence_*``: the request's place in a sequence (a sequence-batched model)."""
+        ``sequence_*``: the request's place in a sequence (a sequence-batched model);
+        ``outputs``: those ``Client.prepare_in_region`` placed (the answer then holds only
+        the outputs that came over the socket)."""
         scheduling: dict[str, Any] = {"priority": priority} if priority else {}
         if timeout_us is not None:
             scheduling["timeout"] = timeout_us
@@ -421,8 +475,9 @@ class AsyncClient(_Base):
             )
         try:
             result = await self._client.infer(
-                model, prepared, model_version=version, headers=self._infer_headers, **scheduling
-            )
+                model, prepared, model_version=version, headers=self._infer_headers,
+                outputs=outputs, **scheduling,
+            )  # fmt: skip
         except Exception as exc:
             raise _remote_failure(exc, self.url, self.protocol) from None
         return {n: result.as_numpy(n) for n in self._output_names(result)}

@@ -65,7 +65,8 @@ class RemoteTarget:
     body itself is encoded once (binary tensors, or JSON with ``binary=False``) and each
     request only posts those bytes, as wrk would; over gRPC tritonclient's asyncio client
     sends the prepared inputs. With ``shared_memory`` (``"system"`` or ``"cuda"``) the
-    inputs are written once into a registered shared-memory region (same host only;
+    inputs are written once into a registered shared-memory region and the outputs are
+    asked for in it too, as perf_analyzer's ``--shared-memory`` does (same host only;
     ``access_token`` for servers that restrict that API, as PyTriton does).
     """
 
@@ -89,10 +90,17 @@ class RemoteTarget:
         self.url, self.model, self.inputs = url, model, dict(inputs)
         self._registrar = None
         self._session: Any = None
+        self._outputs: list[Any] | None = None
         if shared_memory:
             self._registrar = Client(url, shared_memory=shared_memory, access_token=access_token)
             try:
-                self._prepared = self._registrar.prepare(self.inputs)
+                if sequence_length or any(a.dtype == object for a in self.inputs.values()):
+                    self._prepared = self._registrar.prepare(self.inputs)  # outputs: the socket
+                else:  # a first answer, over the socket, sizes the outputs' places
+                    like = self._registrar.infer(model, self.inputs)
+                    self._prepared, self._outputs = self._registrar.prepare_in_region(
+                        self.inputs, like
+                    )
             except BaseException:
                 self._registrar.close()
                 raise
@@ -104,7 +112,9 @@ class RemoteTarget:
         if url.startswith("http://"):
             import tritonclient.http as th
 
-            body, json_size = th.InferenceServerClient.generate_request_body(self._prepared)
+            body, json_size = th.InferenceServerClient.generate_request_body(
+                self._prepared, outputs=self._outputs
+            )
             self._body = body
             self._headers = {
                 "Content-Type": "application/octet-stream" if json_size else "application/json"
@@ -123,7 +133,9 @@ class RemoteTarget:
     async def send(self) -> None:
         flags = self._sequences.next()
         if self._body is None:
-            await self._client.infer_prepared(self.model, self._prepared, **flags)
+            await self._client.infer_prepared(
+                self.model, self._prepared, outputs=self._outputs, **flags
+            )
             return
         import aiohttp
 
@@ -136,7 +148,7 @@ class RemoteTarget:
             import tritonclient.http as th
 
             whole, json_size = th.InferenceServerClient.generate_request_body(
-                self._prepared, **flags
+                self._prepared, outputs=self._outputs, **flags
             )
             if json_size is not None:
                 headers = {**headers, "Inference-Header-Content-Length": str(json_size)}
