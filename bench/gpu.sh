@@ -12,7 +12,7 @@
 #      shared memory and gRPC; the same model taking UINT8 pixels (optimize --pixels, a
 #      quarter of the bytes, scaled on the GPU); JPEGs over HTTP to resnet50_image
 #      (decoded on the GPU); and 32-image requests over HTTP binary and through CUDA
-#      shared memory (16 clients).
+#      shared memory, inputs and outputs both in the region (16 clients).
 # Steps 2 and 3 need what bench/gpu_prepare.sh puts in .whl (carry it): without it a step
 # is skipped, saying so.
 #   bash bench/gpu_prepare.sh .whl              # here, once

@@ -182,6 +182,25 @@ def add_sub_path(model_cache: Path) -> Path:
     return zoo.build("add_sub", model_cache)
 
 
+@pytest.fixture
+def devices():
+    """Two stand-in CUDA devices (``cudamemory.Devices``: host bytes behind the interface
+    of a buffer on a GPU), for the CUDA shared-memory tests that run without one."""
+    from cudamemory import Devices
+
+    return Devices()
+
+
+@pytest.fixture
+def regions(devices, tmp_path):
+    """A ``SharedMemory`` registry whose CUDA regions open on ``devices``."""
+    from servekit.protocol.shm import SharedMemory
+
+    shm = SharedMemory(str(tmp_path), open_cuda=devices.open)
+    yield shm
+    shm.close()
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (re-exported for the test modules)."""
     from servekit.endpoints import free_port as _free

@@ -23,25 +23,12 @@ import numpy as np
 import pytest
 
 from conftest import needs_torch
-from cudamemory import Devices
-from servekit.protocol.shm import SharedMemory, ShmRef
+from servekit.protocol.shm import ShmRef
 
 pytestmark = needs_torch
 
 ROWS = 2
 IN_BYTES, OUT_BYTES = ROWS * 3 * 32 * 32 * 4, ROWS * 10 * 4
-
-
-@pytest.fixture
-def devices():
-    return Devices()
-
-
-@pytest.fixture
-def regions(devices, tmp_path):
-    shm = SharedMemory(str(tmp_path), open_cuda=devices.open)
-    yield shm
-    shm.close()
 
 
 def on_gpu(regions):

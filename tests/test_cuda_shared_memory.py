@@ -30,22 +30,9 @@ import numpy as np
 import pytest
 
 from conftest import HAS_TORCH, has_cuda, needs_cuda, needs_torch
-from cudamemory import Devices
 from servekit import FunctionRunner, ModelSpec, TensorSpec
 from servekit.errors import InvalidInput, RegionNotFound
 from servekit.protocol.shm import SharedMemory, ShmRef, cuda_refusal
-
-
-@pytest.fixture
-def devices():
-    return Devices()
-
-
-@pytest.fixture
-def regions(devices, tmp_path):
-    shm = SharedMemory(str(tmp_path), open_cuda=devices.open)
-    yield shm
-    shm.close()
 
 
 def test_a_cuda_region_is_listed_by_its_kind_and_shares_the_names(regions, devices, tmp_path):
