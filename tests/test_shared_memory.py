@@ -168,7 +168,11 @@ def test_servekits_client_and_bench_take_the_outputs_through_the_region_too(serv
     url = urls.http_url if protocol == "http" else urls.grpc_url
     rng = np.random.default_rng(5)
     x = {n: rng.standard_normal((3, ROW)).astype(np.float32) for n in ("INPUT0", "INPUT1")}
+    with Client(url) as plain, pytest.raises(ValueError, match="needs a client made with"):
+        plain.prepare_in_region(x, x)
     with Client(url, shared_memory=True, access_token=TOKEN) as client:
+        with pytest.raises(ValueError, match="no outputs placed"):
+            client.outputs_in_region()
         want = client.infer("adder", x)
         inputs, outputs = client.prepare_in_region(x, want)
 

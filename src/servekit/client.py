@@ -348,11 +348,12 @@ class Client(_Base):
         varies, are asked for over the socket."""
         if not self.shared_memory:
             raise ValueError("prepare_in_region needs a client made with shared_memory")
+        if any(np.asarray(a).dtype == object for a in inputs.values()):
+            raise ValueError("prepare_in_region: BYTES inputs travel over the socket")
         mod = self._module()
         placed = {k: np.asarray(a) for k, a in like.items() if np.asarray(a).dtype != object}
         prepared = self._inputs(self._client, inputs, True, sum(a.nbytes for a in placed.values()))
-        if len(prepared) != len(inputs) or self._shm is None:
-            raise ValueError("prepare_in_region: BYTES inputs travel over the socket")
+        assert self._shm is not None  # _inputs made the region
         name, offset = self._shm[0], sum(np.asarray(a).nbytes for a in inputs.values())
         requested, self._placed = [], {}
         for k in like:
@@ -367,7 +368,8 @@ class Client(_Base):
     def outputs_in_region(self) -> dict[str, np.ndarray]:
         """The outputs the last request made with ``prepare_in_region``'s outputs left in
         the region (copies)."""
-        assert self._shm is not None, "no region: call prepare_in_region first"
+        if self._shm is None or not self._placed:
+            raise ValueError("outputs_in_region: no outputs placed (call prepare_in_region)")
         shm, handle = _cuda_shm() if self.shared_memory == "cuda" else _system_shm(), self._shm[1]
         return {
             k: np.array(shm.get_contents_as_numpy(handle, dtype, shape, offset=offset))

@@ -35,8 +35,9 @@ def bench(
     shared_memory: Annotated[
         str,
         typer.Option(
-            help="none, system or cuda: send inputs through system shared memory, or "
-            "through CUDA shared memory on GPU 0 (same host only; cuda needs cuda-python)."
+            help="none, system or cuda: send inputs, and take outputs, through system "
+            "shared memory or through CUDA shared memory on GPU 0, as perf_analyzer's "
+            "--shared-memory (same host only; cuda needs cuda-python)."
         ),
     ] = "none",
     access_token: Annotated[
@@ -229,7 +230,7 @@ def compare(
 
 
 def _shared_memory(kind: str) -> str | None:
-    """``--shared-memory`` as the client takes it (None: inputs over the socket); CUDA
+    """``--shared-memory`` as the client takes it (None: tensors over the socket); CUDA
     regions are made on GPU 0 of this host."""
     if kind not in ("none", "system", "cuda"):
         raise typer.BadParameter(f"--shared-memory: none, system or cuda, got {kind!r}")
