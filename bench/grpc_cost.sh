@@ -2,10 +2,13 @@
 # Server CPU per 600 KB request over HTTP and over gRPC on the native runtime: one
 # ResNet-50-sized FP32 tensor in and the same out of an Identity (ONNX Runtime), 8
 # tritonclient clients, so the server's cost is the transport alone.
-# Usage: bench/grpc_cost.sh OUT_PREFIX [SRC]   (SRC: another checkout's src/, for a before)
+# Usage: bench/grpc_cost.sh OUT_PREFIX [SRC] [SHM]   (SRC: another checkout's src/, for a
+# before, server and bench both; SHM: system, the tensors through system shared memory as
+# that checkout's servekit bench --shared-memory sends them)
 set -euo pipefail
 out=${1:-bench/results/grpc_cost}
 src=${2:-}
+shm=${3:-none}
 model=/tmp/servekit_bench_identity.onnx
 .venv/bin/python - "$model" <<'PY'
 import sys
@@ -27,8 +30,9 @@ for _ in $(seq 120); do
     sleep 1
 done
 for url in http://127.0.0.1:8610 grpc://127.0.0.1:8611; do
-    .venv/bin/servekit bench --url "$url" --model servekit_bench_identity --concurrency 8 \
+    PYTHONPATH="$src" .venv/bin/servekit bench --url "$url" --model servekit_bench_identity --concurrency 8 \
         --window 4 --warmup 2 --max-windows 3 --server-pid "$pid" --out "${out}_${url%%:*}" \
+        --shared-memory "$shm" \
         > /dev/null
     tail -1 "${out}_${url%%:*}.csv" | awk -F, -v p="${url%%:*}" '{printf "%s: %.0f requests/s, server %.0f us CPU/request\n", p, $13, $21}'
 done
