@@ -21,6 +21,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import needs_torch
 from servekit.protocol.shm import ShmRef
@@ -146,6 +148,51 @@ def test_a_batch_is_kept_on_the_device_only_where_every_request_in_it_asks(tiny_
         assert isinstance(got, DeviceTensor) is kept, why
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     runner.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 3), st.sampled_from(["wire", "device", "kept"])),
+        min_size=1, max_size=6,
+    ),
+    st.integers(0, 2**16),
+)  # fmt: skip
+def test_each_request_gets_its_own_rows_on_the_device_only_where_its_whole_batch_asked(
+    requests, seed
+):
+    """The one execution path (``batch_steps``, staging, split) with a real TorchRunner:
+    requests of any rows, sent over the wire, read on the device, or read there wanting
+    their outputs there, each get their own rows; a batch's outputs are ``DeviceTensor``s
+    exactly when every request in it wants them so."""
+    import torch
+
+    from servekit import ModelSpec, TensorSpec
+    from servekit.batching.execute import batch_steps, drive
+    from servekit.device import DeviceTensor
+    from servekit.runners.torch import TorchRunner
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    spec = ModelSpec(
+        (TensorSpec("x", np.float32, [4]),), (TensorSpec("y", np.float32, [3]),), max_batch_size=18
+    )
+    runner = TorchRunner(module, spec=spec, device="cpu", precision="fp32", channels_last=False)
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((rows, 4)).astype(np.float32) for rows, _ in requests]
+    sent = [
+        {"x": x if how == "wire" else DeviceTensor(torch.from_numpy(x), np.float32, how == "kept")}
+        for x, (_, how) in zip(xs, requests, strict=True)
+    ]
+    steps = batch_steps(sent, [r for r, _ in requests], ["x"], spec.check_outputs, "linear",
+                        runner.staging)  # fmt: skip
+    answers = drive(steps, runner.run)
+    kept = all(how == "kept" for _, how in requests)
+    with torch.inference_mode():
+        for x, answer in zip(xs, answers, strict=True):
+            assert isinstance(answer["y"], DeviceTensor) is kept
+            want = module(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(np.asarray(answer["y"]), want, rtol=1e-5, atol=1e-6)
 
 
 def test_eight_clients_through_their_own_regions_each_answered_device_to_device(

@@ -285,6 +285,30 @@ def test_the_torch_translation_matches_onnx_runtime(name, model_cache):
 @pytest.mark.parametrize(
     "device", [pytest.param("cpu", marks=needs_torch), pytest.param("cuda", marks=needs_cuda)]
 )
+def test_a_users_module_with_one_output_returns_a_tensor_and_is_served_as_it_is(device):
+    """A plain ``nn.Module`` returns its one output as a tensor, not a tuple of one: each
+    row of the batch is its own answer (a CUDA graph's replay too)."""
+    import torch
+
+    from servekit.runners.torch import TorchRunner
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    spec = ModelSpec(
+        (TensorSpec("x", np.float32, [4]),), (TensorSpec("y", np.float32, [3]),), max_batch_size=8
+    )
+    xs = [np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32) for n in (1, 3, 8)]
+    with torch.inference_mode():
+        wants = [module(torch.from_numpy(x)).numpy() for x in xs]  # before it moves to the device
+    runner = TorchRunner(module, spec=spec, device=device, precision="fp32", channels_last=False)
+    for x, want in zip(xs, wants, strict=True):
+        np.testing.assert_allclose(runner.infer({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+    runner.close()
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=needs_torch), pytest.param("cuda", marks=needs_cuda)]
+)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_torch_runs_a_model_that_takes_pixels_like_onnx_runtime(
     device, precision, tiny_cnn_path, tmp_path

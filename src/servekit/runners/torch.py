@@ -378,6 +378,12 @@ class TorchRunner(BaseRunner):
             out[t.name] = v.float().cpu().numpy().astype(t.dtype.numpy, copy=False)
         return out
 
+    def _call(self, *args: Any) -> Sequence[Any]:
+        """The module's outputs in the spec's order: a module with one output returns a
+        tensor, not a tuple of one."""
+        values = self._module(*args)
+        return (values,) if self._torch.is_tensor(values) else values
+
     def _capture(self, lane: _Lane) -> _Lane:
         """Warm the kernels and capture one graph per size on ``lane``'s own stream."""
         torch = self._torch
@@ -391,7 +397,7 @@ class TorchRunner(BaseRunner):
                 lane.stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=lane.stream):
-                    result = self._module(*static)
+                    result = self._call(*static)
                 lane.graphs[n] = (graph, static, result)
         return lane
 
@@ -402,14 +408,14 @@ class TorchRunner(BaseRunner):
         keep = all(getattr(a, "keep_outputs", False) for a in inputs.values()) and bool(inputs)
         if self._lanes is None:
             with torch.inference_mode():
-                values = self._module(*(self._to_device(a) for _, a in ordered))
+                values = self._call(*(self._to_device(a) for _, a in ordered))
                 return kept(self._spec, values, None) if keep else self._outputs(values, None)
         size = next((n for n in self.graph_sizes if rows is not None and n >= rows), None)
         with self._lanes.use() as lane, torch.inference_mode(), torch.cuda.stream(lane.stream):
             answer = lane.keep if keep else lane.download
             raw = [lane.upload(name, a) for name, a in ordered]
             if size is None:
-                return answer(self._module(*map(self._on_device, raw)), None)
+                return answer(self._call(*map(self._on_device, raw)), None)
             graph, static, result = lane.graphs[size]
             for dst, x in zip(static, raw, strict=True):
                 dst[:rows].copy_(x)  # the cast and channels-last, one kernel on the device
