@@ -217,7 +217,7 @@ class _Lane:
         torch = runner._torch
         self.index = index
         self.stream = torch.cuda.Stream(runner.device)
-        self.graphs: dict[int, tuple[Any, list[Any], tuple[Any, ...]]] = {}
+        self.graphs: dict[int, tuple[Any, list[Any], Sequence[Any]]] = {}
         self._device_in: dict[tuple[str, Any], Any] = {}
         self._host_out: dict[tuple[str, Any], Any] = {}
         self._runner = runner
