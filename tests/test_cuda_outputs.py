@@ -59,10 +59,25 @@ def http_request(outputs: list[dict] | None, region: str = "g") -> bytes:
     return json.dumps(body).encode()
 
 
+def grpc_request(*outputs: tuple[str, dict], region: str = "g"):
+    """A ``ModelInferRequest`` of the input in ``region``, asking for ``outputs`` (name,
+    parameters)."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="tiny")
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=[ROWS, 3, 32, 32])
+    for msg, params in [(tensor, span(region, 0, IN_BYTES))] + [
+        (request.outputs.add(name=name), params) for name, params in outputs
+    ]:
+        for key, value in params.items():
+            kind = "string_param" if isinstance(value, str) else "int64_param"
+            setattr(msg.parameters[key], kind, value)
+    return request
+
+
 def test_a_request_is_answered_on_the_device_only_where_every_output_goes_there(
     regions, devices, tmp_path
 ):
-    from tritonclient.grpc import service_pb2
 
     from servekit.grpc.tensors import decode_inputs
     from servekit.protocol.kserve import decode_request
@@ -94,19 +109,6 @@ def test_a_request_is_answered_on_the_device_only_where_every_output_goes_there(
         # The same registry read for the host (a model on the CPU) never keeps anything.
         assert isinstance(decode_request(http_request(outputs), regions=regions).inputs["input"],
                           np.ndarray), why  # fmt: skip
-
-    def grpc_request(*outputs: tuple[str, dict]):
-        request = service_pb2.ModelInferRequest(model_name="tiny")
-        tensor = request.inputs.add(name="input", datatype="FP32", shape=[ROWS, 3, 32, 32])
-        for key, value in span("g", 0, IN_BYTES).items():
-            setattr(tensor.parameters[key], "string_param" if key.endswith("region")
-                    else "int64_param", value)  # fmt: skip
-        for name, params in outputs:
-            out = request.outputs.add(name=name)
-            for key, value in params.items():
-                kind = "string_param" if isinstance(value, str) else "int64_param"
-                setattr(out.parameters[key], kind, value)
-        return request
 
     in_g = span("g", IN_BYTES, OUT_BYTES)
     grpc_cases = {
@@ -202,7 +204,6 @@ def test_eight_clients_through_their_own_regions_each_answered_device_to_device(
     the GPU, batched by a real Batcher (finite outputs required) over a real TorchRunner,
     and encoded over HTTP and gRPC: every output is written into its client's region from
     the kept tensor, and it is the answer the same inputs get over the socket."""
-    from tritonclient.grpc import service_pb2
 
     from servekit import BatchingPolicy
     from servekit.batching import Batcher
@@ -227,13 +228,7 @@ def test_eight_clients_through_their_own_regions_each_answered_device_to_device(
             buffer[:IN_BYTES] = x.tobytes()
             out = span(name, IN_BYTES, OUT_BYTES)
             if (i + r) % 2:
-                request = service_pb2.ModelInferRequest(model_name="tiny")
-                tensor = request.inputs.add(name="input", datatype="FP32", shape=[ROWS, 3, 32, 32])
-                o = request.outputs.add(name="logits")
-                for msg, params in ((tensor, span(name, 0, IN_BYTES)), (o, out)):
-                    for key, value in params.items():
-                        kind = "string_param" if isinstance(value, str) else "int64_param"
-                        setattr(msg.parameters[key], kind, value)
+                request = grpc_request(("logits", out), region=name)
                 inputs = decode_inputs(request, regions=view)
                 assert inputs["input"].keep_outputs
                 outputs = await batcher.infer(inputs)
