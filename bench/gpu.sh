@@ -112,3 +112,6 @@ for run in "http://127.0.0.1:8700 none http resnet50 1 64" \
         --shared-memory "$2" --access-token gpu-bench "${photos[@]}" \
         --out "$out/gpu_native_$3" || echo "gpu.sh: $3 failed"
 done
+# Which CUDA shared-memory copies stayed on the device (outputs kept there: path="device").
+curl -sf http://127.0.0.1:8702/metrics | grep '^servekit_cuda_shared_memory' \
+    | tee "$out/gpu_cuda_copies.txt" || echo "gpu.sh: no CUDA shared-memory copies counted"

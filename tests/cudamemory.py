@@ -39,12 +39,13 @@ class HostMemory:
         self.buffer[start : start + len(data)] = data
         self.writes["host"] += 1
 
-    def from_tensor(self, start: int, tensor) -> None:
+    def from_tensor(self, start: int, tensor) -> bool:
         """What ``_IpcMemory`` copies device to device, counted apart from host writes."""
         assert not self.closed, "write after unmapping"
         data = tensor.contiguous().numpy().tobytes()
         self.buffer[start : start + len(data)] = data
         self.writes["device"] += 1
+        return True
 
     def close(self) -> None:
         self.closed = True

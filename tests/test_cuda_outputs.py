@@ -254,6 +254,11 @@ def test_eight_clients_through_their_own_regions_each_answered_device_to_device(
     assert max(rows_seen) > ROWS, f"no batch gathered two requests: {rows_seen}"
     for name, _, memory in clients:
         assert memory.writes == {"host": 0, "device": 4}, name
+    ((family, kind, _, samples),) = regions.figures()  # what GET /metrics shows
+    assert (family, kind) == ("servekit_cuda_shared_memory_copies_total", "counter")
+    assert sorted((s["tensor"], s["path"], n) for s, n in samples) == [
+        ("input", "device", 32.0), ("output", "device", 32.0),
+    ]  # fmt: skip
     runner.close()
 
 

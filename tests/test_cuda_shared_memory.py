@@ -165,6 +165,9 @@ def test_over_http_a_client_registers_infers_through_and_unregisters_a_region(de
     status, answer, _ = call(app, "POST", "/v2/models/double/infer", request)
     assert status == 200, answer
     assert np.frombuffer(bytes(buffer[16:32]), np.float32).tolist() == [2, 4, 6, 8]
+    exposed = call(app, "GET", "/metrics")[1].decode()  # a model on the host: both copies
+    for tensor in ("input", "output"):  # went through host memory
+        assert f'copies_total{{tensor="{tensor}",path="host"}} 1' in exposed, exposed
     request["inputs"][0]["parameters"] = span(56)
     status, answer, _ = call(app, "POST", "/v2/models/double/infer", request)
     assert status == 400 and b"'x'" in answer and b"past the end of region 'g'" in answer, answer

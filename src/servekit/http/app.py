@@ -149,6 +149,8 @@ class KServeApp(Forwarding):
         self._ready = ready or (lambda: True)
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.ready = self._ready
+        if shared_memory is not None:
+            self.metrics.collect(shared_memory.figures)  # CUDA regions' copies
         self._behind = self.models if isinstance(self.models, PassThroughRegistry) else None
         self._routes = [(method, path, getattr(self, name)) for method, path, name in ROUTES]
         self._checked = {}  # Forwarding's: requests' headers that passed the check

@@ -57,9 +57,9 @@ class CudaMemory(Protocol):
         """Write ``data`` at ``start``, finished when this returns."""
         ...
 
-    def from_tensor(self, start: int, tensor: Any) -> None:
+    def from_tensor(self, start: int, tensor: Any) -> bool:
         """Write a torch tensor's bytes at ``start``, finished when this returns: device to
-        device where the tensor lies on the buffer's device, from the host otherwise."""
+        device where the tensor lies on the buffer's device (True), from the host otherwise."""
         ...
 
     def close(self) -> None: ...
@@ -202,20 +202,20 @@ class _IpcMemory:
         # From pageable memory the copy may still be in flight when cudaMemcpy returns.
         _checked(cudart.cudaStreamSynchronize(0), "writing CUDA shared memory")
 
-    def from_tensor(self, start: int, tensor: Any) -> None:
+    def from_tensor(self, start: int, tensor: Any) -> bool:
         import torch
 
         device = torch.device("cuda", self.device_id)
         if tensor.device != device:
             self.from_host(start, tensor.cpu().numpy().tobytes())
-            return
+            return False
         data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        if not data.numel():
-            return
-        with torch.cuda.device(device):
-            span = torch.as_tensor(_Span(self.ptr + start, data.numel()), device=device)
-            span.copy_(data)  # device to device, on torch's current stream
-            torch.cuda.current_stream(device).synchronize()  # the client reads it once answered
+        if data.numel():
+            with torch.cuda.device(device):
+                span = torch.as_tensor(_Span(self.ptr + start, data.numel()), device=device)
+                span.copy_(data)  # device to device, on torch's current stream
+                torch.cuda.current_stream(device).synchronize()  # read once answered
+        return True
 
     def close(self) -> None:
         self._on_device()

@@ -40,6 +40,7 @@ from .shmkeys import SHM_ROOT, check_registration, open_key
 
 __all__ = [
     "BYTE_SIZE",
+    "CUDA_COPIES",
     "RegionNotFound",
     "check_output_room",
     "cuda_refusal",
@@ -65,6 +66,11 @@ REGION, OFFSET, BYTE_SIZE = (
     "shared_memory_region",
     "shared_memory_offset",
     "shared_memory_byte_size",
+)
+CUDA_COPIES = "servekit_cuda_shared_memory_copies_total"
+CUDA_COPIES_HELP = (
+    "Tensors copied between CUDA shared-memory regions and the models, by tensor (input, "
+    "output) and path (device: device to device; host: through host memory)"
 )
 NO_SHARED_MEMORY = (
     "is not served by this server: system shared memory is served on one host by the "
@@ -255,6 +261,7 @@ class SharedMemory:
         self._open_cuda = open_cuda
         self._regions: dict[str, _Region] = {}
         self._cuda: dict[str, _CudaRegion] = {}
+        self._copies: dict[tuple[str, str], int] = {}  # (input|output, device|host) -> count
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
 
@@ -360,6 +367,19 @@ class SharedMemory:
             return self
         return OnDevice(self, device)
 
+    def _copied(self, tensor: str, path: str) -> None:
+        with self._lock:
+            self._copies[tensor, path] = self._copies.get((tensor, path), 0) + 1
+
+    def figures(self) -> Iterator[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+        """Tensors copied between CUDA regions and models, by whether they stayed on the
+        device, as a Prometheus family (``Metrics.collect``; none before the first)."""
+        with self._lock:
+            counts = sorted(self._copies.items())
+        if counts:
+            samples = [({"tensor": t, "path": p}, float(n)) for (t, p), n in counts]
+            yield CUDA_COPIES, "counter", CUDA_COPIES_HELP, samples
+
     def cuda_device(self, name: str) -> int | None:
         """The device CUDA region ``name`` lies on (None: no such region)."""
         with self._lock:
@@ -416,12 +436,14 @@ class SharedMemory:
                     if on_device:
                         dtype = as_dtype(datatype).numpy
                         raw = cuda.to_device(ref.offset, ref.byte_size)
+                        self._copied("input", "device")
                         return DeviceTensor(raw.view(torch_dtype(dtype)).reshape(shape), dtype)
                     raw = cuda.to_host(ref.offset, ref.byte_size)
                 except Exception as exc:  # the copy's failure, said with what it was for
                     raise RunnerError(
                         f"{what}: copying from CUDA shared-memory region {ref.region!r}: {exc}"
                     ) from exc
+                self._copied("input", "host")
                 return tensor_from_raw(name, datatype, shape, memoryview(raw.data), count)
         with self._lock:
             view, start = self._span(ref, what)
@@ -437,9 +459,11 @@ class SharedMemory:
             if cuda is not None:
                 try:
                     if isinstance(raw, DeviceTensor):
-                        cuda.from_tensor(ref.offset, raw.tensor)
+                        kept = cuda.from_tensor(ref.offset, raw.tensor)
                     else:
+                        kept = False
                         cuda.from_host(ref.offset, raw)
+                    self._copied("output", "device" if kept else "host")
                 except Exception as exc:
                     raise RunnerError(
                         f"{what}: copying into CUDA shared-memory region {ref.region!r}: {exc}"
