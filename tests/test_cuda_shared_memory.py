@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import HAS_TORCH, has_cuda, needs_cuda, needs_torch
+from conftest import HAS_TORCH, has_cuda, needs_cuda, needs_torch, sample, scrape
 from servekit import FunctionRunner, ModelSpec, TensorSpec
 from servekit.errors import InvalidInput, RegionNotFound
 from servekit.protocol.shm import SharedMemory, ShmRef, cuda_refusal
@@ -314,6 +314,10 @@ def test_cuda_eight_clients_infer_through_their_own_regions_on_the_gpu(gpu_serve
     with ThreadPoolExecutor(8) as pool:
         for done in [pool.submit(client_run, i) for i in range(8)]:
             done.result(120)
+    copies = scrape(gpu_server.config.server.metrics_url)
+    family = "servekit_cuda_shared_memory_copies_total"
+    assert sample(copies, family, tensor="input", path="device") >= 8 * 8
+    assert sample(copies, family, tensor="output", path="device") > 0, "none kept on the GPU"
 
     client = m.InferenceServerClient(address)
     spare = cudashm.create_shared_memory_region(f"spare-{protocol}", 1024, 0)
