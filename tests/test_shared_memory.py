@@ -189,13 +189,23 @@ def test_servekits_client_and_bench_take_the_outputs_through_the_region_too(serv
         target = open_target(url, "adder", x, shared_memory="system", access_token=TOKEN)
         try:
             return await closed_loop(
-                target, 4, MeasureConfig(window_s=0.5, warmup_s=0.1, max_windows=3, stability=1)
+                target, 8, MeasureConfig(window_s=0.5, warmup_s=0.1, max_windows=3, stability=1)
             )
         finally:
             await target.close()
 
-    point = asyncio.run(bench())
+    point = asyncio.run(bench())  # eight clients writing their outputs into one region
     assert point.stats.requests > 0 and point.stats.errors == 0
+    # Idle again once they stop: the bench's region is unregistered, nothing is queued.
+    client = client_of(server, protocol)
+    try:
+        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
+        assert len(status.regions if protocol == "grpc" else status) == 0, status
+    finally:
+        client.close()
+    labels = {"model": "adder", "version": "1"}
+    pending = sample(scrape(urls.metrics_url), "nv_inference_pending_request_count", **labels)
+    assert pending == 0
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
