@@ -119,6 +119,20 @@ def shm_infer(client, protocol: str, region: Region, a: np.ndarray, b: np.ndarra
     return got
 
 
+def assert_idle(server, protocol: str) -> None:
+    """Idle again once the clients stop: no region left registered, nothing queued."""
+    client = client_of(server, protocol)
+    try:
+        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
+        assert len(status.regions if protocol == "grpc" else status) == 0, status
+    finally:
+        client.close()
+    samples = scrape(server.config.server.metrics_url)
+    labels = {"model": "adder", "version": "1"}
+    assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
+    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_eight_clients_infer_through_their_own_regions(server, protocol):
     """Each client registers its region, then sends 20 infers whose inputs and outputs all
@@ -140,17 +154,7 @@ def test_eight_clients_infer_through_their_own_regions(server, protocol):
             client.close()
 
     each_client(work)
-    # Idle again once they stop: no region left registered, nothing queued for the model.
-    client = client_of(server, protocol)
-    try:
-        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
-        assert len(status.regions if protocol == "grpc" else status) == 0, status
-    finally:
-        client.close()
-    samples = scrape(server.config.server.metrics_url)
-    labels = {"model": "adder", "version": "1"}
-    assert ("nv_inference_pending_request_count", frozenset(labels.items())) in samples
-    assert sample(samples, "nv_inference_pending_request_count", **labels) == 0
+    assert_idle(server, protocol)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -196,16 +200,7 @@ def test_servekits_client_and_bench_take_the_outputs_through_the_region_too(serv
 
     point = asyncio.run(bench())  # eight clients writing their outputs into one region
     assert point.stats.requests > 0 and point.stats.errors == 0
-    # Idle again once they stop: the bench's region is unregistered, nothing is queued.
-    client = client_of(server, protocol)
-    try:
-        status = client.get_system_shared_memory_status(headers=token_headers(protocol))
-        assert len(status.regions if protocol == "grpc" else status) == 0, status
-    finally:
-        client.close()
-    labels = {"model": "adder", "version": "1"}
-    pending = sample(scrape(urls.metrics_url), "nv_inference_pending_request_count", **labels)
-    assert pending == 0
+    assert_idle(server, protocol)  # the bench's region too is unregistered
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
