@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import needs_torch
+from servekit.errors import InvalidInput
 from servekit.protocol.shm import ShmRef
 
 pytestmark = needs_torch
@@ -276,5 +277,5 @@ def test_a_kept_output_into_a_system_region_or_the_cache_goes_through_the_host(r
     assert write_output(regions, ShmRef("s", 16, 32), "y", kept) == 32
     assert (tmp_path / "k").read_bytes()[16:48] == y.tobytes()
     assert encode_tensors({"y": kept}) == encode_tensors({"y": y})
-    with pytest.raises(Exception, match="output 'y': its 32 bytes do not fit the 16 bytes"):
+    with pytest.raises(InvalidInput, match="output 'y': its 32 bytes do not fit the 16 bytes"):
         write_output(regions, ShmRef("s", 0, 16), "y", kept)
