@@ -167,10 +167,10 @@ def test_over_grpc_contents_beside_a_shared_memory_region_are_refused():
 @pytest.mark.parametrize(
     ("parameters", "outputs", "says"),
     [
-        ({"binary_data_output": "yes"}, None, "request: parameter 'binary_data_output' must be"),
-        ({"binary_data_output": 1}, None, "must be true or false, got 1"),
+        ({"binary_data_output": "yes"}, None, "request: parameter 'binary_data_output': expected true or false, got 'yes'"),
+        ({"binary_data_output": 1}, None, "expected true or false, got 1"),
         (None, [{"name": "y", "parameters": {"binary_data": "no"}}],
-         "output 'y': parameter 'binary_data' must be true or false, got 'no'"),
+         "output 'y': parameter 'binary_data': expected true or false, got 'no'"),
     ],
 )  # fmt: skip
 def test_binary_flags_are_true_or_false(parameters, outputs, says):

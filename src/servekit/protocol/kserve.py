@@ -25,6 +25,7 @@ from ..errors import InvalidInput
 from ..spec import DTYPES, ModelSpec, as_dtype
 from .cudashm import keep_outputs
 from .jsonbody import json_body, json_tensor, parse_json
+from .parameters import flag
 from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref, write_output
 
 __all__ = [
@@ -164,14 +165,6 @@ def _parameters(obj: Mapping[str, Any], what: str, name: str | None = None) -> M
     return params
 
 
-def _flag(params: Mapping[str, Any], key: str, whose: str) -> bool:
-    """A boolean parameter (false where absent); ``"no"`` is no false."""
-    value = params.get(key, False)
-    if type(value) is not bool:
-        raise InvalidInput(f"{whose}: parameter {key!r} must be true or false, got {value!r}")
-    return value
-
-
 def decode_request(
     body: bytes, header_length: int | None = None, regions: Regions | None = None
 ) -> DecodedRequest:
@@ -238,7 +231,7 @@ def decode_request(
             raise InvalidInput(f"request parameters {reserved} are reserved (triton_*)")
     requested = header.get("outputs")
     names: tuple[str, ...] | None = None
-    binary_out: set[str] = {"*"} if _flag(parameters, "binary_data_output", "request") else set()
+    binary_out: set[str] = {"*"} if flag(parameters, "binary_data_output", "request") else set()
     json_out: set[str] = set()
     classification: dict[str, int] = {}
     shm_outputs: dict[str, ShmRef] = {}
@@ -254,7 +247,7 @@ def decode_request(
         for o in requested:
             params = _parameters(o, "output", o["name"])
             if "binary_data" in params:  # an output's own choice wins over the request's
-                own = _flag(params, "binary_data", f"output {o['name']!r}")
+                own = flag(params, "binary_data", f"output {o['name']!r}")
                 (binary_out if own else json_out).add(o["name"])
             ref = shm_ref(params, f"output {o['name']!r}")
             if ref is not None:

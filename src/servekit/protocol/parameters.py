@@ -10,7 +10,17 @@ from typing import Any
 from ..batching.sequence import SequenceFlags
 from ..errors import InvalidInput
 
-__all__ = ["scheduling", "sequence_flags", "unsequenced"]
+__all__ = ["flag", "scheduling", "sequence_flags", "unsequenced"]
+
+
+def flag(parameters: Mapping[str, Any], key: str, whose: str = "") -> bool:
+    """A boolean parameter, false where absent; only JSON's true and false are flags (``"no"``
+    or ``1`` is refused). ``whose`` names the object that carries it in the error."""
+    value = parameters.get(key, False)
+    if type(value) is not bool:
+        where = f"{whose}: " if whose else ""
+        raise InvalidInput(f"{where}parameter {key!r}: expected true or false, got {value!r}")
+    return value
 
 
 def scheduling(parameters: Mapping[str, Any]) -> dict[str, int]:
@@ -43,13 +53,7 @@ def sequence_flags(parameters: Mapping[str, Any]) -> SequenceFlags | None:
         raise InvalidInput(
             f"parameter 'sequence_id': expected a non-negative integer or a string, got {sid!r}"
         )
-    flags = []
-    for key in ("sequence_start", "sequence_end"):
-        value = parameters.get(key, False)
-        if not isinstance(value, bool):
-            raise InvalidInput(f"parameter {key!r}: expected a boolean, got {value!r}")
-        flags.append(value)
-    return SequenceFlags(sid, *flags)
+    return SequenceFlags(sid, flag(parameters, "sequence_start"), flag(parameters, "sequence_end"))
 
 
 def unsequenced(name: str, flags: SequenceFlags) -> InvalidInput:
