@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -128,6 +130,27 @@ def test_an_image_that_would_resize_past_the_limit_is_refused_before_any_pixel(p
     with pytest.raises(InvalidInput, match=r"row 1: image of 30000x2 pixels would resize to "
                        r"3840000x256, over the limit of 64000000 pixels"):  # fmt: skip
         pre.images([synthetic_image(0), out.getvalue()])
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, header chunk and an empty data chunk: all Pillow reads to size
+    an image (its pixels are never asked for)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"")
+
+
+def test_an_image_past_pillows_own_limit_is_refused_with_its_size(pre):
+    """Pillow refuses images over twice ``MAX_IMAGE_PIXELS`` as it opens them, before our
+    limit is asked: the refusal still names the row, the size and our limit."""
+    with pytest.raises(InvalidInput, match=r"^input 'image' row 1: image of 400000000 pixels "
+                       r"exceeds the limit of 64000000 pixels \(Pillow refuses over \d+\)$"):  # fmt: skip
+        pre.images([synthetic_image(0), png_header(20_000, 20_000)])
 
 
 def test_preprocess_signature_is_triton_style_bytes(pre):

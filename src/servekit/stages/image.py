@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -113,9 +114,11 @@ def decode_image(
             img = img.convert("RGB")
     except InvalidInput:
         raise
-    except Image.DecompressionBombError:  # Pillow's own limit, met before ours is asked
+    except Image.DecompressionBombError as exc:  # Pillow's own limit, met before ours
+        said = re.search(r"\((\d+) pixels\)", str(exc))  # its size is only in the text
+        image = f"image of {said[1]} pixels" if said else "image"
         raise InvalidInput(
-            f"{where}: image exceeds the limit of {max_pixels} pixels "
+            f"{where}: {image} exceeds the limit of {max_pixels} pixels "
             f"(Pillow refuses over {2 * (Image.MAX_IMAGE_PIXELS or 0)})"
         ) from None
     except Exception as exc:  # PIL raises several unrelated types for bad data
