@@ -61,10 +61,12 @@ def server(request, add_sub_path):
 class Region:
     """A client's region: the two inputs then the two outputs of ``rows`` rows."""
 
-    def __init__(self, client, protocol: str, rows: int = 2, size: int | None = None) -> None:
+    def __init__(
+        self, client, protocol: str, rows: int = 2, size: int | None = None, prefix: str = "r"
+    ) -> None:
         self.client, self.protocol, self.rows = client, protocol, rows
-        self.name = f"r{uuid.uuid4().hex[:12]}"
-        self.key = f"/{self.name}"
+        unique = uuid.uuid4().hex[:12]
+        self.name, self.key = f"{prefix}{unique}", f"/r{unique}"
         self.size = size if size is not None else 4 * rows * ROW_BYTES
         self.handle = shm.create_shared_memory_region(self.name, self.key, self.size)
         client.register_system_shared_memory(
@@ -203,11 +205,20 @@ def test_servekits_client_and_bench_take_the_outputs_through_the_region_too(serv
     assert_idle(server, protocol)  # the bench's region too is unregistered
 
 
+@pytest.mark.parametrize("prefix", ["r", "r%41 "], ids=["plain", "percent-and-space"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_status_lists_a_region_until_it_is_unregistered(server, protocol):
+def test_status_lists_a_region_until_it_is_unregistered(server, protocol, prefix, request):
+    """A region is known by the name it was registered with, even one that needs quoting
+    in a URL (decoded once: 'r%41 x' is not 'rA x')."""
+    if prefix != "r" and protocol == "http" and server.config.runtime != "native":
+        reason = "tritonserver keeps a region name's URL quoting ('r%2541%20x' for 'r%41 x')"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     client = client_of(server, protocol)
-    region = Region(client, protocol)
+    region = Region(client, protocol, prefix=prefix)
     try:
+        a = np.arange(2 * 16, dtype=np.float32).reshape(2, 16)
+        total, difference = shm_infer(client, protocol, region, a, a)
+        assert np.array_equal(total, 2 * a) and not difference.any()
         status = client.get_system_shared_memory_status(
             region.name, headers=token_headers(protocol)
         )

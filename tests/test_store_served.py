@@ -370,6 +370,17 @@ def test_tritonclient_drives_the_repository_extension_over_http_and_grpc(folder)
             assert row["state"] == "UNAVAILABLE" and row["reason"] == "unloaded on request"
             with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
                 http.load_model("nope", headers=headers)
+            # A name is decoded once: tritonclient sends 'a%41' as a%2541.
+            with pytest.raises(InferenceServerException, match="unknown model 'a%41'"):
+                http.load_model("a%41", headers=headers)
+            for quoted, name in (("..%2Fetc", "../etc"), ("add_3%2F..", "add_3/..")):
+                request = urllib.request.Request(
+                    f"{s.http_url}/v2/repository/models/{quoted}/load", b"", headers, method="POST"
+                )
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=10)
+                said = json.loads(refused.value.read())["error"]
+                assert refused.value.code == 404 and said.startswith(f"unknown model {name!r}")
             with pytest.raises(InferenceServerException, match="parameters.config"):
                 http.load_model("add_3", config='{"max_batch_sizes": 4}', headers=headers)
             with pytest.raises(InferenceServerException, match="model files in the request"):
@@ -563,13 +574,15 @@ def test_ray_serves_the_store_in_its_ingress_replica(folder):
             serve.delete("servekit")
 
 
-def test_a_model_file_that_does_not_load_is_a_503_naming_it_and_the_others_serve(
-    tmp_path, add_sub_path
-):
+def test_a_model_file_that_does_not_load_is_named_and_the_others_serve(tmp_path, add_sub_path):
+    """A request for it is a 503 (the model's state); a load asked for by name is a 400,
+    as tritonserver answers a repository load that fails."""
     shutil.copyfile(add_sub_path, tmp_path / "good.onnx")
     (tmp_path / "broken.onnx").write_bytes(b"not a model")
     with served(tmp_path, load="on_demand") as server:
         client = httpclient.InferenceServerClient(server.config.server.http_url[7:])
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.config.server.grpc_port}")
+        headers = {"servekit-control-token": TOKEN}
         try:
             x = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
             with pytest.raises(
@@ -578,12 +591,16 @@ def test_a_model_file_that_does_not_load_is_a_503_naming_it_and_the_others_serve
             ):
                 http_infer(client, "broken", x)
             with pytest.raises(
-                InferenceServerException, match=r"\[503\] model 'broken' cannot be loaded"
+                InferenceServerException, match=r"\[400\] model 'broken' cannot be loaded"
             ):
-                client.load_model("broken", headers={"servekit-control-token": TOKEN})
+                client.load_model("broken", headers=headers)
+            with pytest.raises(InferenceServerException, match="cannot be loaded") as refused:
+                grpc.load_model("broken", headers=headers)
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
             assert http_infer(client, "good", x)["OUTPUT0"].tolist() == [[2.0] * 16]
         finally:
             client.close()
+            grpc.close()
 
 
 @pytest.fixture(scope="module")

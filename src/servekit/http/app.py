@@ -82,7 +82,9 @@ __all__ = ["KServeApp", "metrics_handler"]
 log = logging.getLogger(__name__)
 
 _NOT_SERVED = re.compile(r"^/v2/(repository/models/|trace|logging)")
-_REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>[^/]+)/(?P<action>load|unload)$")
+_REPOSITORY_MODEL = re.compile(r"^/v2/repository/models/(?P<name>.+)/(?P<action>load|unload)$")
+"""A load or unload; any name, so that one with a ``/`` in it (``..%2Fetc``) is an unknown
+model, not a path no route serves."""
 ROUTES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("GET", re.compile(r"^/v2/health/live$"), "_live"),
     ("GET", re.compile(r"^/v2/health/ready$"), "_server_ready"),
@@ -254,7 +256,8 @@ class KServeApp(Forwarding):
         if self._behind is not None:
             given = request.headers.get(CONTROL_TOKEN_HEADER)
             headers = {CONTROL_TOKEN_HEADER: given} if given is not None else {}
-            return await self._behind.control(request.path, self._body(request), headers)
+            path = f"/v2/repository/models/{urllib.parse.quote(m['name'], safe='')}/{m['action']}"
+            return await self._behind.control(path, self._body(request), headers)
         return await self._not_served(request, m)
 
     async def _trace_setting(self, request: HttpRequest, m: re.Match[str]) -> Answer:
@@ -269,7 +272,7 @@ class KServeApp(Forwarding):
         )
         behind = self._behind
         if behind is not None and request.method == "POST" and behind.serves(m["name"] or ""):
-            status, said, headers = await behind.restricted("POST", request.path, body())
+            status, said, headers = await behind.restricted("POST", request.wire_path, body())
             if status != 200:
                 return status, said, headers
         return answer
@@ -290,7 +293,7 @@ class KServeApp(Forwarding):
             return self._traffic(name, model, request)
         if rest in ("/config", "/stats") and method == "GET":
             if behind is not None:
-                return await behind.fetch(method, request.path.rstrip("/"))
+                return await behind.fetch(method, request.wire_path.rstrip("/"))
             if rest == "/config":
                 return self._json(200, model_config_json(name, model))
             return self._json(200, statistics({name: model}))
@@ -299,7 +302,7 @@ class KServeApp(Forwarding):
             raise ModelNotFound(f"model {name!r} has no version {version!r} ready")
         if rest is None and method == "GET":
             if behind is not None and not model.versions:  # tritonserver lists its versions
-                return await behind.fetch(method, request.path.rstrip("/"))
+                return await behind.fetch(method, request.wire_path.rstrip("/"))
             return self._json(200, metadata(name, model.spec, model.versions))
         if rest == "/ready" and method == "GET":
             ready = self._ready() and await self.models.is_ready(name, version)
@@ -340,13 +343,12 @@ class KServeApp(Forwarding):
         return self._json(200, model.traffic.state_dict())
 
     async def _repository(
-        self, control: RepositoryControl, quoted: str, action: str, request: HttpRequest
+        self, control: RepositoryControl, name: str, action: str, request: HttpRequest
     ) -> Answer:
         """``POST /v2/repository/models/<m>/load|unload`` (Triton's repository extension),
         behind the control token; a load's ``parameters.config`` is Triton's model config
         JSON (batching and instances)."""
         self._check_control(request)
-        name = urllib.parse.unquote(quoted)
         body = self._body(request)
         data = parse_json(body, f"repository {action} request") if body.strip() else {}
         params = data.get("parameters", {}) if isinstance(data, dict) else None

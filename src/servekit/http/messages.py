@@ -3,6 +3,7 @@ carries them (``h1``, or ASGI through ``asgi``)."""
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from ..errors import PayloadTooLarge
@@ -35,6 +36,12 @@ class HttpRequest:
     ) -> None:
         self.method, self.path, self.headers, self._body = method, path, headers, body
         self.query, self.oversize, self.limit = query, oversize, limit
+
+    @property
+    def wire_path(self) -> str:
+        """``path`` (decoded once by the server) percent-encoded again, as it goes on to
+        tritonserver: a model named with a space or a ``%`` stays one name there."""
+        return urllib.parse.quote(self.path, safe="/")
 
     @property
     def body(self) -> bytes:

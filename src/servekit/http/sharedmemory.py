@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,13 +47,13 @@ async def shared_memory_answer(
     action, kind = match["action"], match["kind"]
     if request.method != _METHODS[action]:
         return _json(405, {"error": f"{request.method} not allowed on {request.path}"})
-    name = urllib.parse.unquote(match["name"]) if match["name"] is not None else None
+    name = match["name"]
     data = body() if request.method == "POST" else None
     if behind is not None:  # tritonserver maps the region
         check_control(request)
         if action == "register" and kind == "system":  # the client's error, not Triton's 500
             check_registration(*_registration(data, name))
-        return await behind.restricted(request.method, request.path, data)
+        return await behind.restricted(request.method, request.wire_path, data)
     refusal = cuda_refusal(regions) if kind == "cuda" else None
     if regions is None and refusal is None:
         refusal = f"shared memory {NO_SHARED_MEMORY}"

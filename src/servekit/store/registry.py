@@ -56,15 +56,17 @@ class StoredModel:
 
 
 @contextlib.contextmanager
-def failed_load(name: str) -> Iterator[None]:
-    """A model file that does not load is the model's state, not the server's fault: a
-    ``ModelNotReady`` (503) naming the model and why, instead of an internal error."""
+def failed_load(name: str, error: type[ServekitError] = ModelNotReady) -> Iterator[None]:
+    """A model file that does not load is the model's state, not the server's fault: an
+    ``error`` naming the model and why, instead of an internal error. A request for the
+    model gets a ``ModelNotReady`` (503); a load asked for by name an ``InvalidInput``
+    (400), as tritonserver answers a repository load that fails."""
     try:
         yield
     except ServekitError:
         raise
     except (ValueError, OSError) as exc:
-        raise ModelNotReady(f"model {name!r} cannot be loaded: {exc}") from exc
+        raise error(f"model {name!r} cannot be loaded: {exc}") from exc
 
 
 class StoreModels:
@@ -111,7 +113,7 @@ class StoreModels:
     async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
         owner = self.store.owner(name)
         base = self.store.config(owner)
-        with failed_load(owner):
+        with failed_load(owner, InvalidInput):
             changed = overridden(base, config, await self.store.spec(owner)) if config else None
             await self.store.load(owner, changed)
 
