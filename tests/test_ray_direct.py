@@ -48,9 +48,10 @@ def direct(add_sub_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("devices")
     devices = []
     for name, overlap in (("ahead_on", None), ("ahead_off", False)):
-        # 40 ms a batch plus 1 ms a row: longer than the ingress takes to gather a batch.
+        # 150 ms a batch plus 1 ms a row: longer than the ingress takes to gather and send a
+        # batch even on a host whose cores are taken (a round trip there: over 100 ms).
         path = folder / f"{name}.onnx"
-        onnx.save(build_simulated(f"ray-{name}", 40_000, 1_000), path)
+        onnx.save(build_simulated(f"ray-{name}", 150_000, 1_000), path)
         batching = BatchingPolicy(max_batch_size=ROWS)
         devices.append(ModelConfig(str(path), name, batching=batching, overlap=overlap))
     config = ServeConfig(
