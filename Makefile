@@ -16,6 +16,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	@touch $@
 
+# PyTorch's CPU build where this machine keeps one on disk (TORCH_WHEELS; the python
+# machines CI runs on have /opt/wheels): TorchRunner, the device-kept outputs and CUDA
+# shared memory then run their tests on the CPU. PyPI's torch is a CUDA build of several
+# GB, so none is fetched: without the file those tests skip by name.
+TORCH_WHEELS ?= /opt/wheels
+TORCH := $(VENV)/.torch
+
+$(TORCH): $(STAMP)
+	@tag=$$($(BIN)/python -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
+	wheel=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$tag-*.whl 2>/dev/null | sort -V | tail -n1); \
+	if [ -n "$$wheel" ]; then \
+	  echo "installing $$wheel"; \
+	  $(BIN)/python -m pip install -q --disable-pip-version-check "$$wheel"; \
+	else echo "no CPU build of PyTorch in $(TORCH_WHEELS): the tests that need torch skip"; fi
+	@touch $@
+
 # The trained EfficientNet-Lite0 (real ImageNet class names) and the ResNet-50 reference workload.
 MODELS := efficientnet_lite0 resnet50
 
@@ -30,7 +46,7 @@ serve: models
 demo: models
 	$(BIN)/servekit demo
 
-test: $(STAMP)
+test: $(STAMP) $(TORCH)
 	$(BIN)/python -m pytest
 
 bench: models

@@ -3,7 +3,8 @@ a GPU takes, tested here with torchvision's CPU decoders, which have the same AP
 within 2 levels of Pillow's (nearly all within 1), the trained classifier's top 5 unchanged on the sample photos,
 PNG and CMYK images through the host path image by image, a bad image named by its row,
 and the served ``<name>_image`` answering as in-process. Skipped by name without
-torchvision (CI installs no PyTorch); the CUDA test runs on a GPU (bench/gpu.sh)."""
+torchvision (CI installs torch's CPU build, beside which PyPI's torchvision does not load);
+the CUDA test runs on a GPU (bench/gpu.sh)."""
 
 from __future__ import annotations
 
