@@ -82,12 +82,38 @@ def options(repo: Path, mode: str = "none", **kw) -> TritonOptions:
     return TritonOptions(repo, server, model_control_mode=mode, **kw)
 
 
+_READY = re.compile(r'backend\.py:\d+\] "servekit: (\S+) v\d+ ready')
+"""servekit's backend's last line as a model's ``initialize`` returns."""
+
+
+def hung_after_ready(log: str) -> bool:
+    """Triton's other intermittent fault at a load (triton-inference-server/server#3475,
+    under repeated loads and unloads on a starved host): the model's stub said it is ready
+    and tritonserver never marked the model loaded."""
+    ready = list(_READY.finditer(log))
+    return bool(ready) and f"successfully loaded '{ready[-1][1]}'" not in log[ready[-1].end() :]
+
+
+def test_a_load_that_hung_after_its_model_was_ready_is_told_from_one_that_loaded():
+    """The lines of a hang seen in a full run (a ready line, then nothing but the stop) and
+    of a load that went through."""
+    started = (
+        'I1 model_lifecycle.cc:472] "loading: tiny:1"\n'
+        'I1 backend.py:272] "servekit: tiny v1 ready (runner, max_batch_size 64)"\n'
+    )
+    loaded = started + "I1 model_lifecycle.cc:839] \"successfully loaded 'tiny'\"\n"
+    hung = loaded + started + "Signal (15) received.\n"
+    assert not hung_after_ready(loaded) and not hung_after_ready("")
+    assert hung_after_ready(hung)
+
+
 def started_over_once(options: TritonOptions, body: Callable[[TritonProcess], None]) -> None:
-    """``body`` against tritonserver run with ``options``; started over once if tritonserver
-    died of Triton's own intermittent abort at a load (``_ABORTED_AT_LOAD``: a Python
+    """``body`` against tritonserver run with ``options``; started over once if a load met
+    one of Triton's own intermittent faults: the abort (``_ABORTED_AT_LOAD``: a Python
     backend stub starting under CPU starvation, triton-inference-server/server#8882), as
-    ``TritonProcess.start`` does at start. Any other failure names tritonserver's state
-    and its log's end."""
+    ``TritonProcess.start`` does at start, or the hang after a ready model
+    (``hung_after_ready``). Any other failure names tritonserver's state and its log's
+    end."""
     for attempt in (1, 2):
         with TritonProcess(options) as process:
             try:
@@ -96,8 +122,9 @@ def started_over_once(options: TritonOptions, body: Callable[[TritonProcess], No
             except Exception as exc:
                 failure, state = exc, process.problem() or "tritonserver running"
         # Read once stopped: a load that hung can end in the abort only as Triton stops.
-        if _ABORTED_AT_LOAD in process.log_text():
-            assert attempt == 1, f"Triton aborted at a load twice:\n{process.log_tail(30)}"
+        log = process.log_text()
+        if _ABORTED_AT_LOAD in log or hung_after_ready(log):
+            assert attempt == 1, f"Triton failed a load twice:\n{process.log_tail(30)}"
             continue
         raise AssertionError(f"{failure!r}; {state}; its log ended:\n"
                              f"{process.log_tail(30)}") from failure  # fmt: skip
