@@ -73,6 +73,7 @@ DEVIATIONS: dict[str, dict[str, str]] = {
     "pytriton-own": {  # PyTriton's token answers the deep index body first (403)
         **{k: v for k, v in TRITONSERVER.items() if k != "repository index nested too deep"},
         "repository index": PYTRITON_TOKEN,
+        "wrong method on the index": PYTRITON_TOKEN,
         "shared memory status": PYTRITON_TOKEN,
     },
 }
@@ -356,6 +357,27 @@ def test_statistics_count_the_inferences(endpoint: Endpoint):
     for _ in range(3):
         assert endpoint.infer(well_formed())[0] == 200
     assert count() >= before + 3
+
+
+def wrong_method(endpoint: Endpoint, method: str, path: str) -> None:
+    status, body, _ = endpoint.request(method, path, b"{}" if method != "GET" else None)
+    assert status == 405, (status, body)
+    assert endpoint.request("GET", "/v2/health/live")[0] == 200
+
+
+@case("wrong method")
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v2/health/live"), ("HEAD", "/v2/health/ready"), ("PUT", "/v2/models/stats"),
+     ("DELETE", "/v2")],
+)  # fmt: skip
+def test_a_path_asked_with_a_method_it_does_not_take_is_a_405(endpoint: Endpoint, method, path):
+    wrong_method(endpoint, method, path)
+
+
+@case("wrong method on the index")
+def test_the_repository_index_asked_with_get_is_a_405(endpoint: Endpoint):
+    wrong_method(endpoint, "GET", "/v2/repository/index")
 
 
 @case("repository index")

@@ -85,6 +85,21 @@ def test_pipelined_requests_are_answered_in_order(server):
     assert [a[1] for a in answers] == [b"GET /sleep/200? 0", b"GET /sleep/0? 0", b"GET /a b?q=1 0"]
 
 
+def test_a_head_request_is_answered_with_headers_only_and_the_next_answer_follows(server):
+    """The answer's content-length is the body's a GET would get, and no body follows it:
+    a body there would be read as the start of the next answer on the connection."""
+    with connect(server) as sock:
+        sock.sendall(get("/g").replace(b"GET", b"HEAD") + get("/g"))
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b"GET /g? 0"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"content-length: 10" in head
+    assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"\r\n\r\nGET /g? 0")
+
+
 def test_a_chunked_body_reaches_the_app_whole(server):
     with connect(server) as sock:
         sock.sendall(

@@ -65,6 +65,7 @@ from ..protocol.shm import Regions, SharedMemory
 from ..protocol.surface import (
     NOT_SERVED,
     model_config_json,
+    ready_only_asked,
     repository_index,
     server_metadata,
     statistics,
@@ -99,7 +100,8 @@ ROUTES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("*", MODEL, "_model"),
 )
 """(method, or * for any; path pattern; ``KServeApp`` handler) in the order they are
-tried: the first whose method and path match answers; a path none matches is a 404."""
+tried: the first whose method and path match answers; a path matched only with other
+methods is a 405, one none matches a 404."""
 _JSON = {"content-type": "application/json"}
 
 
@@ -204,12 +206,22 @@ class KServeApp(Forwarding):
         return status, body, headers
 
     async def _route(self, request: HttpRequest) -> Answer:
-        """The first of ``ROUTES`` whose method and path match answers."""
-        path = request.path.rstrip("/")
+        """The first of ``ROUTES`` whose method and path match answers; a path served
+        with other methods only is a 405 naming them (``allow``), as tritonserver's."""
+        path, allowed = request.path.rstrip("/"), []
         for method, pattern, handler in self._routes:
             m = pattern.match(path)
-            if m is not None and method in ("*", request.method):
+            if m is None:
+                continue
+            if method == request.method or (method == "*" and not allowed):
                 return await handler(request, m)
+            if method != "*":  # e.g. PUT /v2/models/stats: the stats, not a model "stats"
+                allowed.append(method)
+        if allowed:
+            status, body, headers = self._json(
+                405, {"error": f"{request.method} not allowed on {request.path}"}
+            )
+            return status, body, {**headers, "allow": ", ".join(allowed)}
         return self._json(404, {"error": f"no route {request.method} {request.path}"})
 
     async def _live(self, request: HttpRequest, m: re.Match[str]) -> Answer:
@@ -229,7 +241,7 @@ class KServeApp(Forwarding):
     async def _index(self, request: HttpRequest, m: re.Match[str]) -> Answer:
         """Triton's repository index: the store's (every model known, with its state),
         tritonserver's own behind a front, else every model served."""
-        ready_only = self._index_request(request)
+        ready_only = ready_only_asked(self._body(request))
         if conforms(self.models, RepositoryControl):
             index = self.models.index()
             return self._json(200, [e for e in index if e["state"] == "READY" or not ready_only])
@@ -384,23 +396,6 @@ class KServeApp(Forwarding):
         given = request.headers.get(CONTROL_TOKEN_HEADER, "").encode("latin-1")
         if self._control is not None and not hmac.compare_digest(given, self._control):
             raise Unauthenticated(f"missing or wrong {CONTROL_TOKEN_HEADER} header")
-
-    def _index_request(self, request: HttpRequest) -> bool:
-        """The repository index's body, checked as Triton checks it (``{"ready": bool}``);
-        whether it asks for ready models only."""
-        body = self._body(request)
-        if not body.strip():
-            return False
-        data = parse_json(body, "repository index request")
-        if not isinstance(data, dict):
-            raise InvalidInput(
-                f"repository index request: expected a JSON object, got {type(data).__name__}"
-            )
-        if not isinstance(data.get("ready", False), bool):
-            raise InvalidInput(
-                f"repository index request: 'ready' must be a boolean, got {data['ready']!r}"
-            )
-        return bool(data.get("ready", False))
 
     def _check_token(self, given: bytes) -> None:
         if self._token is not None and not hmac.compare_digest(given, self._token):

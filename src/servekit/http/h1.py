@@ -246,19 +246,26 @@ class _Connection(asyncio.Protocol):
         task.add_done_callback(self.server.tasks.discard)
 
     def _reply(
-        self, status: int, body: bytes, headers: Mapping[str, str], *, close: bool = True
+        self,
+        status: int,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        close: bool = True,
+        head: bool = False,
     ) -> None:
+        """Write the answer; ``head``: its headers only, as a HEAD request is answered."""
         transport = self.transport
         self.busy = False
         if transport is None or transport.is_closing():
             return
-        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+        lines = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
         for key, value in headers.items():
-            head += b"%s: %s\r\n" % (key.encode("latin-1"), value.encode("latin-1"))
-        head += b"content-length: %d\r\n" % len(body)
+            lines += b"%s: %s\r\n" % (key.encode("latin-1"), value.encode("latin-1"))
+        lines += b"content-length: %d\r\n" % len(body)
         if not self.keep:
-            head += b"connection: close\r\n"
-        transport.write(head + b"\r\n" + body)
+            lines += b"connection: close\r\n"
+        transport.write(lines + b"\r\n" + (b"" if head else body))
         self._next(transport, close)
 
     def _next(self, transport: asyncio.Transport, close: bool = True) -> None:
@@ -294,7 +301,9 @@ class _Connection(asyncio.Protocol):
             log.exception("unexpected error on %s %s", request.method, path)
             self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
             return
-        if isinstance(body, bytes):
+        if request.method == "HEAD" and isinstance(body, bytes):
+            self._reply(status, body, out, head=True)
+        elif isinstance(body, bytes):
             self._reply(status, body, out)
         else:
             await self._stream(status, body, out)

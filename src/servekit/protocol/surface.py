@@ -10,6 +10,8 @@ from typing import Any
 
 from .._version import __version__
 from ..batching.sequencer import SequenceBatcher
+from ..errors import InvalidInput
+from .jsonbody import parse_json
 from .models import FrontModel
 from .pbtxt import model_config as render
 
@@ -17,6 +19,7 @@ __all__ = [
     "EXTENSIONS",
     "NOT_SERVED",
     "model_config",
+    "ready_only_asked",
     "repository_index",
     "server_metadata",
     "statistics",
@@ -121,3 +124,21 @@ def repository_index(models: Mapping[str, FrontModel]) -> list[dict[str, str]]:
         for n in sorted(models)
         for v in models[n].versions or ("1",)
     ]
+
+
+def ready_only_asked(body: bytes) -> bool:
+    """Whether a repository index request's body (``{"ready": bool}``, or none) asks for
+    ready models only; anything else is refused naming what came, as Triton checks it."""
+    if not body.strip():
+        return False
+    data = parse_json(body, "repository index request")
+    if not isinstance(data, dict):
+        raise InvalidInput(
+            f"repository index request: expected a JSON object, got {type(data).__name__}"
+        )
+    ready = data.get("ready", False)
+    if type(ready) is not bool:
+        raise InvalidInput(
+            f"repository index request: 'ready': expected true or false, got {ready!r}"
+        )
+    return ready
