@@ -1,5 +1,6 @@
-"""Triton's request parameters, decoded once for HTTP and gRPC: each wrong value is refused
-naming the parameter, what it expected and what came, in the same words for every flag."""
+"""Triton's request parameters (and the repository index's body), decoded once for HTTP
+and gRPC: each wrong value is refused naming the parameter, what it expected and what
+came, in the same words for every flag."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from servekit.errors import InvalidInput
 from servekit.protocol.parameters import flag, scheduling, sequence_flags
+from servekit.protocol.surface import ready_only_asked
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
@@ -72,3 +74,23 @@ def test_priority_and_timeout_become_the_batchers_keywords():
         "timeout_us": 500,
     }
     assert scheduling({}) == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"ready": 1}', "repository index request: 'ready': expected true or false, got 1"),
+        (b'{"ready": "yes"}', "'ready': expected true or false, got 'yes'"),
+        (b"[true]", "repository index request: expected a JSON object, got list"),
+        (b"{", "repository index request"),
+    ],
+)
+def test_a_repository_index_body_that_is_not_ready_true_or_false_is_refused(body, says):
+    with pytest.raises(InvalidInput, match=re.escape(says)):
+        ready_only_asked(body)
+
+
+def test_a_repository_index_body_asks_for_ready_models_or_all():
+    assert ready_only_asked(b'{"ready": true}') is True
+    assert ready_only_asked(b'{"ready": false}') is ready_only_asked(b"{}") is False
+    assert ready_only_asked(b"  ") is False
