@@ -208,7 +208,7 @@ class KServeApp(Forwarding):
     async def _route(self, request: HttpRequest) -> Answer:
         """The first of ``ROUTES`` whose method and path match answers; a path served
         with other methods only is a 405 naming them (``allow``), as tritonserver's."""
-        path, allowed = request.path.rstrip("/"), []
+        path, allowed = request.path.rstrip("/"), list[str]()
         for method, pattern, handler in self._routes:
             m = pattern.match(path)
             if m is None:
