@@ -281,8 +281,10 @@ def test_churn_keeps_a_budget_of_ten_models_nearly_full_and_charges_what_each_co
     # docs/models.md's slack: one load's session build (ONNX Runtime peaks at about 3.5
     # times the model's settled size), the charges' tolerance (each within 25 % of what
     # a model really costs, so the models resident may cost a quarter more than the
-    # budget), and what requests hold.
-    slack = 3.5 * per_model + 0.25 * budget + 8 * MB
+    # budget), and what requests and the threads serving them hold: 16 MB, since on a
+    # host whose cores are taken the peak rose by up to 16 MB (88.9 MB under two busy
+    # loops, 90.1 in a full run, against 71-75 alone).
+    slack = 3.5 * per_model + 0.25 * budget + 16 * MB
     with serving_process(root, tmp_path, memory_budget_mb=budget / MB, load="on_demand") as (
         url,
         pid,
