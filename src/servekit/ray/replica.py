@@ -83,7 +83,9 @@ class Batched:
         return {"policy": self.batcher.policy, "threads": getattr(runner, "threads", None)}
 
     async def where(self) -> dict[str, Any]:
-        """This replica's node and batch counts (which replica did the work, and how much)."""
+        """This replica's node and counts: which replica did the work, how much, and how
+        long the ingress's batches waited here for the device (``queue_us``, in all, over
+        ``requests``: one per ingress batch)."""
         import ray
 
         s = self.batcher.stats
@@ -92,4 +94,6 @@ class Batched:
             "replica": ray.get_runtime_context().get_actor_id(),
             "executions": s.execution_count,
             "inferences": s.inference_count,
+            "requests": s.request_success,
+            "queue_us": s.queue_us,
         }
