@@ -74,6 +74,7 @@ DEVIATIONS: dict[str, dict[str, str]] = {
         **{k: v for k, v in TRITONSERVER.items() if k != "repository index nested too deep"},
         "repository index": PYTRITON_TOKEN,
         "wrong method on the index": PYTRITON_TOKEN,
+        "wrong method on shared memory": PYTRITON_TOKEN,
         "shared memory status": PYTRITON_TOKEN,
     },
 }
@@ -359,25 +360,36 @@ def test_statistics_count_the_inferences(endpoint: Endpoint):
     assert count() >= before + 3
 
 
-def wrong_method(endpoint: Endpoint, method: str, path: str) -> None:
-    status, body, _ = endpoint.request(method, path, b"{}" if method != "GET" else None)
+def wrong_method(endpoint: Endpoint, method: str, path: str, allow: str) -> None:
+    status, body, headers = endpoint.request(method, path, b"{}" if method != "GET" else None)
     assert status == 405, (status, body)
+    if not endpoint.runtime.endswith("-own"):  # tritonserver's own 405 names no methods
+        assert allow in headers.get("allow", ""), headers
     assert endpoint.request("GET", "/v2/health/live")[0] == 200
 
 
 @case("wrong method")
 @pytest.mark.parametrize(
-    ("method", "path"),
-    [("POST", "/v2/health/live"), ("HEAD", "/v2/health/ready"), ("PUT", "/v2/models/stats"),
-     ("DELETE", "/v2")],
+    ("method", "path", "allow"),
+    [("POST", "/v2/health/live", "GET"), ("HEAD", "/v2/health/ready", "GET"),
+     ("PUT", "/v2/models/stats", "GET"), ("DELETE", "/v2", "GET"),
+     ("GET", f"/v2/models/{MODEL}/infer", "POST"), ("POST", f"/v2/models/{MODEL}/ready", "GET")],
 )  # fmt: skip
-def test_a_path_asked_with_a_method_it_does_not_take_is_a_405(endpoint: Endpoint, method, path):
-    wrong_method(endpoint, method, path)
+def test_a_path_asked_with_a_method_it_does_not_take_is_a_405(
+    endpoint: Endpoint, method, path, allow
+):
+    wrong_method(endpoint, method, path, allow)
 
 
 @case("wrong method on the index")
 def test_the_repository_index_asked_with_get_is_a_405(endpoint: Endpoint):
-    wrong_method(endpoint, "GET", "/v2/repository/index")
+    wrong_method(endpoint, "GET", "/v2/repository/index", "POST")
+
+
+@case("wrong method on shared memory")
+def test_shared_memory_asked_with_the_wrong_method_is_a_405(endpoint: Endpoint):
+    wrong_method(endpoint, "POST", "/v2/systemsharedmemory/status", "GET")
+    wrong_method(endpoint, "GET", "/v2/cudasharedmemory/region/r/unregister", "POST")
 
 
 @case("repository index")

@@ -74,7 +74,7 @@ from ..tracing import Tracing
 from .asgi import serve_asgi
 from .events import event_stream
 from .forward import MODEL, Forwarding, whole_body
-from .messages import Answer, Handler, HttpRequest
+from .messages import Answer, Handler, HttpRequest, not_allowed
 from .sharedmemory import SHARED_MEMORY, shared_memory_answer
 from .trace import TRACE_SETTING, trace_setting
 
@@ -103,6 +103,8 @@ ROUTES: tuple[tuple[str, re.Pattern[str], str], ...] = (
 tried: the first whose method and path match answers; a path matched only with other
 methods is a 405, one none matches a 404."""
 _JSON = {"content-type": "application/json"}
+_MODEL_METHODS = {None: "GET", "/ready": "GET", "/config": "GET", "/stats": "GET", "/infer": "POST"}
+"""The method each of a model's paths takes (``/traffic``: GET and POST, its own)."""
 
 
 class KServeApp(Forwarding):
@@ -218,10 +220,7 @@ class KServeApp(Forwarding):
             if method != "*":  # e.g. PUT /v2/models/stats: the stats, not a model "stats"
                 allowed.append(method)
         if allowed:
-            status, body, headers = self._json(
-                405, {"error": f"{request.method} not allowed on {request.path}"}
-            )
-            return status, body, {**headers, "allow": ", ".join(allowed)}
+            return not_allowed(request, *allowed)
         return self._json(404, {"error": f"no route {request.method} {request.path}"})
 
     async def _live(self, request: HttpRequest, m: re.Match[str]) -> Answer:
@@ -326,7 +325,7 @@ class KServeApp(Forwarding):
                 return await self._infer(name, model, request, version)
             with self.tracing.request(name, "infer", request.headers, protocol="http"):
                 return await self._infer(name, model, request, version)
-        return self._json(405, {"error": f"{method} not allowed on {request.path}"})
+        return not_allowed(request, _MODEL_METHODS[rest])
 
     def _traffic(self, name: str, model: FrontModel, request: HttpRequest) -> Answer:
         """``GET``: the model's split, shadow, canary state and counts; ``POST {"split":
@@ -351,7 +350,7 @@ class KServeApp(Forwarding):
             except ValueError as exc:  # a bad split is this request's fault
                 raise exc if isinstance(exc, InvalidInput) else InvalidInput(str(exc)) from None
         elif request.method != "GET":
-            return self._json(405, {"error": f"{request.method} not allowed on {request.path}"})
+            return not_allowed(request, "GET", "POST")
         return self._json(200, model.traffic.state_dict())
 
     async def _repository(

@@ -3,12 +3,13 @@ carries them (``h1``, or ASGI through ``asgi``)."""
 
 from __future__ import annotations
 
+import json
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from ..errors import PayloadTooLarge
 
-__all__ = ["Answer", "FastPath", "Handler", "HttpRequest", "Reply"]
+__all__ = ["Answer", "FastPath", "Handler", "HttpRequest", "Reply", "not_allowed"]
 
 Reply = Callable[[int, bytes, Mapping[str, str]], None]
 """Answer the request: status, body, headers (content-length is added)."""
@@ -55,3 +56,10 @@ Answer = tuple[int, bytes | AsyncIterator[bytes], Mapping[str, str]]
 """Status, body and headers (the server adds content-length)."""
 Handler = Callable[[HttpRequest], Awaitable[Answer]]
 """Answers one request; an exception is that request's 500 (a ``ServekitError``: its status)."""
+
+
+def not_allowed(request: HttpRequest, *methods: str) -> Answer:
+    """405 for a path served with other methods only, naming them in ``allow`` (as
+    tritonserver answers, and as HTTP requires)."""
+    error = json.dumps({"error": f"{request.method} not allowed on {request.path}"}).encode()
+    return 405, error, {"content-type": "application/json", "allow": ", ".join(methods)}

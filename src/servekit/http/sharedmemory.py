@@ -23,7 +23,7 @@ from ..protocol.shm import (
     check_registration,
     cuda_refusal,
 )
-from .messages import Answer, HttpRequest
+from .messages import Answer, HttpRequest, not_allowed
 
 __all__ = ["SHARED_MEMORY", "shared_memory_answer"]
 
@@ -46,7 +46,7 @@ async def shared_memory_answer(
     """The answer to one shared-memory request (``match``: of ``SHARED_MEMORY``)."""
     action, kind = match["action"], match["kind"]
     if request.method != _METHODS[action]:
-        return _json(405, {"error": f"{request.method} not allowed on {request.path}"})
+        return not_allowed(request, _METHODS[action])
     name = match["name"]
     data = body() if request.method == "POST" else None
     if behind is not None:  # tritonserver maps the region
