@@ -1,7 +1,7 @@
 """One fault, one consequence, served: on native, PyTriton, the Triton backend and Ray, a
 client whose inputs make the user's model raise gets that error alone while seven others,
-batched with it, are all answered right; a Runner that refuses warm-up's random samples
-with ``InvalidInput`` still starts and serves."""
+batched with it, are all answered right; a model that raises on warm-up's random samples
+(its own ``InvalidInput``, a plain ``ValueError``) still starts and serves."""
 
 from __future__ import annotations
 
@@ -54,6 +54,26 @@ class PositiveOnly(BaseRunner):
         if (inputs["X"] < 0).any():
             raise InvalidInput("X: negative values are not allowed")
         return {"Y": np.sqrt(inputs["X"])}
+'''
+
+SCORER = '''
+import numpy as np
+import servekit
+
+
+class Scorer(servekit.Model):
+    """Refuses any negative value with a plain ValueError and has no warmup(): warm-up's
+    random normals make it raise."""
+
+    inputs = [("X", "FP32", [4])]
+    outputs = [("Y", "FP32", [4])]
+    max_batch_size = 8
+
+    def infer(self, batch):
+        x = batch["X"]
+        if (x < 0).any():
+            raise ValueError("negative values are not allowed")
+        return {"Y": np.sqrt(x)}
 '''
 
 
@@ -136,9 +156,15 @@ def test_a_bad_client_fails_alone_and_seven_good_ones_batched_with_it_are_answer
         assert samples.get(pending) == 0  # idle again once the clients stop
 
 
-def test_a_runner_that_refuses_warm_up_samples_starts_and_serves(serving, tmp_path):
+@pytest.mark.parametrize(
+    "source", ["positive:PositiveOnly", "scorer:Scorer"], ids=["invalid-input", "value-error"]
+)
+def test_a_model_that_raises_on_warm_up_samples_starts_and_serves(serving, tmp_path, source):
+    """Whatever the model raises on warm-up's random samples (a Runner's own
+    ``InvalidInput``, a ``servekit.Model``'s plain ``ValueError``), it starts and serves."""
     (tmp_path / "positive.py").write_text(POSITIVE)
-    model = ModelConfig("positive:PositiveOnly", "positive", path=str(tmp_path))
+    (tmp_path / "scorer.py").write_text(SCORER)
+    model = ModelConfig(source, "positive", path=str(tmp_path))
     with serving(model) as served:
         for module, c in clients_of(served):
             try:

@@ -109,3 +109,54 @@ def test_outputs_with_the_wrong_row_count_are_runner_errors():
     runner = FunctionRunner(lambda d: {"y": d["x"][:1]}, SPEC)
     with pytest.raises(RunnerError, match="expected 3 rows"):
         runner.infer({"x": np.ones((3, 2), np.float32)})
+
+
+NONNEGATIVE = ModelSpec((TensorSpec("x", np.float32, [4]),), (TensorSpec("y", np.float32, [4]),), 8)
+
+
+def refuse_negatives(d):
+    """A user's own check: a plain ValueError on any negative value (random samples have
+    some)."""
+    if (d["x"] < 0).any():
+        raise ValueError("negative feature at row 0 col 1")
+    return {"y": d["x"] * 2}
+
+
+def test_a_warm_up_that_raises_anything_is_said_once_and_the_model_still_serves(caplog):
+    from servekit.runners.base import warm_up
+
+    runner = FunctionRunner(refuse_negatives, NONNEGATIVE)
+    with caplog.at_level("WARNING", logger="servekit.runners.base"):
+        failed = warm_up(runner, "scorer")
+    assert isinstance(failed, RunnerError) and "negative feature" in str(failed)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert lines[0].startswith("scorer: warm-up skipped")
+    assert "ValueError: negative feature at row 0 col 1" in lines[0]
+    assert "warmup_inputs(rows)" in lines[0] and "warmup()" in lines[0]
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(runner.infer({"x": x})["y"], x * 2)
+
+
+def test_a_models_own_warm_up_that_raises_does_not_stop_it_either(caplog):
+    import servekit
+    from servekit.custom import UserRunner
+    from servekit.runners.base import warm_up
+
+    class Scorer(servekit.Model):
+        inputs = [("x", "FP32", [4])]
+        outputs = [("y", "FP32", [4])]
+        max_batch_size = 8
+
+        def warmup(self):
+            raise KeyError("weights.bin")
+
+        def infer(self, batch):
+            return {"y": batch["x"] + 1}
+
+    runner = UserRunner(Scorer(), "scorer")
+    with caplog.at_level("WARNING", logger="servekit.runners.base"):
+        assert isinstance(warm_up(runner, "scorer"), KeyError)
+    assert [r.getMessage().count("warm-up skipped") for r in caplog.records] == [1]
+    assert "KeyError: 'weights.bin'" in caplog.records[0].getMessage()
+    assert runner.infer({"x": np.zeros((1, 4), np.float32)})["y"].tolist() == [[1.0] * 4]

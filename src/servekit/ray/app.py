@@ -24,6 +24,7 @@ from ..errors import ServekitError
 from ..http import KServeApp
 from ..protocol.routed import route, traffic_of
 from ..recovery import Lost, Recovery, tensors_key
+from ..runners.base import warm_up
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
@@ -218,7 +219,7 @@ def build_app(
             from ..runtime.base import load_model_runner
 
             runner = load_model_runner(model, cache_dir, config.storage)
-            runner.warmup()
+            warm_up(runner, model.name)
             tracer = config.server.tracing.tracing()  # this replica's spans
             super().__init__(runner, model.batching, model.name, model.autoscale, tracer)
 
@@ -270,7 +271,7 @@ def build_app(
                 from ..runtime.registry import scheduled
 
                 for m in load_models(model, config.cache_dir, config.storage):
-                    m.runner.warmup()
+                    warm_up(m.runner, m.name)
                     if config.ray.fuse:  # the replicas are the model's instances
                         m = dataclasses.replace(m, instance_count=1)
                     models[m.name, m.version] = scheduled(m)

@@ -26,6 +26,8 @@ __all__ = [
     "batch_function",
     "staging_of",
     "tensor_device",
+    "warm_up",
+    "warm_up_skipped",
 ]
 
 Arrays = dict[str, np.ndarray]
@@ -104,17 +106,16 @@ class BaseRunner:
         """Run sample inputs once per batch size so first requests do not pay for lazy init.
 
         A model that refuses them (``InvalidInput``: its own validation) is not warmed up,
-        said in one log line: warm-up never stops a server from starting. Override
-        ``warmup_inputs`` to give inputs it accepts (Triton's ``model_warmup``)."""
+        said in one log line; anything else it raises is raised (a new version's update
+        refuses it), and ``warm_up``, which every runtime starts a model with, logs that
+        too and starts it. Override ``warmup_inputs`` to give inputs it accepts (Triton's
+        ``model_warmup``)."""
         sizes = batch_sizes if self._spec.batched else (1,)
         for n in sizes:
             try:
                 self.infer(self.warmup_inputs(min(n, max(self._spec.max_batch_size, 1))))
             except InvalidInput as exc:
-                log.warning(
-                    "%s: warm-up skipped: the model refused its sample inputs (%s); give it "
-                    "inputs it accepts with warmup_inputs", type(self).__name__, exc,
-                )  # fmt: skip
+                warm_up_skipped(type(self).__name__, exc)
                 return
 
     def warmup_inputs(self, rows: int) -> dict[str, np.ndarray]:
@@ -151,6 +152,39 @@ class FunctionRunner(BaseRunner):
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         return dict(self._fn(inputs))
+
+
+def warm_up(runner: Runner, name: str = "") -> Exception | None:
+    """Warm ``runner`` up to start it: what it raises, whatever it is, is logged in one
+    line and returned, never raised, for warm-up never stops a start (the model serves
+    cold, and answers each request as its inputs deserve).
+
+    Args:
+        runner: the model about to serve.
+        name: the model's, for the log (the runner's type when empty).
+
+    Returns:
+        The exception warm-up raised; None when it ran.
+    """
+    try:
+        runner.warmup()
+    except Exception as exc:
+        warm_up_skipped(name or type(runner).__name__, exc)
+        return exc
+    return None
+
+
+def warm_up_skipped(label: str, exc: BaseException) -> None:
+    """The one log line of a warm-up that raised: the model, the exception (the model's
+    own, not servekit's wrapping) and how to give warm-up inputs the model accepts."""
+    root = exc
+    while isinstance(root, ServekitError) and root.__cause__ is not None:
+        root = root.__cause__
+    log.warning(
+        "%s: warm-up skipped, the model starts without it: its sample inputs raised %s: %s; "
+        "give warm-up inputs it accepts with warmup_inputs(rows) (a Runner) or its own "
+        "warmup() (a servekit.Model)", label, type(root).__name__, root,
+    )  # fmt: skip
 
 
 def batch_function(

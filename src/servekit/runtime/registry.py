@@ -23,6 +23,7 @@ from ..protocol.cached import CachedModel, file_identity
 from ..protocol.models import BatchedModel, DecoupledModel
 from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
+from ..runners.base import warm_up
 from ..runners.versioned import VersionedRunner
 from .base import ServedModel, load_models, reload_models
 
@@ -95,7 +96,7 @@ class ServedModels:
                 m for model in c.models for m in load_models(model, c.cache_dir, c.storage)
             ]
         for m in self._models:
-            m.runner.warmup()
+            warm_up(m.runner, m.name)
         return self._models
 
     def __iter__(self) -> Iterator[ServedModel]:

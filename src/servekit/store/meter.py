@@ -78,6 +78,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """The helper's loop: ``(cache_dir, storage)`` first, then a config in and
     ``("ok", bytes)`` or ``("error", why)`` out, until the pipe closes."""
     from ..batching import Batcher
+    from ..runners.base import warm_up
     from ..runtime.base import load_models
 
     cache_dir, storage = _receive(requests)
@@ -85,7 +86,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     def load(config: ModelConfig) -> Any:
         served = load_models(config, cache_dir, storage)
         for m in served:
-            m.runner.warmup()
+            warm_up(m.runner, m.name)
         # Served, a model also has its Batchers, whose worker threads start with the first
         # batch: part of what it costs (about 0.6 MB a model here).
         batchers = [

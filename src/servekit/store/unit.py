@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..batching import Batcher
 from ..config import ModelConfig, image_model_name, version_model_name
 from ..errors import FetchFailed, ModelNotFound
+from ..runners.base import warm_up
 from ..runtime.base import ServedModel, load_models
 from ..spec import ModelSpec
 from ..storage import StorageConfig
@@ -152,7 +153,7 @@ def load_served(
 ) -> list[ServedModel]:
     served = load_models(config, cache_dir, storage)
     for m in served:
-        m.runner.warmup()
+        warm_up(m.runner, m.name)
     release_freed()  # the load's scratch: what stays resident is the model's own
     return served
 

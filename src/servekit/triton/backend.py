@@ -32,7 +32,7 @@ from ..batching.execute import as_error, run_requests
 from ..batching.sequence import SequenceFlags, SequencePolicy
 from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code, worded
-from ..runners.base import Runner, batch_function, overlaps
+from ..runners.base import Runner, batch_function, overlaps, warm_up
 from ..spec import ModelSpec, spec_from_config
 from ..tracing import EnvTracer
 from .decoupled import DecoupledStreams
@@ -237,7 +237,7 @@ class TritonPythonModel:
             check_config(self.name, served, declared)
             self.runner = runner
             self.spec = declared
-            runner.warmup()
+            warm_up(runner, self.name)
         except Exception as exc:
             raise pb_utils.TritonModelException(f"servekit backend: {self.name}: {exc}") from None
         self.failures = FailureCounter(pb_utils, self.name, str(args["model_version"]))
