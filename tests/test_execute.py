@@ -14,8 +14,11 @@ SPEC = ModelSpec((TensorSpec("x", np.float64, [-1]),), (TensorSpec("y", np.float
 
 def picky(d):
     """Triples x; fails for a 13 (the request's fault) or a 66 (the engine's), naming the
-    requests (column 1 holds each one's id), as a model's own words would."""
+    requests (column 1 holds each one's id), as a model's own words would; for a 77 in
+    words that name none, the same for every request that holds one."""
     x = d["x"]
+    if (x == 77).any():
+        raise ValueError("x holds a 77")
     for value, error in ((13, InvalidInput), (66, ZeroDivisionError)):
         rows = np.argwhere(x == value)[:, 0]
         if len(rows):
@@ -26,7 +29,7 @@ def picky(d):
 
 @given(
     st.lists(
-        st.tuples(st.integers(1, 3), st.sampled_from([2, 4]), st.sampled_from([0, 13, 66, -1])),
+        st.tuples(st.integers(1, 3), st.sampled_from([2, 4]), st.sampled_from([0, 13, 66, 77, -1])),
         max_size=12,
     )
 )
@@ -38,13 +41,16 @@ def test_each_request_gets_its_own_rows_or_its_own_error(reqs):
         if special == -1:
             inputs.append({"x": x.astype(np.float32)})  # wrong dtype: fails validation alone
             continue
-        if special:
+        if special == 77:  # several clients sending the very same bad row
+            x = np.full((1, 2), 77.0)
+        elif special:
             x[0, 0] = special
         inputs.append({"x": x})
     results = run_requests(runner, inputs)
     assert len(results) == len(inputs)
-    # Whatever fails (bad input, or the engine on one request's values) fails its own
-    # request alone: its batch is halved until only it is left.
+    # Whatever fails (bad input, or the engine on one request's values, in words of its
+    # own or the same words as other requests) fails its own request alone: its batch is
+    # halved until only it is left.
     for (_, _, special), x, result in zip(reqs, inputs, results, strict=True):
         if special == -1:
             assert isinstance(result, InvalidInput) and "FP64" in str(result)
@@ -52,6 +58,8 @@ def test_each_request_gets_its_own_rows_or_its_own_error(reqs):
             assert isinstance(result, InvalidInput) and "unlucky" in str(result)
         elif special == 66:
             assert isinstance(result, RunnerError) and "engine blew up" in str(result)
+        elif special == 77:
+            assert isinstance(result, RunnerError) and "ValueError: x holds a 77" in str(result)
         else:
             np.testing.assert_array_equal(result["y"], x["x"] * 3)
 

@@ -1,5 +1,6 @@
 """One fault, one consequence: a batch that raises is split until only the requests that
-raise fail; a broken model fails the whole batch in three runs; a device out of memory
+raise fail, however many send the same bad row; a broken model fails the whole batch in
+four runs; a device out of memory
 teaches the batch size that fits; the model's traceback is logged once, then counted."""
 
 from __future__ import annotations
@@ -90,11 +91,75 @@ def test_exactly_the_requests_holding_failing_rows_fail_within_the_call_bound(da
     assert len(model.calls) <= bound, (len(model.calls), bound)
 
 
-def test_a_model_that_fails_on_every_input_fails_a_batch_of_32_in_three_calls():
+def test_a_model_that_fails_on_every_input_fails_a_batch_of_32_in_four_calls():
+    """The batch, its halves, and one request alone (it never answered one: zeros)."""
     model = Picky(fail_all=True)
     results = run(model, requests([1] * 32, set()))
-    assert len(model.calls) == 3
+    assert model.calls == [32, 16, 16, 1]
     assert all(isinstance(r, RunnerError) and "the model is broken" in str(r) for r in results)
+
+
+def test_a_model_broken_after_it_answered_fails_a_batch_in_four_calls_trying_a_good_request():
+    fit = Fit()
+    model = Picky()
+    seen: list[np.ndarray] = []
+
+    def recording(inputs):
+        seen.append(inputs["x"].copy())
+        return model(inputs)
+
+    first = requests([2, 1, 3], set())
+    assert all(not isinstance(r, BaseException) for r in run(recording, first, fit))
+    model.fail_all, model.calls = True, []
+    results = run(recording, requests([1] * 32, set()), fit)
+    assert model.calls == [32, 16, 16, 1]
+    np.testing.assert_array_equal(seen[-1], first[1]["x"])  # the fewest rows it answered
+    assert all(isinstance(r, RunnerError) and "the model is broken" in str(r) for r in results)
+
+
+class SameWords:
+    """Doubles x; any row holding a negative value raises the same words whichever request
+    it came from (a model that names no row), and so, with ``refuse_zeros``, does a row of
+    zeros."""
+
+    def __init__(self, refuse_zeros: bool) -> None:
+        self.refuse_zeros = refuse_zeros
+        self.calls: list[int] = []
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        self.calls.append(len(x))
+        if (x < 0).any() or (self.refuse_zeros and (x == 0).all(axis=1).any()):
+            raise ValueError("negative feature at row 0 col 1")
+        return {"y": x * 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_number_of_clients_sending_the_same_bad_row_fail_alone(data):
+    """Every bad request holds the same row and raises the same words, so two in different
+    halves look like a broken model until one request the model answered before (or,
+    when it answered none yet, one of zeros) is answered alone."""
+    rows = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=32))
+    bad = data.draw(st.sets(st.integers(0, len(rows) - 1), max_size=len(rows)))
+    refuse_zeros = data.draw(st.booleans())
+    model, fit = SameWords(refuse_zeros), Fit()
+    if refuse_zeros:  # then only a request it answered tells: one from an earlier batch
+        assert not isinstance(run(model, requests([2], set()), fit)[0], BaseException)
+        model.calls.clear()
+    batch = requests(rows, set())
+    for i in bad:
+        batch[i] = {"x": np.array([[-1.0, 7.0]] * rows[i], np.float32)}
+    results = run(model, batch, fit)
+    for i, result in enumerate(results):
+        if i in bad:
+            assert isinstance(result, RunnerError) and "negative feature" in str(result)
+        else:
+            assert not isinstance(result, BaseException), (i, result)
+            np.testing.assert_array_equal(result["y"], batch[i]["x"] * 2)
+    n = len(rows)
+    bound = len(bad) * (2 * math.ceil(math.log2(n)) + 1) + 2 if bad else 1
+    assert len(model.calls) <= bound, (len(model.calls), bound)
 
 
 def test_the_same_bad_input_from_several_clients_fails_them_alone_not_their_batch():

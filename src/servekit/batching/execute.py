@@ -3,11 +3,12 @@
 A batch that raises (any exception: a bad image found while decoding, a user's
 ``ValueError`` on one request's values, a device out of memory) is split in halves and
 each half run again, down to the requests that raise; every other request gets its own
-outputs. When both halves fail with the batch's own error the model is broken, not a
-request, and the whole batch fails at once (three runs, never log2(n) more). Two
-culprits in different halves raising the very same words are taken for a broken model,
-unless the error is ``InvalidInput`` (a bad image sent by several clients): that is
-always the requests' own, found by halving.
+outputs. When both halves fail with the batch's own error (same type, same words) it is
+a broken model or several requests raising the same words (clients sending the same bad
+input): one request the model answered before (``Fit.good``; else one of zeros) is run
+alone. If it fails too the model is broken and the whole batch fails at once (four runs,
+never log2(n) more); if it is answered, the halves are split on down to the requests
+that raise. An ``InvalidInput`` is always the requests' own: no such run.
 ``run_requests`` does the same for requests a server already grouped (Triton, PyTriton,
 Ray), after validating each.
 """
@@ -53,10 +54,15 @@ def as_error(exc: BaseException, name: str = "") -> ServekitError:
 
 @dataclass
 class Fit:
-    """What a model's device held: after an out-of-memory error, the most rows a batch
-    that then ran held (0: no limit learned). Larger batches run in parts of at most that."""
+    """What a model's runs taught, kept for its next batches."""
 
     rows: int = 0
+    """After an out-of-memory error, the most rows a batch that then ran held (0: no limit
+    learned). Larger batches run in parts of at most that."""
+    good: Arrays | None = None
+    """A copy of one request the model answered (the fewest rows seen), run alone before a
+    batch whose halves fail with its own words is judged a broken model."""
+    good_rows: int = 0
 
 
 def batch_steps(
@@ -74,7 +80,7 @@ def batch_steps(
     With ``staging`` (the runner's, ``runners.staging``) each run is gathered into a
     borrowed staging's reused buffers instead of new arrays, returned after its outputs no
     longer share them. ``fit`` remembers the rows that fitted the device after an
-    out-of-memory error.
+    out-of-memory error, and a request the model answered.
 
     Driven by ``drive`` (threads) or ``drive_async`` (coroutine models)."""
     run = _Run(requests, rows, names, check, name, fit or Fit())
@@ -102,6 +108,9 @@ class _Run:
         self.name, self.fit = name, fit
         self.staging: Staging | None = None
         self.results: list[Arrays | ServekitError | None] = [None] * len(requests)
+        self.works: bool | None = None
+        """Whether the model answered a request known to be good during this batch (None:
+        not tried)."""
 
     def all(self) -> Steps:
         members = list(range(len(self.requests)))
@@ -129,7 +138,33 @@ class _Run:
                 self.results[i] = part
         except Exception as exc:
             return exc
+        self._remember(min(members, key=self.rows.__getitem__))
         return None
+
+    def _remember(self, i: int) -> None:
+        """Keep request ``i`` as the model's known-good request when it has fewer rows
+        than the one kept (a copy: the caller's arrays are the caller's)."""
+        if self.fit.good is None or self.rows[i] < self.fit.good_rows:
+            request = self.requests[i]
+            self.fit.good = {n: np.array(request[n], copy=True) for n in self.names}
+            self.fit.good_rows = self.rows[i]
+
+    def _answers(self, members: list[int]) -> Generator[Arrays, Mapping[str, np.ndarray], bool]:
+        """Whether the model answers a request alone: the one it answered before, or one of
+        zeros shaped like ``members[0]`` when it has answered none. One run per batch."""
+        if self.works is None:
+            if self.fit.good is not None:
+                probe, rows = self.fit.good, self.fit.good_rows
+            else:
+                probe, rows = _zeros(self.requests[members[0]], self.names), self.rows[members[0]]
+            gather = concat if self.staging is None else self.staging.gather
+            try:
+                outputs = yield gather([probe], self.names)
+                self.check(outputs, rows)
+                self.works = True
+            except Exception:
+                self.works = False
+        return self.works
 
     def _isolate(
         self, members: list[int], exc: Exception
@@ -145,7 +180,7 @@ class _Run:
         second = yield from self._run(right)
         if oom:
             self._fitted([m for m, e in ((left, first), (right, second)) if e is None])
-        elif _broken_model(exc, first, second):
+        elif _same_fault(exc, first, second) and not (yield from self._answers(members)):
             self._fail(members, exc)  # the model, not a request: no more runs
             return
         if first is not None:
@@ -172,13 +207,23 @@ class _Run:
             self.fit.rows = rows
 
 
-def _broken_model(exc: Exception, first: Exception | None, second: Exception | None) -> bool:
-    """Whether both halves failing with the batch's own words is the model's fault. Never
-    for InvalidInput: the model named a request's input, and several clients sending the
-    same bad input get the same words."""
+def _same_fault(exc: Exception, first: Exception | None, second: Exception | None) -> bool:
+    """Whether both halves failed with the batch's own words: a broken model, or several
+    requests raising the same words. Never for InvalidInput: the model named a request's
+    input, so it is the requests' own."""
     if first is None or second is None or isinstance(exc, InvalidInput):
         return False
     return same_fault(first, exc) and same_fault(second, exc)
+
+
+def _zeros(request: Mapping[str, np.ndarray], names: Sequence[str]) -> Arrays:
+    """A request shaped like ``request`` holding zeros (empty bytes for a BYTES tensor)."""
+    return {
+        n: np.full(request[n].shape, b"", object)
+        if request[n].dtype == object
+        else np.zeros_like(request[n])
+        for n in names
+    }
 
 
 _FITS: weakref.WeakKeyDictionary[object, Fit] = weakref.WeakKeyDictionary()
