@@ -96,13 +96,13 @@ def call(module, client, model: str, x: np.ndarray) -> np.ndarray:
 
 
 def failures(served) -> tuple[float, float]:
-    """picky's failed requests (``nv_inference_request_failure``, and the stub's
-    ``servekit_request_failure`` on the Triton runtimes) and ``servekit_request_isolated``."""
+    """picky's ``nv_inference_request_failure`` (all reasons: tritonserver labels each
+    series with one) and ``servekit_request_isolated`` now."""
     samples = scrape(served.metrics_url)
     failed = sum(
         v for (name, labels), v in samples.items()
-        if name in ("servekit_request_failure", "nv_inference_request_failure")
-        and dict(labels).get("model") == "picky"
+        if name == "nv_inference_request_failure"
+        and {("model", "picky"), ("version", "1")} <= labels
     )  # fmt: skip
     return failed, sample(samples, "servekit_request_isolated", model="picky", version="1")
 
