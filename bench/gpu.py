@@ -25,7 +25,7 @@ import torch
 
 from servekit import Batcher, BatchingPolicy, zoo
 from servekit.bench import rows_per_s
-from servekit.runners.torch import TorchRunner
+from servekit.runners.torch import TorchRunner, serving_backends
 from servekit.window import percentiles
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -91,9 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     cuda = args.device.startswith("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = True
+    serving_backends(torch)  # what TorchRunner serves with, so the ceiling is the served one
     model = zoo.build("resnet50")
     result: dict[str, object] = {
         "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",

@@ -424,13 +424,20 @@ def test_only_a_tensor_on_a_gpu_is_handed_to_tensorrt_as_it_is_cast_and_contiguo
     import torch
 
     rows = torch.arange(24, dtype=torch.float64, device=device).reshape(2, 3, 4)
+    streams = {}
+
+    def lane_stream(d):  # a lane's stream, as torch takes it
+        return streams.setdefault(str(d), torch.cuda.Stream(d))
+
     got = device_source(
-        DeviceTensor(rows.transpose(1, 2), np.dtype(np.float64)), np.dtype(np.float32)
-    )
-    assert device_source(rows.cpu().numpy(), np.dtype(np.float32)) is None
+        DeviceTensor(rows.transpose(1, 2), np.dtype(np.float64)), np.dtype(np.float32),
+        lane_stream,
+    )  # fmt: skip
+    assert device_source(rows.cpu().numpy(), np.dtype(np.float32), lane_stream) is None
     if device == "cpu":
-        assert got is None and device_source(rows, np.dtype(np.float32)) is None
+        assert got is None and device_source(rows, np.dtype(np.float32), lane_stream) is None
         return
+    streams[str(rows.device)].synchronize()
     assert got.dtype == torch.float32 and got.is_contiguous() and got.device == rows.device
     assert torch.equal(got, rows.transpose(1, 2).float())
-    assert device_source(rows, np.dtype(np.float16)).dtype == torch.float16
+    assert device_source(rows, np.dtype(np.float16), lane_stream).dtype == torch.float16

@@ -15,7 +15,7 @@ PACKAGE = SRC / "servekit"
 # Lowest first. A package may import its own modules and any package of a lower layer;
 # packages in one layer are independent of each other.
 LAYERS: list[set[str]] = [
-    {"_version", "errors", "spans", "tables", "window"},
+    {"_version", "cuda", "errors", "spans", "tables", "window"},
     {"endpoints", "compression", "device", "samples", "storage", "tracing", "traces"},
     {"spec"},
     {"runners"},  # the Runner contract (runners.base) and the engines, imported lazily

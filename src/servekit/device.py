@@ -10,6 +10,10 @@ A request whose every output goes into CUDA shared memory on the same device mar
 inputs ``keep_outputs``; a batch made only of such requests is answered on the device
 (``TorchRunner``), each request's rows a ``DeviceTensor`` written into its region device
 to device (``protocol.shm.write_output``). Any other batch is answered on the host.
+
+A ``DeviceTensor`` made by work on a stream carries the event recorded there when it
+was made (``ready``); whoever reads it on another stream waits on that first and records
+its use (``cuda``'s contract).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from .cuda import for_device
 
 __all__ = ["DeviceTensor", "gather_on_device", "on_host", "torch_dtype", "unwrap"]
 
@@ -32,14 +38,18 @@ def torch_dtype(dtype: np.dtype) -> Any:
 class DeviceTensor:
     """A tensor on a torch device, with the numpy ``dtype`` and ``shape`` it stands for."""
 
-    __slots__ = ("tensor", "dtype", "shape", "keep_outputs")
+    __slots__ = ("tensor", "dtype", "shape", "keep_outputs", "ready")
 
-    def __init__(self, tensor: Any, dtype: np.dtype, keep_outputs: bool = False) -> None:
+    def __init__(
+        self, tensor: Any, dtype: np.dtype, keep_outputs: bool = False, ready: Any = None
+    ) -> None:
         self.tensor = tensor
         self.dtype = np.dtype(dtype)
         self.shape: tuple[int, ...] = tuple(int(d) for d in tensor.shape)
         self.keep_outputs = keep_outputs
         """Whether the request this input belongs to wants its outputs on this device."""
+        self.ready = ready
+        """The event after which ``tensor`` is made (None: it was made when this was)."""
 
     @property
     def ndim(self) -> int:
@@ -58,10 +68,20 @@ class DeviceTensor:
 
     def __getitem__(self, rows: slice) -> DeviceTensor:
         """Some rows, where they are (a view: ``batching.concat.split``)."""
-        return DeviceTensor(self.tensor[rows], self.dtype)
+        return DeviceTensor(self.tensor[rows], self.dtype, ready=self.ready)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        host = self.tensor.cpu().numpy()
+        """A host copy, made on this thread's own stream once the tensor is ready."""
+        gpu = for_device(self.tensor.device)
+        if gpu is None:
+            host = self.tensor.cpu().numpy()
+        else:
+            stream = gpu.side_stream(self.tensor.device)
+            gpu.wait(stream, self.ready)
+            with gpu.using(stream):
+                host = self.tensor.cpu().numpy()
+                gpu.hold(self.tensor, stream)
+            gpu.synchronize(stream)
         return host if dtype is None else host.astype(dtype, copy=False)
 
     def __repr__(self) -> str:
@@ -83,14 +103,32 @@ def gather_on_device(parts: Sequence[Any]) -> DeviceTensor:
     every part's rows in order: device parts are copied there device to device, host
     arrays (a batch mixing CUDA shared memory with bytes sent over the wire) uploaded.
     It keeps its outputs on the device only where every part asked to.
-    The memory comes from torch's caching allocator, which reuses its blocks once warm."""
+    The memory comes from torch's caching allocator, which reuses its blocks once warm.
+    On a GPU the gather runs on this thread's own stream, after every part is made; the
+    batch is ready when its event is."""
     import torch
 
     first = next(p for p in parts if isinstance(p, DeviceTensor))
+    keep = all(isinstance(p, DeviceTensor) and p.keep_outputs for p in parts)
+    gpu = for_device(first.device)
+    if gpu is None:
+        return DeviceTensor(_cat(torch, parts, first.device), first.dtype, keep)
+    stream = gpu.side_stream(first.device)
+    for p in parts:
+        if isinstance(p, DeviceTensor):
+            gpu.wait(stream, p.ready)
+    with gpu.using(stream):
+        batch = _cat(torch, parts, first.device)
+        for p in parts:
+            if isinstance(p, DeviceTensor) and p.tensor is not batch:
+                gpu.hold(p.tensor, stream)
+    return DeviceTensor(batch, first.dtype, keep, ready=gpu.ready(stream))
+
+
+def _cat(torch: Any, parts: Sequence[Any], device: Any) -> Any:
     tensors = [
         p.tensor if isinstance(p, DeviceTensor) else torch.from_numpy(np.ascontiguousarray(p))
         for p in parts
     ]
-    tensors = [t.to(first.device) for t in tensors]
-    keep = all(isinstance(p, DeviceTensor) and p.keep_outputs for p in parts)
-    return DeviceTensor(tensors[0] if len(tensors) == 1 else torch.cat(tensors), first.dtype, keep)
+    tensors = [t.to(device) for t in tensors]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

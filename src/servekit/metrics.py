@@ -58,6 +58,8 @@ FITTED_HELP = (
     "The most rows a batch holds since the device ran out of memory on a larger one "
     "(larger batches run in parts); absent until it has"
 )
+PINNED_METRIC = "servekit_staging_pinned_bytes"
+PINNED_HELP = "Page-locked host bytes the model's staging holds (a model on a GPU)"
 ISOLATED_METRIC = "servekit_request_isolated"
 ISOLATED_HELP = (
     "Requests that failed alone while the rest of their batch was answered "
@@ -292,6 +294,13 @@ class Metrics:
             ]
             if fitted:
                 _family(lines, FITTED_METRIC, "gauge", FITTED_HELP, fitted)
+            pinned = [
+                (w.labels, float(w.batcher.pinned_bytes))
+                for w, _, _ in rows
+                if isinstance(w.batcher, Batcher) and w.batcher.pinned_bytes
+            ]
+            if pinned:
+                _family(lines, PINNED_METRIC, "gauge", PINNED_HELP, pinned)
             for name, help_text in GAUGES.items():
                 if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])

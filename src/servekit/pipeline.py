@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import tracing, zoo
-from .runners.base import Arrays, BaseRunner, Runner, accelerated, batch_function
+from .runners.base import Arrays, BaseRunner, Lender, Runner, accelerated, batch_function
 from .runners.onnx import OnnxRuntimeRunner
 from .spec import ModelSpec, TensorSpec
 from .stages import Postprocess, Preprocess, input_scaling
@@ -88,7 +88,7 @@ class Pipeline(BaseRunner):
         traced = tracing.BATCH.get()  # a traced request's batch: each step's time is a span
         for name, step in zip(self.step_names, self.steps, strict=True):
             start = time.monotonic()
-            tensors.update(step.infer({t.name: tensors[t.name] for t in step.spec.inputs}))
+            tensors.update(_infer(step, {t.name: tensors[t.name] for t in step.spec.inputs}))
             if traced is not None:
                 traced.steps.append((name, start, time.monotonic()))
         return {t.name: tensors[t.name] for t in self._spec.outputs}
@@ -100,6 +100,17 @@ class Pipeline(BaseRunner):
     def close(self) -> None:
         for step in self.steps:
             step.close()
+
+
+def _infer(step: Runner, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """``step``'s outputs; a step that lends pinned staging (a model on a GPU) gets its
+    inputs there, as a batch gathered by a Batcher does, so its copy to the device is one
+    asynchronous DMA."""
+    if not isinstance(step, Lender) or not step.staging.pinned:
+        return step.infer(inputs)
+    names = [t.name for t in step.spec.inputs]
+    with step.staging.lend() as staging:
+        return staging.detach(step.infer(staging.gather([inputs], names)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +168,9 @@ class ImageClassifier(Pipeline):
         assert isinstance(pre, Preprocess)  # _decoder checked it
         traced = tracing.BATCH.get()
         marks = [time.monotonic()]
-        x = decode(inputs[pre.input_name])
+        x: Any = decode.batch(inputs[pre.input_name])
         if getattr(getattr(model, "runner", model), "tensor_device", None) != decode.device:
-            x = x.cpu().numpy()  # a model that takes host arrays (decode_on names a device)
+            x = np.asarray(x)  # a model that takes host arrays (decode_on names a device)
         marks.append(time.monotonic())
         logits = batch_function(model)({pre.output_name: x})
         marks.append(time.monotonic())

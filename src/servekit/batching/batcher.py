@@ -271,6 +271,11 @@ class Batcher:
         return self._fit.rows
 
     @property
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes the runner's staging holds (0 on the host)."""
+        return self._staging.pinned_bytes
+
+    @property
     def budget(self) -> Budget | None:
         """The latency budget's learned state (``latency_budget_ms``), where one is set."""
         return self._scheduler.budget

@@ -17,11 +17,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..cuda import layer
 from ..device import DeviceTensor
 from ..errors import InvalidInput
 
@@ -163,58 +165,54 @@ class _IpcMemory:
     def _on_device(self) -> None:
         _checked(self._cudart.cudaSetDevice(self.device_id), f"device {self.device_id}")
 
-    def to_host(self, start: int, size: int) -> np.ndarray:
+    def _copy(self, dst: int, src: int, size: int, kind: str, doing: str) -> None:
+        """``size`` bytes copied on this thread's own non-blocking stream (never the
+        legacy default one), finished when this returns."""
         cudart = self._cudart
-        out = np.empty(size, np.uint8)
         self._on_device()
+        stream = _side_stream(cudart, self.device_id)
         _checked(
-            cudart.cudaMemcpy(
-                out.ctypes.data,
-                self.ptr + start,
-                size,
-                cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-            ),
-            "reading CUDA shared memory",
+            cudart.cudaMemcpyAsync(dst, src, size, getattr(cudart.cudaMemcpyKind, kind), stream),
+            doing,
         )
+        _checked(cudart.cudaStreamSynchronize(stream), doing)
+
+    def to_host(self, start: int, size: int) -> np.ndarray:
+        out = np.empty(size, np.uint8)
+        kind = "cudaMemcpyDeviceToHost"
+        self._copy(out.ctypes.data, self.ptr + start, size, kind, "reading CUDA shared memory")
         return out
 
     def to_device(self, start: int, size: int) -> Any:
-        import torch
-
-        device = torch.device("cuda", self.device_id)
-        with torch.cuda.device(device):
-            span = torch.as_tensor(_Span(self.ptr + start, size), device=device)
-            out = span.clone()  # device to device, on torch's current stream
-            torch.cuda.current_stream(device).synchronize()  # before an unregister may unmap
+        gpu = layer()
+        device = gpu.device(self.device_id)
+        stream = gpu.side_stream(device)
+        with gpu.using(stream):
+            span = as_tensor(_Span(self.ptr + start, size), device)
+            out = span.clone()  # device to device, on this thread's own stream
+        gpu.synchronize(stream)  # before an unregister may unmap
         return out
 
     def from_host(self, start: int, data: bytes) -> None:
-        cudart = self._cudart
         src = np.frombuffer(data, np.uint8)
-        self._on_device()
-        _checked(
-            cudart.cudaMemcpy(
-                self.ptr + start, src.ctypes.data, len(src),
-                cudart.cudaMemcpyKind.cudaMemcpyHostToDevice,
-            ),
-            "writing CUDA shared memory",
-        )  # fmt: skip
-        # From pageable memory the copy may still be in flight when cudaMemcpy returns.
-        _checked(cudart.cudaStreamSynchronize(0), "writing CUDA shared memory")
+        kind = "cudaMemcpyHostToDevice"
+        self._copy(self.ptr + start, src.ctypes.data, len(src), kind, "writing CUDA shared memory")
 
     def from_tensor(self, start: int, tensor: Any) -> bool:
         import torch
 
-        device = torch.device("cuda", self.device_id)
+        gpu = layer()
+        device = gpu.device(self.device_id)
         if tensor.device != device:
             self.from_host(start, tensor.cpu().numpy().tobytes())
             return False
         data = tensor.contiguous().reshape(-1).view(torch.uint8)
         if data.numel():
-            with torch.cuda.device(device):
-                span = torch.as_tensor(_Span(self.ptr + start, data.numel()), device=device)
-                span.copy_(data)  # device to device, on torch's current stream
-                torch.cuda.current_stream(device).synchronize()  # read once answered
+            stream = gpu.side_stream(device)
+            with gpu.using(stream):
+                span = as_tensor(_Span(self.ptr + start, data.numel()), device)
+                span.copy_(data)  # device to device, on this thread's own stream
+            gpu.synchronize(stream)  # read once answered
         return True
 
     def close(self) -> None:
@@ -230,6 +228,28 @@ class _Span:
             "shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None,
             "version": 2,
         }  # fmt: skip
+
+
+_STREAMS = threading.local()
+
+
+def _side_stream(cudart: Any, device_id: int) -> Any:
+    """This thread's own non-blocking stream on ``device_id`` for copies made with CUDA's
+    runtime (a copy on the legacy default stream would wait on every blocking stream)."""
+    streams = _STREAMS.__dict__.setdefault("streams", {})
+    if device_id not in streams:
+        flags = cudart.cudaStreamNonBlocking
+        streams[device_id] = _checked(
+            cudart.cudaStreamCreateWithFlags(flags), f"a stream on device {device_id}"
+        )
+    return streams[device_id]
+
+
+def as_tensor(span: Any, device: Any) -> Any:
+    """A torch uint8 tensor over device memory (``_Span``), no copy."""
+    import torch
+
+    return torch.as_tensor(span, device=device)
 
 
 def open_ipc(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> CudaMemory:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InvalidInput, RunnerError, ServekitError
 from ..spec import ModelSpec
-from .staging import StagingPool
+from .staging import Lends, StagingPool
 
 __all__ = [
     "BaseRunner",
@@ -56,7 +56,7 @@ class Lender(Protocol):
     """A runner that lends the batcher its input buffers (``runners.staging``)."""
 
     @property
-    def staging(self) -> StagingPool: ...
+    def staging(self) -> Lends: ...
 
 
 class BaseRunner:
@@ -197,7 +197,7 @@ def batch_function(
     return run if callable(run) else runner.infer
 
 
-def staging_of(runner: object, spec: ModelSpec) -> StagingPool:
+def staging_of(runner: object, spec: ModelSpec) -> Lends:
     """The staging a batch for ``runner`` is assembled in: the runner's own where it lends
     one (a ``Lender``), else a new pool of plain reused arrays for the caller to keep."""
     if isinstance(runner, Lender):

@@ -10,7 +10,9 @@ Execution is ``execute_async_v3`` on the runner's own CUDA stream, into device b
 allocated once for the largest batch, through pinned host buffers (memory via
 ``cuda-python``). Inputs already on the GPU (torch tensors: CUDA shared memory's
 ``DeviceTensor``, ``stages.DeviceDecode``'s images) are copied device to device, never
-through the host, where torch is installed to carry them.
+through the host, where torch is installed to carry them: cast on the lane's own stream
+once their ``ready`` event has passed. Every stream is non-blocking and nothing runs on
+the legacy default stream (``servekit.cuda``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import ctypes
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -28,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..device import torch_dtype, unwrap
+from ..cuda import for_device, layer
+from ..device import DeviceTensor, torch_dtype, unwrap
 from ..errors import RunnerError
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
@@ -143,15 +145,11 @@ def _tensorrt() -> Any:
 
 def _cudart() -> Any:
     try:
-        from cuda.bindings import runtime
+        return layer().runtime()
     except ImportError:
-        try:
-            from cuda import cudart as runtime  # cuda-python < 12.6
-        except ImportError:
-            raise ImportError(
-                "TensorRTRunner needs cuda-python: pip install 'servekit[tensorrt]'"
-            ) from None
-    return runtime
+        raise ImportError(
+            "TensorRTRunner needs cuda-python: pip install 'servekit[tensorrt]'"
+        ) from None
 
 
 class _Cuda:
@@ -236,8 +234,7 @@ class TensorRTRunner(BaseRunner):
         self._engine = self._runtime.deserialize_cuda_engine(blob)
         if self._engine is None:
             raise RunnerError(f"TensorRT could not load {self.engine_path}")
-        self._pinned: list[int] = []  # staging's page-locked host memory, freed at close
-        self._pinned_lock = threading.Lock()
+        self._instances = instances
         self._lanes: Lanes[_Lane] | None = Lanes(
             lambda i: _Lane(self._engine, self._cuda, trt, profile), instances
         )
@@ -271,19 +268,27 @@ class TensorRTRunner(BaseRunner):
     @cached_property
     def staging(self) -> StagingPool:
         """Page-locked host buffers (``cudaMallocHost``): a batch's input is copied to the
-        device straight from where the batcher gathered it, asynchronously."""
+        device straight from where the batcher gathered it, asynchronously. One staging per
+        lane is allocated up front; a buffer outgrown is freed (``cudaFreeHost``), and the
+        rest when the runner closes (never while a batch holds them: ``VersionedRunner``)."""
+        cuda = self._cuda
 
         def pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
-            ptr = int(self._cuda("cudaMallocHost", nbytes))
-            with self._pinned_lock:
-                self._pinned.append(ptr)
+            ptr = int(cuda("cudaMallocHost", nbytes))
             raw = (ctypes.c_byte * nbytes).from_address(ptr)
             return np.frombuffer(memoryview(raw), dtype=dtype, count=int(np.prod(shape))).reshape(
                 shape
             )
 
-        return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
+        def free(buffer: np.ndarray) -> None:  # an array ``pinned`` made: its first byte
+            cuda("cudaFreeHost", buffer.ctypes.data)
+
+        inputs = [(t.name, t.dtype.numpy, tuple(t.shape)) for t in self._spec.inputs]
+        return StagingPool(
+            self._spec.max_batch_size, pinned, pinned=True, free=free, inputs=inputs,
+            lanes=self._instances,
+        )  # fmt: skip
 
     @property
     def tensor_device(self) -> Any:
@@ -291,12 +296,12 @@ class TensorRTRunner(BaseRunner):
         GPU, where a CUDA build of torch is installed (None without one: inputs then come as
         host arrays)."""
         try:
-            import torch
+            gpu = layer()
+            if not gpu.available():  # a CPU-only torch beside TensorRT carries nothing
+                return None
         except ImportError:
             return None
-        if not torch.cuda.is_available():  # a CPU-only torch beside TensorRT carries nothing
-            return None
-        return torch.device("cuda", self.device)
+        return gpu.device(self.device)
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         assert self._lanes is not None, "the runner is closed"
@@ -309,9 +314,8 @@ class TensorRTRunner(BaseRunner):
             return
         for lane in lanes.all:
             lane.close()
-        for ptr in self._pinned:
-            self._cuda("cudaFreeHost", ptr)
-        self._pinned.clear()
+        if "staging" in self.__dict__:  # made (cached_property): its pinned memory goes
+            self.staging.close()
         self._engine = None
 
 
@@ -321,7 +325,8 @@ class _Lane:
     def __init__(self, engine: Any, cuda: _Cuda, trt: Any, profile: Profile) -> None:
         self._cuda = cuda
         self.context = engine.create_execution_context()
-        self.stream = cuda("cudaStreamCreate")
+        self.stream = cuda("cudaStreamCreateWithFlags", cuda.rt.cudaStreamNonBlocking)
+        self._torch_stream: Any = None
         self.buffers: dict[str, tuple[int, np.ndarray, int]] = {}
         largest = {name: hi for name, _, _, hi in profile}
         for name, hi in largest.items():
@@ -350,7 +355,7 @@ class _Lane:
         for t in spec.inputs:
             a = inputs[t.name]
             device, host, _ = self.buffers[t.name]
-            on_gpu = device_source(a, host.dtype)
+            on_gpu = device_source(a, host.dtype, self._as_torch)
             if on_gpu is not None:
                 held.append(on_gpu)
                 self.context.set_input_shape(t.name, tuple(on_gpu.shape))
@@ -382,6 +387,12 @@ class _Lane:
             for t in spec.outputs
         }
 
+    def _as_torch(self, device: Any) -> Any:
+        """This lane's stream as torch takes it (an input on the GPU is cast there)."""
+        if self._torch_stream is None:
+            self._torch_stream = layer().external(self.stream, device)
+        return self._torch_stream
+
     def close(self) -> None:
         for device, _, host_ptr in self.buffers.values():
             self._cuda("cudaFree", device)
@@ -391,15 +402,19 @@ class _Lane:
         self.context = None
 
 
-def device_source(a: Any, dtype: np.dtype) -> Any:
-    """``a``'s torch tensor when it is on a GPU, cast to ``dtype`` and made contiguous there,
-    and done (torch's stream synchronised), ready for a copy on another stream; None for
-    anything on the host (an array, a CPU tensor)."""
+def device_source(a: Any, dtype: np.dtype, stream_of: Any) -> Any:
+    """``a``'s torch tensor when it is on a GPU, cast to ``dtype`` and made contiguous on
+    ``stream_of(device)`` (a lane's stream as torch takes it) once ``a`` is made, so a copy
+    later on that stream reads it; None for anything on the host (an array, a CPU tensor)."""
     tensor = unwrap(a)
-    if not getattr(tensor, "is_cuda", False):
+    device = getattr(tensor, "device", None)
+    gpu = for_device(device) if device is not None else None
+    if gpu is None:
         return None
-    import torch
-
-    tensor = tensor.to(torch_dtype(dtype)).contiguous()
-    torch.cuda.current_stream(tensor.device).synchronize()
-    return tensor
+    stream = stream_of(device)
+    ready = a.ready if isinstance(a, DeviceTensor) else gpu.current_ready(device)
+    gpu.wait(stream, ready)
+    with gpu.using(stream):
+        cast = tensor.to(torch_dtype(dtype)).contiguous()
+    gpu.hold(tensor, stream)
+    return cast

@@ -5,20 +5,25 @@
 pooling, ReLU/Clip, Add, Flatten, Gemm, and the Cast and Transpose ``fold_pixels``
 writes), so the same ``resnet50.onnx`` that ONNX Runtime serves runs under PyTorch with
 the same weights. On CUDA it captures one CUDA
-graph per batch size; a request is copied into the smallest captured size that holds
-it and the outputs are cut back to its rows.
+graph per batch size (for a model whose non-batch dimensions are all fixed); a request is
+copied into the smallest captured size that holds it and the outputs are cut back to its
+rows. Every CUDA call follows ``servekit.cuda``'s contract (its lanes' own non-blocking
+streams, inputs made on another stream waited on and held, capture in ``thread_local``
+mode).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..cuda import Cuda, for_device
 from ..device import DeviceTensor, torch_dtype, unwrap
 from ..spec import ModelSpec
 from .base import Arrays, BaseRunner
@@ -26,9 +31,17 @@ from .lanes import Lanes
 from .onnx import spec_from_onnx
 from .staging import StagingPool
 
-__all__ = ["TORCH_PRECISIONS", "TorchRunner", "graph_batch_sizes", "onnx_module"]
+__all__ = [
+    "TORCH_PRECISIONS",
+    "TorchRunner",
+    "graph_batch_sizes",
+    "onnx_module",
+    "serving_backends",
+]
 
 TORCH_PRECISIONS = ("fp32", "fp16", "bf16")
+
+log = logging.getLogger(__name__)
 
 
 def _torch() -> Any:
@@ -37,6 +50,15 @@ def _torch() -> Any:
     except ImportError:
         raise ImportError("TorchRunner needs PyTorch: pip install 'servekit[torch]'") from None
     return torch
+
+
+def serving_backends(torch: Any) -> None:
+    """The process's cuDNN and TF32 settings under which servekit serves on CUDA (and
+    ``bench/gpu.py`` measures): cuDNN picks its fastest kernels per shape (graphs hold fixed
+    shapes); fp32 stays fp32 (no TF32)."""
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def graph_batch_sizes(max_batch_size: int, preferred: Sequence[int] = ()) -> tuple[int, ...]:
@@ -213,25 +235,31 @@ class _Lane:
     """One instance's stream, CUDA graphs and buffers: nothing in it is shared with another
     lane, so lanes run batches concurrently on one device."""
 
-    def __init__(self, runner: TorchRunner, index: int) -> None:
-        torch = runner._torch
+    def __init__(self, runner: TorchRunner, gpu: Cuda, index: int) -> None:
         self.index = index
-        self.stream = torch.cuda.Stream(runner.device)
+        self.gpu = gpu
+        self.stream = gpu.stream(runner.device)
         self.graphs: dict[int, tuple[Any, list[Any], Sequence[Any]]] = {}
         self._device_in: dict[tuple[str, Any], Any] = {}
         self._host_out: dict[tuple[str, Any], Any] = {}
         self._runner = runner
 
-    def upload(self, name: str, a: Any) -> Any:
+    def upload(self, name: str, a: Any, made: Any) -> Any:
         """``a`` on the device as it came: one asynchronous copy on this lane's stream when
         ``a`` is pinned, as staging is (casts and layout follow on the device). A tensor
-        already on the device (``stages.DeviceDecode``'s) is taken where it is, once the
-        stream that made it is done with it."""
+        already on the device (a ``DeviceTensor``: ``stages.DeviceDecode``'s, a batch
+        gathered from CUDA shared memory) is taken where it is, once its ``ready`` event
+        (``made`` for a bare tensor: the caller's stream) has passed, and held on this
+        lane's stream until the lane is done with it. Runs on this lane's stream."""
         r = self._runner
         torch = r._torch
-        if torch.is_tensor(a):
-            self.stream.wait_stream(torch.cuda.current_stream(r.device))
-            return a.to(r.device)
+        if isinstance(a, DeviceTensor) or torch.is_tensor(a):
+            tensor, ready = (a.tensor, a.ready) if isinstance(a, DeviceTensor) else (a, made)
+            self.gpu.wait(self.stream, ready)
+            if tensor.device != r.device:
+                return tensor.to(r.device)
+            self.gpu.hold(tensor, self.stream)
+            return tensor
         src = torch.from_numpy(np.ascontiguousarray(a))
         raw = self._buffer(self._device_in, name, src.dtype, src.shape, r.device, pin=False)
         raw = raw[: len(src)]
@@ -250,13 +278,13 @@ class _Lane:
             host = self._buffer(self._host_out, t.name, want, v.shape, "cpu", pin=True)[: len(v)]
             host.copy_(v, non_blocking=True)
             staged.append((t.name, host))
-        self.stream.synchronize()
+        self.gpu.synchronize(self.stream)
         return {name: host.numpy().copy() for name, host in staged}
 
     def keep(self, values: Sequence[Any], rows: int | None) -> Arrays:
         """The outputs left on the device (``kept``), once this lane's stream made them."""
         out = kept(self._runner._spec, values, rows)
-        self.stream.synchronize()
+        self.gpu.synchronize(self.stream)
         return out
 
     def _buffer(
@@ -270,7 +298,12 @@ class _Lane:
         rows = shape[0] if len(shape) else 1
         if buf is None or tuple(buf.shape[1:]) != tuple(shape[1:]) or len(buf) < rows:
             cap = max(rows, r._spec.max_batch_size or 1)
-            buf = r._torch.empty((cap, *shape[1:]), dtype=dtype, device=device, pin_memory=pin)
+            size = (cap, *shape[1:])
+            buf = (
+                self.gpu.pinned(size, dtype)
+                if pin
+                else r._torch.empty(size, dtype=dtype, device=device)
+            )
             cache[key] = buf
         return buf
 
@@ -289,7 +322,9 @@ class TorchRunner(BaseRunner):
         precision: ``fp32``, ``fp16`` or ``bf16`` for weights and activations; inputs are
             cast on the device and outputs are returned in the spec's dtype.
         channels_last: NHWC memory format, which tensor-core convolutions prefer.
-        cuda_graphs: capture one CUDA graph per size in ``graph_batch_sizes`` (CUDA only).
+        cuda_graphs: capture one CUDA graph per size in ``graph_batch_sizes`` (CUDA only,
+            and only for fixed non-batch dimensions: a model with a variable one runs
+            eagerly, as the log says once).
         preferred_batch_sizes: extra sizes to capture (the batching policy's).
         instances: batches that may run at once (the model's ``instances``): one lane each.
     """
@@ -319,37 +354,58 @@ class TorchRunner(BaseRunner):
                 raise ValueError("TorchRunner: a torch module needs its spec")
             self.path, module = None, model
         self._spec = spec
-        self.device = torch.device(device)
-        self.accelerated = self.device.type != "cpu"
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        requested = torch.device(device)
+        self._gpu = for_device(requested)
+        if self._gpu is not None and not self._gpu.available():
             raise RuntimeError(f"TorchRunner: device {device!r} asked for, but CUDA is unavailable")
+        self.device = self._gpu.device(device) if self._gpu is not None else requested
+        self.accelerated = requested.type != "cpu"
         self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
             precision
         ]
         self.precision = precision
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         self._channels_last = channels_last
-        self._module = module.to(self.device, dtype=self.dtype, memory_format=fmt).eval()
         self._torch = torch
+        if self._gpu is None:
+            self._module = module.to(self.device, dtype=self.dtype, memory_format=fmt).eval()
+        else:  # the weights' copy and casts on a stream of servekit's, done before any lane
+            stream = self._gpu.side_stream(self.device)
+            with self._gpu.using(stream):
+                self._module = module.to(self.device, dtype=self.dtype, memory_format=fmt).eval()
+            self._gpu.synchronize(stream)
         self.graph_sizes: tuple[int, ...] = ()
         self._lanes: Lanes[_Lane] | None = None
-        if self.device.type == "cuda":
-            if cuda_graphs and spec.batched:
+        if self._gpu is not None:
+            gpu = self._gpu
+            serving_backends(torch)
+            variable = [t.name for t in spec.inputs if -1 in t.shape]
+            if cuda_graphs and spec.batched and not variable:
                 self.graph_sizes = graph_batch_sizes(spec.max_batch_size, preferred_batch_sizes)
-            self._lanes = Lanes(lambda i: self._capture(_Lane(self, i)), instances)
+            elif cuda_graphs and variable:
+                log.info(
+                    "TorchRunner: input %s has a variable dimension: no CUDA graphs (a graph "
+                    "holds one shape); batches run eagerly on the lanes' streams",
+                    ", ".join(repr(n) for n in variable),
+                )  # fmt: skip
+            self._lanes = Lanes(lambda i: self._capture(_Lane(self, gpu, i)), instances)
 
     @cached_property
     def staging(self) -> StagingPool:
         """Pinned host buffers on CUDA (the copy to the device is then one asynchronous
         DMA), plain reused arrays on the CPU."""
-        if self.device.type != "cuda":
+        gpu = self._gpu
+        if gpu is None:
             return StagingPool(self._spec.max_batch_size)
-        torch = self._torch
 
         def pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            return torch.empty(shape, dtype=torch_dtype(dtype), pin_memory=True).numpy()  # type: ignore[no-any-return]
+            return gpu.pinned(shape, torch_dtype(dtype)).numpy()  # type: ignore[no-any-return]
 
-        return StagingPool(self._spec.max_batch_size, pinned, pinned=True)
+        inputs = [(t.name, t.dtype.numpy, tuple(t.shape)) for t in self._spec.inputs]
+        lanes = len(self._lanes) if self._lanes is not None else 1
+        return StagingPool(
+            self._spec.max_batch_size, pinned, pinned=True, inputs=inputs, lanes=lanes
+        )
 
     def _on_device(self, t: Any) -> Any:
         """A device tensor cast to the runner's precision and memory format."""
@@ -385,35 +441,37 @@ class TorchRunner(BaseRunner):
         return (values,) if self._torch.is_tensor(values) else values
 
     def _capture(self, lane: _Lane) -> _Lane:
-        """Warm the kernels and capture one graph per size on ``lane``'s own stream."""
-        torch = self._torch
-        with torch.inference_mode():
+        """Warm the kernels and capture one graph per size, all on ``lane``'s own stream."""
+        gpu = lane.gpu
+        with self._torch.inference_mode():
             for n in self.graph_sizes:
-                static = [self._to_device(a) for a in self._spec.sample_inputs(n).values()]
-                lane.stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(lane.stream):
+                with gpu.using(lane.stream):
+                    static = [self._to_device(a) for a in self._spec.sample_inputs(n).values()]
                     for _ in range(2):  # the kernels' autotuning, outside the graph
                         self._module(*static)
-                lane.stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=lane.stream):
-                    result = self._call(*static)
+                gpu.synchronize(lane.stream)
+                graph, result = gpu.capture(lane.stream, partial(self._call, *static))
                 lane.graphs[n] = (graph, static, result)
         return lane
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         torch = self._torch
-        ordered = [(t.name, unwrap(inputs[t.name])) for t in self._spec.inputs]
+        ordered = [(t.name, inputs[t.name]) for t in self._spec.inputs]
         rows = len(ordered[0][1]) if self._spec.batched else None
         keep = all(getattr(a, "keep_outputs", False) for a in inputs.values()) and bool(inputs)
-        if self._lanes is None:
+        if self._lanes is None or self._gpu is None:
             with torch.inference_mode():
-                values = self._call(*(self._to_device(a) for _, a in ordered))
+                values = self._call(*(self._to_device(unwrap(a)) for _, a in ordered))
                 return kept(self._spec, values, None) if keep else self._outputs(values, None)
+        gpu = self._gpu
+        # A bare tensor (a caller's own) was made on the caller's current stream.
+        made = (
+            gpu.current_ready(self.device) if any(torch.is_tensor(a) for _, a in ordered) else None
+        )
         size = next((n for n in self.graph_sizes if rows is not None and n >= rows), None)
-        with self._lanes.use() as lane, torch.inference_mode(), torch.cuda.stream(lane.stream):
+        with self._lanes.use() as lane, torch.inference_mode(), gpu.using(lane.stream):
             answer = lane.keep if keep else lane.download
-            raw = [lane.upload(name, a) for name, a in ordered]
+            raw = [lane.upload(name, a, made) for name, a in ordered]
             if size is None:
                 return answer(self._call(*map(self._on_device, raw)), None)
             graph, static, result = lane.graphs[size]
@@ -428,13 +486,15 @@ class TorchRunner(BaseRunner):
         assert self._lanes is not None, "replay needs CUDA graphs"
         lane = self._lanes.all[0]
         graph = lane.graphs[batch][0]
-        with self._torch.cuda.stream(lane.stream):
+        with lane.gpu.using(lane.stream):
             for _ in range(times):
                 graph.replay()
-        lane.stream.synchronize()
+        lane.gpu.synchronize(lane.stream)
 
     def close(self) -> None:
         self._lanes = None
         self._module = None
-        if self.device.type == "cuda":
-            self._torch.cuda.empty_cache()
+        if "staging" in self.__dict__:  # made (cached_property): its pinned memory goes
+            self.staging.close()
+        if self._gpu is not None:
+            self._gpu.empty_cache()

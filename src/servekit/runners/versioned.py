@@ -7,12 +7,17 @@ between batches. Each batch runs wholly on the version it started with, so no an
 mixes versions; the replaced version is closed once its last batch has finished and
 the one before it is kept warm for ``rollback``. An update that fails to load or to
 warm up raises and leaves the serving version untouched.
+
+A batch's staging (``staging``) is lent by the version serving when the batch is
+gathered, and holds that version open until it is given back: a version's pinned memory
+is freed only once no batch holds it, however many updates came meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +26,7 @@ import numpy as np
 from ..errors import UpdateRefused
 from ..spec import ModelSpec
 from .base import Arrays, Runner, accelerated, batch_function, staging_of, tensor_device
-from .staging import StagingPool
+from .staging import Lends, Staging
 
 __all__ = ["UpdateRefused", "VersionedRunner", "check_compatible"]
 
@@ -52,6 +57,8 @@ class _Version:
     in_flight: int = 0
     retired: bool = False
     closed: bool = False
+    pool: Lends | None = None
+    """The runner's staging (``staging_of``), taken once."""
 
 
 class VersionedRunner:
@@ -111,9 +118,22 @@ class VersionedRunner:
         self._current.runner.warmup()
 
     @property
-    def staging(self) -> StagingPool:
-        """The serving version's staging (``runners.staging``)."""
-        return staging_of(self._current.runner, self._current.runner.spec)
+    def staging(self) -> _VersionedStaging:
+        """Stagings lent by the version serving at each batch (``runners.staging``)."""
+        return _VersionedStaging(self)
+
+    @contextmanager
+    def _lend(self) -> Iterator[Staging]:
+        with self._lock:
+            v = self._current
+            v.in_flight += 1
+        try:
+            if v.pool is None:
+                v.pool = staging_of(v.runner, v.runner.spec)
+            with v.pool.lend() as staging:
+                yield staging
+        finally:
+            self._release(v)
 
     @property
     def tensor_device(self) -> Any:
@@ -201,3 +221,23 @@ class VersionedRunner:
             if v is not None and not v.closed:
                 v.closed = True
                 v.runner.close()
+
+
+class _VersionedStaging:
+    """A ``VersionedRunner``'s stagings (``staging.Lends``): each lent by the version
+    serving then, which stays open while the batch holds it."""
+
+    def __init__(self, runner: VersionedRunner) -> None:
+        self._runner = runner
+
+    @property
+    def pinned(self) -> bool:
+        return staging_of(self._runner.runner, self._runner.spec).pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """What the serving version's pool holds page-locked."""
+        return staging_of(self._runner.runner, self._runner.spec).pinned_bytes
+
+    def lend(self) -> AbstractContextManager[Staging]:
+        return self._runner._lend()

@@ -9,6 +9,10 @@ host) for that image alone and are uploaded as pixels. Sizes and crops are
 ``Preprocess``'s, so the two paths differ only by the decoders' and resamplers' rounding
 (with torchvision on the CPU, on the sample photos: at most 2 of 255 per channel, and all
 but a few pixels in a million within 1).
+
+On a GPU the batch is decoded on the calling thread's own stream, never the legacy default
+one, and ``batch`` hands it over as a ``DeviceTensor`` whose ``ready`` event the model's
+lane waits on (``servekit.cuda``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from ..cuda import for_device
+from ..device import DeviceTensor
 from .image import Preprocess, decode_image, fit, pixel_scaling
 
 __all__ = ["DeviceDecode", "device_decode_available"]
@@ -54,10 +60,24 @@ class DeviceDecode:
         self.pre, self._torch, self._tvf = pre, torch, tvf
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.device = torch.device(device)
+        self._gpu = for_device(self.device)
         scale, shift = pixel_scaling(pre.mean, pre.std)
-        self._scale = torch.tensor(scale, device=self.device).reshape(1, 3, 1, 1)
-        self._shift = torch.tensor(shift, device=self.device).reshape(1, 3, 1, 1)
+        with self._on_stream() as stream:
+            self._scale = torch.tensor(scale, device=self.device).reshape(1, 3, 1, 1)
+            self._shift = torch.tensor(shift, device=self.device).reshape(1, 3, 1, 1)
+        if self._gpu is not None:
+            self._gpu.synchronize(stream)  # every thread's stream reads them from now on
         self.last_fallbacks = 0
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Any:
+        """The block's device work on this thread's own stream (none on the host)."""
+        if self._gpu is None:
+            yield None
+            return
+        stream = self._gpu.side_stream(self.device)
+        with self._gpu.using(stream):
+            yield stream
 
     def _header(self, row: int, data: bytes) -> bool:
         """Whether the device decodes this image: a JPEG in RGB or greyscale that ``fit``
@@ -103,7 +123,21 @@ class DeviceDecode:
             )  # fmt: skip
         return img[:, top : top + pre.crop, left : left + pre.crop]
 
+    def batch(self, blobs: np.ndarray) -> DeviceTensor:
+        """The decoded batch, ready on the device once its ``ready`` event has passed."""
+        with self._on_stream() as stream:
+            x = self._decode(blobs)
+        ready = self._gpu.ready(stream) if self._gpu is not None else None
+        return DeviceTensor(x, np.dtype(np.float32), ready=ready)
+
     def __call__(self, blobs: np.ndarray) -> Any:
+        """The decoded batch as a torch tensor, finished."""
+        x = self.batch(blobs)
+        if x.ready is not None:
+            x.ready.synchronize()
+        return x.tensor
+
+    def _decode(self, blobs: np.ndarray) -> Any:
         torch, pre = self._torch, self.pre
         column = [b.tobytes() if isinstance(b, np.ndarray) else b for b in blobs.reshape(-1)]
         on_device = []
