@@ -22,7 +22,7 @@ from servekit import (
     RunnerError,
     TensorSpec,
 )
-from servekit.batching.execute import Fit, batch_steps, drive, run_requests
+from servekit.batching.execute import PROBE_AFTER, Fit, batch_steps, drive, run_requests
 from servekit.batching.faults import FaultLog
 
 SPEC = ModelSpec((TensorSpec("x", np.float32, [2]),), (TensorSpec("y", np.float32, [2]),), 96)
@@ -194,6 +194,51 @@ def test_out_of_memory_splits_and_the_batch_that_fitted_is_remembered(caplog):
     assert [isinstance(r, RunnerError) for r in again] == [i == 3 for i in range(16)]
     said = [r for r in caplog.records if "ran out of memory" in r.getMessage()]
     assert len(said) == 1 and "at most 8 rows" in said[0].getMessage()
+
+
+def test_the_fitted_rows_probe_back_up_once_memory_is_free_again(caplog):
+    """GPU defect 7: one transient out-of-memory does not cap batches forever. After
+    PROBE_AFTER batches in a row run in parts without running out, the limit doubles;
+    once the device holds the whole batch again, batches run whole."""
+    fit = Fit()
+    model = Picky(most_rows=8)  # a transient peak: only 8 rows fit
+    run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 8
+    model.most_rows = 0  # the peak is gone
+    for _ in range(PROBE_AFTER - 1):
+        run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 8
+    with caplog.at_level(logging.INFO, logger="servekit.batching.execute"):
+        run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 16 and any("up to 16 rows" in r.getMessage() for r in caplog.records)
+    for _ in range(PROBE_AFTER):
+        run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 32
+    model.calls.clear()
+    run(model, requests([1] * 32, set()), fit)
+    assert model.calls == [32]  # whole again
+
+
+def test_when_the_fitted_size_itself_runs_out_the_limit_comes_down():
+    """GPU defect 7: a limit that no longer fits is lowered, so each batch does not pay an
+    out-of-memory error and two halves from then on."""
+    fit = Fit()
+    model = Picky(most_rows=8)
+    run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 8
+    model.most_rows = 4  # another model took memory
+    run(model, requests([1] * 32, set()), fit)
+    assert fit.rows == 4
+    model.calls.clear()
+    results = run(model, requests([1] * 32, set()), fit)
+    assert model.calls == [4] * 8 and all(not isinstance(r, BaseException) for r in results)
+
+
+def test_an_out_of_memory_error_restarts_the_count_before_a_probe():
+    fit = Fit(rows=8, streak=PROBE_AFTER - 1)
+    model = Picky(most_rows=4)
+    run(model, requests([1] * 16, set()), fit)
+    assert fit.rows == 4 and fit.streak == 0
 
 
 def test_the_batcher_answers_every_good_caller_and_counts_the_isolated_failures():

@@ -24,13 +24,17 @@ import numpy as np
 
 from ..errors import InvalidInput, RunnerError, ServekitError
 from ..runners.base import batch_function, staging_of
-from ..runners.staging import Staging, StagingPool
+from ..runners.staging import Lends, Staging
 from ..spec import ModelSpec
 from .concat import concat, split
 from .faults import FAULTS, is_out_of_memory, same_fault
 
+PROBE_AFTER = 32
+"""Batches run in parts without an out-of-memory error before the fitted rows double."""
+
 __all__ = [
-    "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "drive", "drive_async", "run_requests",
+    "PROBE_AFTER", "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "drive", "drive_async",
+    "run_requests",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -58,7 +62,11 @@ class Fit:
 
     rows: int = 0
     """After an out-of-memory error, the most rows a batch that then ran held (0: no limit
-    learned). Larger batches run in parts of at most that."""
+    learned). Larger batches run in parts of at most that; after ``PROBE_AFTER`` batches
+    in a row that ran so without running out, the limit doubles (memory another model or
+    a transient peak held may be free again)."""
+    streak: int = 0
+    """Batches in a row run in parts without running out of memory."""
     good: Arrays | None = None
     """A copy of one request the model answered (the fewest rows seen), run alone before a
     batch whose halves fail with its own words is judged a broken model."""
@@ -71,7 +79,7 @@ def batch_steps(
     names: Sequence[str],
     check: Callable[[Mapping[str, np.ndarray], int], None],
     name: str = "",
-    staging: StagingPool | None = None,
+    staging: Lends | None = None,
     fit: Fit | None = None,
 ) -> Steps:
     """Run ``requests`` as one batch, ``check`` its outputs and split them; a failing
@@ -115,10 +123,13 @@ class _Run:
     def all(self) -> Steps:
         members = list(range(len(self.requests)))
         parts = _within(members, self.rows, self.fit.rows) if self.fit.rows else [members]
+        limit = self.fit.rows
         for part in parts:
             exc = yield from self._run(part)
             if exc is not None:
                 yield from self._isolate(part, exc)
+        if len(parts) > 1 and self.fit.rows == limit:  # parts ran, nothing ran out
+            self._probe()
         if len(self.requests) == 1 and isinstance(self.results[0], ServekitError):
             raise self.results[0]  # the batch's error: it was its only request
         return self.results  # type: ignore[return-value]
@@ -196,15 +207,32 @@ class _Run:
             self.results[i] = error
 
     def _fitted(self, ran: list[list[int]]) -> None:
+        """A run ran out of memory and its halves ``ran``: the largest that ran is the
+        limit from now on, lower than before when the fitted size itself ran out."""
+        self.fit.streak = 0
         rows = max((sum(self.rows[i] for i in part) for part in ran), default=0)
-        if rows > self.fit.rows:
-            if not self.fit.rows:
-                log.warning(
-                    "%s: the device ran out of memory on a batch of %d rows; batches of at "
-                    "most %d rows fitted and are run from now on",
-                    self.name, sum(self.rows), rows,
-                )  # fmt: skip
+        if rows and rows != self.fit.rows:
+            log.warning(
+                "%s: the device ran out of memory on a batch of %d rows; batches of at "
+                "most %d rows fitted and are run from now on",
+                self.name, sum(self.rows), rows,
+            )  # fmt: skip
             self.fit.rows = rows
+
+    def _probe(self) -> None:
+        """One more batch ran in parts without running out: after ``PROBE_AFTER`` in a row
+        the limit doubles (none once it covers every batch the model takes)."""
+        fit = self.fit
+        fit.streak += 1
+        if fit.streak < PROBE_AFTER:
+            return
+        fit.streak = 0
+        fit.rows *= 2
+        log.info(
+            "%s: %d batches ran in parts without running out of memory; batches of up to "
+            "%d rows are tried from now on",
+            self.name, PROBE_AFTER, fit.rows,
+        )  # fmt: skip
 
 
 def _same_fault(exc: Exception, first: Exception | None, second: Exception | None) -> bool:
@@ -335,7 +363,7 @@ def _run_group(
     rows: list[int],
     results: list[Arrays | ServekitError | None],
     names: list[str],
-    staging: StagingPool,
+    staging: Lends,
     fit: Fit,
     name: str,
 ) -> None:
