@@ -11,6 +11,8 @@ under PyTorch's CUDA sanitizer."""
 from __future__ import annotations
 
 import gc
+import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 from conftest import needs_torch
 from servekit import cuda as servekit_cuda
 from servekit.device import DeviceTensor, gather_on_device
+from servekit.spec import ModelSpec, TensorSpec
 
 pytestmark = needs_torch
 
@@ -150,3 +153,124 @@ def test_eight_clients_through_a_batcher_with_two_lanes_answer_as_the_host(
     finally:
         batcher.close()
         runner.close()
+
+
+# ------------------------------------------------- 4: graphs only for fixed shapes
+
+
+class SumOfRow(torch.nn.Module):
+    """[N, L] -> [N, 1] for any length L: a variable non-batch dimension."""
+
+    def forward(self, x):
+        return x.sum(dim=1, keepdim=True) * 2
+
+
+def test_a_variable_non_batch_dimension_serves_eagerly_on_cuda(fake, caplog):
+    """Defect 4: graphs were captured with the variable dimension set to 1, and every
+    request of another length failed copying into the graph's static input."""
+    from servekit.runners.torch import TorchRunner
+
+    spec = ModelSpec((TensorSpec("x", np.float32, [-1]),), (TensorSpec("y", np.float32, [1]),), 8)
+    with caplog.at_level(logging.INFO, logger="servekit.runners.torch"):
+        runner = TorchRunner(SumOfRow(), spec=spec, device="cuda", precision="fp32")
+    try:
+        assert runner.graph_sizes == ()
+        said = [r.getMessage() for r in caplog.records if "variable dimension" in r.getMessage()]
+        assert len(said) == 1 and "'x'" in said[0]
+        for length in (1, 5, 17):
+            x = np.arange(3 * length, dtype=np.float32).reshape(3, length)
+            got = runner.infer({"x": x})["y"]
+            np.testing.assert_allclose(got, x.sum(axis=1, keepdims=True) * 2)
+    finally:
+        runner.close()
+
+
+# ------------------------------------------------- 6: capture beside serving
+
+
+def test_a_model_captures_its_graphs_while_another_serves(fake, tiny_cnn_path, reference):
+    """Defect 6: capture in torch's default global mode fails (or corrupts the capture)
+    when another thread makes a CUDA call meanwhile, as serving models do while the store
+    or a live update loads one. Captures run in thread_local mode: the capture here stays
+    open until a serving thread's call arrives, and nothing fails."""
+    serving = torch_runner(tiny_cnn_path, device="cuda", instances=2)
+    fake.capture_hold_s = 5.0
+    done = threading.Event()
+    answered = []
+
+    def serve(i: int) -> None:
+        while not done.is_set():
+            x = images(1 + i % 2, seed=i)
+            answered.append(
+                np.allclose(serving.run({"input": x})["logits"], reference(x), atol=1e-5)
+            )
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(serve, i) for i in range(4)]
+            try:
+                loaded = torch_runner(tiny_cnn_path, device="cuda")
+            finally:
+                done.set()
+            for f in futures:
+                f.result()
+        loaded.close()
+        assert answered and all(answered)
+    finally:
+        serving.close()
+
+
+def test_two_models_loading_at_once_capture_one_at_a_time(fake, tiny_cnn_path):
+    """Defect 6: one capture at a time in the process."""
+    with ThreadPoolExecutor(2) as pool:
+        runners = list(pool.map(lambda _: torch_runner(tiny_cnn_path, device="cuda"), range(2)))
+    for r in runners:
+        r.close()
+    assert fake.captures == 2 * len(runners[0].graph_sizes)
+
+
+# ------------------------------------------------- 9: what is served is what is measured
+
+
+def test_a_pipelines_model_step_on_a_gpu_gets_pinned_staging(fake, tiny_cnn_path, reference):
+    """Defect 9: a model inside a Pipeline got the previous step's pageable arrays, so the
+    JPEG pipeline never copied from pinned memory."""
+    from servekit import FunctionRunner, Pipeline
+
+    model = torch_runner(tiny_cnn_path, device="cuda")
+    lane = model._lanes.all[0]
+    seen = []
+    upload = lane.upload
+    lane.upload = lambda name, a, made: seen.append(a) or upload(name, a, made)
+    negate = FunctionRunner(
+        lambda inputs: {"input": -inputs["raw"]},
+        ModelSpec(
+            (TensorSpec("raw", np.float32, [3, 32, 32]),),
+            (TensorSpec("input", np.float32, [3, 32, 32]),),
+            8,
+        ),
+    )
+    pipeline = Pipeline([negate, model])
+    try:
+        x = images(2)
+        np.testing.assert_allclose(
+            pipeline.infer({"raw": x})["logits"], reference(-x), rtol=1e-4, atol=1e-5
+        )
+        with model.staging.lend() as staging:
+            buffers = list(staging._buffers.values())
+        assert any(np.shares_memory(seen[0], b) for b in buffers)
+    finally:
+        pipeline.close()
+
+
+def test_serving_on_cuda_uses_the_cudnn_settings_the_gpu_bench_measures(fake, tiny_cnn_path):
+    """Defect 9: bench/gpu.py turned cudnn.benchmark on and serving never did."""
+    from pathlib import Path
+
+    torch.backends.cudnn.benchmark = False
+    runner = torch_runner(tiny_cnn_path, device="cuda")
+    runner.close()
+    assert torch.backends.cudnn.benchmark is True
+    assert not torch.backends.cudnn.allow_tf32
+    bench = (Path(__file__).parents[1] / "bench" / "gpu.py").read_text()
+    assert "serving_backends(torch)" in bench and "cudnn.benchmark" not in bench
