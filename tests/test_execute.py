@@ -89,3 +89,30 @@ def test_requests_are_never_run_more_than_max_batch_size_rows_at_a_time():
     results = run_requests(FunctionRunner(record, SPEC), [{"x": np.ones((5, 2))} for _ in range(7)])
     assert all(not isinstance(r, Exception) for r in results)
     assert seen == [15, 15, 5]
+
+
+def test_a_sticky_cuda_error_is_never_bisected_and_the_device_serves_no_more():
+    """An illegal address fails every later call in the process: halving cannot help, so
+    the batch runs once, its requests get ``DeviceLost`` (a 503 naming CUDA's words), and
+    the next batch is refused without a call."""
+    from servekit.batching.execute import device_lost
+    from servekit.errors import DeviceLost, http_status
+
+    calls = []
+
+    def model(inputs):
+        calls.append(len(inputs["x"]))
+        if (inputs["x"] < 0).any():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"y": inputs["x"] * 2}
+
+    runner = FunctionRunner(model, SPEC)
+    requests = [{"x": np.full((1, 2), -1.0 if i == 3 else float(i))} for i in range(8)]
+    results = run_requests(runner, requests, name="m")
+    assert calls == [8]  # once: never split
+    assert all(isinstance(r, DeviceLost) for r in results), results
+    said = "model m: device lost: CUDA error: an illegal memory access was encountered"
+    assert {str(r) for r in results} == {said} and http_status(results[0]) == 503
+    assert device_lost(runner) == said.removeprefix("model m: ")
+    again = run_requests(runner, [{"x": np.ones((1, 2))}], name="m")
+    assert calls == [8] and isinstance(again[0], DeviceLost)  # no call on a lost device

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import InvalidInput, RunnerError, ServekitError
+from .errors import InvalidInput, RunnerError, ServekitError, SetupFailed
 from .runners.base import Arrays, BaseRunner, Runner
 from .spec import ModelSpec, TensorSpec
 
@@ -286,7 +286,8 @@ def import_model(
     ``sys.path`` (in this process: each process that serves it imports it itself).
 
     Raises:
-        ValueError: it does not import, is none of these, or its setup raised; naming it.
+        SetupFailed: its set-up raised, naming it (with the signature a ``Model`` declares).
+        ValueError: it does not import, or is none of these; naming it.
     """
     label = name or source
     if path is not None and path not in sys.path:
@@ -315,8 +316,9 @@ def import_model(
         else:
             runner = UserRunner(target, label)
     except Exception as exc:
-        raise ValueError(
-            f"model {label}: {source} failed to set up: {type(exc).__name__}: {exc}"
+        raise SetupFailed(
+            f"model {label}: {source} failed to set up: {type(exc).__name__}: {exc}",
+            _declared(target),
         ) from None
     if not isinstance(runner, Runner):
         raise ValueError(
@@ -324,6 +326,19 @@ def import_model(
             "@infer_function nor a Runner (spec, infer, warmup, close)"
         )
     return runner
+
+
+def _declared(target: Any) -> ModelSpec | None:
+    """The signature a ``Model`` subclass declares (None if it declares none: a Runner's
+    is known only once it is built)."""
+    if not (inspect.isclass(target) and issubclass(target, Model)):
+        return None
+    if not target.inputs or not target.outputs or target.decoupled:
+        return None
+    return ModelSpec(
+        _tensors(target.inputs, target), _tensors(target.outputs, target),
+        int(target.max_batch_size),
+    )  # fmt: skip
 
 
 def _set_up(cls: type[Model], args: Mapping[str, Any]) -> Model:

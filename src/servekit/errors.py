@@ -11,7 +11,10 @@
     ├── ModelNotFound         no such model or version: HTTP 404, gRPC NOT_FOUND
     ├── RegionNotFound        no such shared-memory region registered: HTTP 404, gRPC NOT_FOUND
     ├── ModelNotReady         loading, unloading or closed: HTTP 503, gRPC UNAVAILABLE
-    │   └── FetchFailed       its file could not be fetched from object storage (why, where)
+    │   ├── FetchFailed       its file could not be fetched from object storage (why, where)
+    │   └── ModelBroken       no instance can serve (the model reads not ready, with why)
+    │       ├── SetupFailed   its set-up (constructor, ``setup``) raised
+    │       └── DeviceLost    a sticky CUDA error: the process's device is lost
     ├── Overloaded            queue full, retry later: HTTP 503, gRPC UNAVAILABLE
     ├── DeadlineExceeded      the request's timeout passed before it ran: HTTP 504, gRPC DEADLINE_EXCEEDED
     │   └── WorkerDied        its worker died and none answered it before its deadline
@@ -37,6 +40,8 @@ __all__ = [
     "INFERENCE_TOKEN_HEADER",
     "PYTRITON_TOKEN_HEADER",
     "InvalidInput",
+    "DeviceLost",
+    "ModelBroken",
     "ModelNotFound",
     "ModelNotReady",
     "RegionNotFound",
@@ -46,6 +51,7 @@ __all__ = [
     "RunnerError",
     "ServekitError",
     "SetupError",
+    "SetupFailed",
     "TritonSetupError",
     "Unauthenticated",
     "UnsupportedEncoding",
@@ -93,6 +99,27 @@ class ModelNotReady(ServekitError):
 class FetchFailed(ModelNotReady):
     """A model file could not be fetched from object storage; the message names the object
     (bucket, key) and the error. Nothing half-written is left, and a serving version stays."""
+
+
+class ModelBroken(ModelNotReady):
+    """No instance of the model can serve: the model reads not ready, and the repository
+    index gives this error's words as its reason. A 503 a client may retry elsewhere."""
+
+
+class SetupFailed(ModelBroken, ValueError):
+    """Your own model's set-up (its constructor, ``setup``) raised. ``spec`` is the
+    signature the model declares (None for a Runner, which has one only once built): with
+    it the model is served not ready instead of refusing the server's start."""
+
+    def __init__(self, message: str, spec: object = None) -> None:
+        super().__init__(message)
+        self.spec = spec
+
+
+class DeviceLost(ModelBroken):
+    """A sticky CUDA error (an illegal address, a device-side assert: ``cuda.is_sticky``):
+    every later call on the process's device fails, so the batch is not bisected, the
+    instance is broken and only a new process serves again (``docs/operations.md``)."""
 
 
 class ServerUnreachable(ModelNotReady):

@@ -28,6 +28,7 @@ from ..errors import (
     RunnerError,
 )
 from ..runners.base import Runner, batch_function, staging_of
+from ..runners.broken import broken
 from ..spec import ModelSpec
 from .ahead import Ahead
 from .bridge import LoopBridge
@@ -269,6 +270,17 @@ class Batcher:
     def fitted_rows(self) -> int:
         """The most rows a batch holds since the device ran out of memory (0: no limit)."""
         return self._fit.rows
+
+    @property
+    def broken(self) -> str | None:
+        """Why no instance can serve (``runners.broken``): the device was lost
+        (``device lost: ...``) or the runner says so (its set-up failed); None while it can."""
+        return self._fit.lost or broken(self.runner)
+
+    @property
+    def device_lost(self) -> str | None:
+        """``device lost: <CUDA's words>`` once a batch raised a sticky CUDA error."""
+        return self._fit.lost
 
     @property
     def pinned_bytes(self) -> int:

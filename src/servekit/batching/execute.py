@@ -8,7 +8,10 @@ a broken model or several requests raising the same words (clients sending the s
 input): one request the model answered before (``Fit.good``; else one of zeros) is run
 alone. If it fails too the model is broken and the whole batch fails at once (four runs,
 never log2(n) more); if it is answered, the halves are split on down to the requests
-that raise. An ``InvalidInput`` is always the requests' own: no such run.
+that raise. An ``InvalidInput`` is always the requests' own: no such run. A sticky CUDA
+error (``cuda.is_sticky``: an illegal address, a device-side assert) is never split:
+every later call in the process fails, so the batch's unanswered requests get
+``DeviceLost`` at once, and so does every later batch (``Fit.lost``) without a call.
 ``run_requests`` does the same for requests a server already grouped (Triton, PyTriton,
 Ray), after validating each.
 """
@@ -22,19 +25,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidInput, RunnerError, ServekitError
+from ..cuda import is_sticky
+from ..errors import DeviceLost, InvalidInput, RunnerError, ServekitError
 from ..runners.base import batch_function, staging_of
 from ..runners.staging import Lends, Staging
 from ..spec import ModelSpec
 from .concat import concat, split
-from .faults import FAULTS, is_out_of_memory, same_fault
+from .faults import FAULTS, cause, is_out_of_memory, same_fault
 
 PROBE_AFTER = 32
 """Batches run in parts without an out-of-memory error before the fitted rows double."""
 
 __all__ = [
-    "PROBE_AFTER", "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "drive", "drive_async",
-    "run_requests",
+    "PROBE_AFTER", "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "device_lost", "drive",
+    "drive_async", "run_requests",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,9 @@ class Fit:
     """A copy of one request the model answered (the fewest rows seen), run alone before a
     batch whose halves fail with its own words is judged a broken model."""
     good_rows: int = 0
+    lost: str | None = None
+    """``device lost: <CUDA's words>`` once a run raised a sticky CUDA error: the device
+    of this process serves no more, and nothing is run on it again."""
 
 
 def batch_steps(
@@ -125,10 +132,15 @@ class _Run:
         parts = _within(members, self.rows, self.fit.rows) if self.fit.rows else [members]
         limit = self.fit.rows
         for part in parts:
+            if self.fit.lost:
+                break
             exc = yield from self._run(part)
             if exc is not None:
                 yield from self._isolate(part, exc)
-        if len(parts) > 1 and self.fit.rows == limit:  # parts ran, nothing ran out
+        if self.fit.lost:  # the device is gone: what it did not answer fails so, unsplit
+            lost = DeviceLost(f"{'model ' + self.name + ': ' if self.name else ''}{self.fit.lost}")
+            self.results = [lost if r is None else r for r in self.results]
+        elif len(parts) > 1 and self.fit.rows == limit:  # parts ran, nothing ran out
             self._probe()
         if len(self.requests) == 1 and isinstance(self.results[0], ServekitError):
             raise self.results[0]  # the batch's error: it was its only request
@@ -148,9 +160,17 @@ class _Run:
             for i, part in zip(members, split(outputs, rows), strict=True):
                 self.results[i] = part
         except Exception as exc:
+            self._sticky(exc)
             return exc
         self._remember(min(members, key=self.rows.__getitem__))
         return None
+
+    def _sticky(self, exc: Exception) -> None:
+        """A sticky CUDA error lost the device: said once, and nothing runs on it again."""
+        if self.fit.lost is None and is_sticky(exc):
+            self.fit.lost = f"device lost: {cause(exc)}"
+            FAULTS(self.name, exc)
+            log.error("%s: %s; the model is not ready from now on", self.name, self.fit.lost)
 
     def _remember(self, i: int) -> None:
         """Keep request ``i`` as the model's known-good request when it has fewer rows
@@ -173,7 +193,8 @@ class _Run:
                 outputs = yield gather([probe], self.names)
                 self.check(outputs, rows)
                 self.works = True
-            except Exception:
+            except Exception as exc:
+                self._sticky(exc)
                 self.works = False
         return self.works
 
@@ -181,6 +202,8 @@ class _Run:
         self, members: list[int], exc: Exception
     ) -> Generator[Arrays, Mapping[str, np.ndarray], None]:
         """``members`` failed together with ``exc``: run their halves to find who raises."""
+        if self.fit.lost:  # halving cannot help: every later call fails (``all``)
+            return
         if len(members) == 1:
             self._fail(members, exc)
             return
@@ -188,7 +211,9 @@ class _Run:
         half = len(members) // 2
         left, right = members[:half], members[half:]
         first = yield from self._run(left)
-        second = yield from self._run(right)
+        second = (yield from self._run(right)) if not self.fit.lost else None
+        if self.fit.lost:
+            return
         if oom:
             self._fitted([m for m, e in ((left, first), (right, second)) if e is None])
         elif _same_fault(exc, first, second) and not (yield from self._answers(members)):
@@ -263,6 +288,21 @@ def _fit_of(runner: object) -> Fit:
         return _FITS.setdefault(runner, Fit())
     except TypeError:  # not weakly referable: nothing is remembered across calls
         return Fit()
+
+
+def device_lost(runner: object) -> str | None:
+    """``device lost: <CUDA's words>`` once a batch of ``runner`` (run by ``run_requests``)
+    raised a sticky CUDA error; None while its device serves."""
+    fit = _FITS.get(runner) if _weakly(runner) else None
+    return fit.lost if fit is not None else None
+
+
+def _weakly(runner: object) -> bool:
+    try:
+        weakref.ref(runner)
+    except TypeError:
+        return False
+    return True
 
 
 def _within(members: list[int], rows: Sequence[int], most: int) -> list[list[int]]:

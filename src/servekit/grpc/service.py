@@ -47,6 +47,7 @@ from ..protocol.models import (
     RepositoryControl,
     conforms,
     input_device,
+    lost_device,
 )
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import infer_answered
@@ -115,7 +116,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         await context.abort(getattr(grpc.StatusCode, grpc_code(exc)), str(exc))
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
-        return service_pb2.ServerLiveResponse(live=True)
+        # A device lost in this process (native): live no more, so it is restarted.
+        return service_pb2.ServerLiveResponse(live=lost_device(self.models.loaded()) is None)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerReadyResponse(ready=self._ready())
@@ -184,7 +186,8 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
                     index.models.add(**{k: entry[k] for k in fields if k in entry})
             return index
         for entry in repository_index(self.models.loaded()):
-            index.models.add(**entry)
+            if not request.ready or entry["state"] == "READY":
+                index.models.add(**entry)
         return index
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:

@@ -58,6 +58,7 @@ from ..protocol.models import (
     conforms,
     decoupled_figures,
     input_device,
+    lost_device,
 )
 from ..protocol.parameters import scheduling, sequence_flags
 from ..protocol.routed import RoutedModel, infer_answered
@@ -224,7 +225,8 @@ class KServeApp(Forwarding):
         return self._json(404, {"error": f"no route {request.method} {request.path}"})
 
     async def _live(self, request: HttpRequest, m: re.Match[str]) -> Answer:
-        return 200, b"", {}
+        lost = lost_device(self.models.loaded())  # in this process (native): restart it
+        return (200, b"", {}) if lost is None else self._json(503, {"error": lost})
 
     async def _server_ready(self, request: HttpRequest, m: re.Match[str]) -> Answer:
         return (200 if self._ready() else 503), b"", {}
@@ -246,7 +248,8 @@ class KServeApp(Forwarding):
             return self._json(200, [e for e in index if e["state"] == "READY" or not ready_only])
         if self._behind is not None:
             return await self._behind.fetch("POST", "/v2/repository/index")
-        return self._json(200, repository_index(self.models.loaded()))
+        index = repository_index(self.models.loaded())
+        return self._json(200, [e for e in index if e["state"] == "READY" or not ready_only])
 
     async def _all_stats(self, request: HttpRequest, m: re.Match[str]) -> Answer:
         if self._behind is not None:

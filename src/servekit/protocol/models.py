@@ -22,6 +22,7 @@ from ..batching.sequence import SequenceFlags
 from ..batching.sequencer import SequenceBatcher
 from ..errors import InvalidInput, ModelNotFound, ServekitError
 from ..runners.base import Runner, tensor_device
+from ..runners.broken import broken
 from ..spec import ModelSpec
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "decoupled_figures",
     "decoupled_refusal",
     "input_device",
+    "lost_device",
+    "unready_reason",
 ]
 
 _T = TypeVar("_T")
@@ -196,6 +199,23 @@ class RepositoryControl(Protocol):
     async def unload(self, name: str) -> None:
         """Unload ``name`` once the requests holding it are answered."""
         ...
+
+
+def unready_reason(model: FrontModel) -> str | None:
+    """Why ``model`` cannot serve although it is listed (its set-up failed, its device was
+    lost: ``runners.broken``); None while it can. Readiness and the index read it."""
+    return broken(model) or broken(model.batcher)
+
+
+def lost_device(models: Mapping[str, FrontModel]) -> str | None:
+    """``<model>: device lost: ...`` where a model running in this process lost its device
+    to a sticky CUDA error: the process serves no more (the native runtime's liveness)."""
+    for name, model in models.items():
+        batcher = model.batcher
+        lost = batcher.device_lost if isinstance(batcher, Batcher) else None
+        if lost:
+            return f"{name}: {lost}"
+    return None
 
 
 def input_device(model: object) -> Any:
@@ -423,7 +443,8 @@ class StaticModels(Mapping[str, FrontModel]):
         return self._models[name]
 
     async def is_ready(self, name: str, version: str | None) -> bool:
-        return name in self._models
+        model = self._models.get(name)
+        return model is not None and unready_reason(model) is None
 
     def loaded(self) -> Mapping[str, FrontModel]:
         return self._models

@@ -12,7 +12,7 @@ from .._version import __version__
 from ..batching.sequencer import SequenceBatcher
 from ..errors import InvalidInput
 from .jsonbody import parse_json
-from .models import FrontModel
+from .models import FrontModel, unready_reason
 from .pbtxt import model_config as render
 
 __all__ = [
@@ -118,12 +118,17 @@ def statistics(models: Mapping[str, FrontModel]) -> dict[str, Any]:
 
 
 def repository_index(models: Mapping[str, FrontModel]) -> list[dict[str, str]]:
-    """``POST /v2/repository/index``: every version of every model served, ready."""
-    return [
-        {"name": n, "version": v, "state": "READY"}
-        for n in sorted(models)
-        for v in models[n].versions or ("1",)
-    ]
+    """``POST /v2/repository/index``: every version of every model served, ready, or
+    ``UNAVAILABLE`` with the reason where none of its instances can serve."""
+    index = []
+    for n in sorted(models):
+        why = unready_reason(models[n])
+        for v in models[n].versions or ("1",):
+            row = {"name": n, "version": v, "state": "READY"}
+            if why:
+                row.update(state="UNAVAILABLE", reason=why)
+            index.append(row)
+    return index
 
 
 def ready_only_asked(body: bytes) -> bool:

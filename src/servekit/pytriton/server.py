@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import ServeConfig, ServerConfig
 from ..runners.base import Runner
+from ..runners.broken import broken
 from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled, static_budgets
 from ..runtime.registry import ServedModels, response_cache, served_name, watched_identity
 from ..tracing import Tracing, triton_trace_config
@@ -91,7 +92,12 @@ class TritonServer:
         # sequences nor a decoupled model's cancellation: the front serves those itself.
         c = self.server
         loaded = self.models.load()
-        local = {m.name for m in loaded if m.sequence is not None or is_decoupled(m.runner)}
+        # A model whose set-up failed (``runners.broken``) is the front's too: it answers
+        # for it, not ready with the reason, where tritonserver would call it ready.
+        local = {
+            m.name for m in loaded
+            if m.sequence is not None or is_decoupled(m.runner) or broken(m.runner)
+        }  # fmt: skip
         if not c.front:
             for m in loaded:
                 refuse_decoupled(m.runner, m.name, "pytriton with server.front = false")

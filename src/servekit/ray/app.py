@@ -9,6 +9,8 @@ per deployment so requests reach the Batcher together instead of one at a time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import functools
 import time
@@ -20,11 +22,12 @@ from ..batching import Batcher, BatchingPolicy
 from ..batching.execute import as_error
 from ..cache import ResponseCache
 from ..config import ModelConfig, ServeConfig, image_model_name, version_model_name
-from ..errors import ServekitError
+from ..errors import ModelBroken, ServekitError, SetupFailed
 from ..http import KServeApp
 from ..protocol.routed import route, traffic_of
 from ..recovery import Lost, Recovery, tensors_key
 from ..runners.base import warm_up
+from ..runners.broken import Unready
 from ..runners.versioned import check_compatible
 from ..runtime.base import probe_model
 from ..spec import ModelSpec
@@ -34,6 +37,8 @@ from .replica import Batched
 __all__ = ["APP_NAME", "build_app", "ray_config"]
 
 APP_NAME = "servekit"
+BROKEN_TTL_S = 1.0
+"""How long the ingress trusts what a model's replica last said of its readiness."""
 
 
 Key = tuple[str, int]
@@ -90,6 +95,23 @@ class _Remote:
             self._chain, policy, spec=spec, instance_count=in_flight, name=f"{name}-ingress",
             ahead=ahead,
         )  # fmt: skip
+        self._broken: str | None = None
+        self._asked = -BROKEN_TTL_S
+
+    @property
+    def broken(self) -> str | None:
+        """Why the model's replicas cannot serve (``runners.broken``), as last heard from
+        one (asked again in the background once ``BROKEN_TTL_S`` passed) or from a batch."""
+        now = time.monotonic()
+        if now - self._asked >= BROKEN_TTL_S:
+            self._asked = now
+            with contextlib.suppress(RuntimeError):  # no loop running: nothing to ask with
+                asyncio.get_running_loop().create_task(self._ask())
+        return self._broken
+
+    async def _ask(self) -> None:
+        with contextlib.suppress(Exception):  # no replica up: nothing heard (Recovery's)
+            self._broken = await self.handles[-1].broken.remote()
 
     async def _attempt(
         self, inputs: dict[str, Any], trace: tuple[str, ...] = ()
@@ -124,6 +146,8 @@ class _Remote:
                 deadline=recovery.deadline(None, time.monotonic()), key=key,
                 first=await self._attempt(inputs, trace), first_sent_live=live,
             )  # fmt: skip
+        if isinstance(value, ModelBroken):
+            self._broken = str(value)
         if isinstance(value, BaseException):
             raise value if isinstance(value, ServekitError) else as_error(value, self.name)
         return value  # type: ignore[no-any-return]
@@ -218,7 +242,12 @@ def build_app(
         def __init__(self, model: ModelConfig, cache_dir: str | None) -> None:
             from ..runtime.base import load_model_runner
 
-            runner = load_model_runner(model, cache_dir, config.storage)
+            try:
+                runner = load_model_runner(model, cache_dir, config.storage)
+            except SetupFailed as exc:  # up, not ready, instead of Ray restarting it forever
+                if not isinstance(exc.spec, ModelSpec):
+                    raise
+                runner = Unready(exc.spec, str(exc))
             warm_up(runner, model.name)
             tracer = config.server.tracing.tracing()  # this replica's spans
             super().__init__(runner, model.batching, model.name, model.autoscale, tracer)
@@ -267,10 +296,10 @@ def build_app(
                 for (name, version), (spec, handles, (policy, in_flight, ahead)) in chains.items()
             }  # fmt: skip
             for model in fused:  # every version, each checked against version 1's signature
-                from ..runtime.base import load_models
+                from ..runtime.base import load_or_unready
                 from ..runtime.registry import scheduled
 
-                for m in load_models(model, config.cache_dir, config.storage):
+                for m in load_or_unready(model, config.cache_dir, config.storage):
                     warm_up(m.runner, m.name)
                     if config.ray.fuse:  # the replicas are the model's instances
                         m = dataclasses.replace(m, instance_count=1)

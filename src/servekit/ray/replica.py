@@ -4,18 +4,23 @@ traced requests, spans of its own work continuing their traces (``servekit.traci
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+from typing import Any, TypeVar
 
 from .. import tracing
 from ..autoscale import AutoscalePolicy
 from ..batching import Batcher, BatchingPolicy
-from ..errors import ServekitError
+from ..errors import DeviceLost, ServekitError
 from ..metrics import Metrics
 from ..spec import ModelSpec
 from ..tracing import Tracing
 from .autoscale import SIGNAL
 
 __all__ = ["Batched"]
+
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Batched:
@@ -47,11 +52,28 @@ class Batched:
         if isinstance(inputs, ServekitError):  # an earlier stage's error passes through
             return inputs
         if trace and self.tracing is not None:
-            return await self._traced(inputs, trace, self.tracing)
+            return self._alive(await self._traced(inputs, trace, self.tracing))
         try:
             return await self.batcher.infer(inputs)
+        except DeviceLost:
+            self._alive(None)
+            raise
         except ServekitError as exc:
             return exc  # returned, not raised: Ray would wrap it and lose its type
+
+    def _alive(self, answer: _T) -> _T:
+        """``answer``, unless this replica's device was lost to a sticky CUDA error: then
+        the replica exits with the batch unanswered, Ray starts a new one, and the ingress
+        sends the batch again (``servekit.recovery``)."""
+        if self.batcher.device_lost:
+            log.error("%s: %s; this replica exits for Ray to replace", self.name,
+                      self.batcher.device_lost)  # fmt: skip
+            os._exit(70)
+        return answer
+
+    def broken(self) -> str | None:
+        """Why this replica's model cannot serve (``runners.broken``); None while it can."""
+        return self.batcher.broken
 
     async def _traced(
         self, inputs: dict[str, Any], trace: tuple[str, ...], tracer: Tracing

@@ -146,6 +146,13 @@ class VersionedRunner:
         return accelerated(self._current.runner)
 
     @property
+    def broken(self) -> str | None:
+        """Why the serving version cannot serve (``runners.broken``); None while it can."""
+        from .broken import broken
+
+        return broken(self._current.runner)
+
+    @property
     def decoupled(self) -> bool:
         """Whether the serving version answers a request with any number of responses."""
         return bool(getattr(self._current.runner, "decoupled", False))

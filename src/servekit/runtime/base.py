@@ -9,6 +9,7 @@ The ``Supervisor`` drives any runtime the same way.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,15 @@ from ..runners.versioned import VersionedRunner, check_compatible
 from ..spec import ModelSpec
 from ..storage import StorageConfig
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ModelProbe",
     "Runtime",
     "ServedModel",
     "load_model_runner",
     "load_models",
+    "load_or_unready",
     "probe_model",
     "refresh",
     "reload_models",
@@ -246,6 +250,25 @@ def load_models(
     return served
 
 
+def load_or_unready(
+    model: ModelConfig, cache_dir: str | None = None, storage: StorageConfig | None = None
+) -> list[ServedModel]:
+    """``load_models``, but a model whose set-up raised (``SetupFailed``) and that declares
+    its signature is served ``Unready``: not ready, its reason the set-up's words, instead
+    of refusing the start (every in-process runtime and Ray's replicas)."""
+    from ..errors import SetupFailed
+    from ..runners.broken import Unready
+
+    try:
+        return load_models(model, cache_dir, storage)
+    except SetupFailed as exc:
+        if not isinstance(exc.spec, ModelSpec) or not exc.spec.batched:
+            raise  # no signature known, or none the batcher takes: the start is refused
+        log.error("%s; it is served not ready", exc)
+        runner = VersionedRunner(Unready(exc.spec, str(exc)), name=model.name)
+        return [ServedModel(model.name, runner, model.batching, model.instances)]
+
+
 def reload_models(config: ServeConfig, served: Iterable[ServedModel]) -> list[str]:
     """Read each configured model's file again and swap it into its ``VersionedRunner``
     (the in-process runtimes' SIGHUP); returns one line per model. A model from object
@@ -298,6 +321,9 @@ class ModelProbe:
     image_spec: ModelSpec | None
     decoupled: bool = False
     """Your own model answers a request with any number of responses (``decoupled``)."""
+    broken: str | None = None
+    """Why the model cannot serve (its set-up raised: ``SetupFailed``); its declared
+    signature is ``spec``, and it is served not ready."""
 
 
 def probe_model(
@@ -309,13 +335,20 @@ def probe_model(
     each process that serves it imports it again).
     """
     from .. import zoo
+    from ..errors import SetupFailed
     from ..pipeline import ImageClassifier, image_stages, is_image_classifier
 
     probe = dataclasses.replace(
         model, engine="onnxruntime", precision="fp32", device=None, threads=1
     )
     path = zoo.resolve(model.source, cache_dir, storage) if model.has_file else Path(model.source)
-    runner = load_model_runner(probe, cache_dir, storage, path)
+    try:
+        runner = load_model_runner(probe, cache_dir, storage, path)
+    except SetupFailed as exc:
+        if not isinstance(exc.spec, ModelSpec):
+            raise
+        log.error("%s; it is served not ready", exc)
+        return ModelProbe(path, exc.spec, {}, None, broken=str(exc))
     try:
         spec = runner.spec
         meta = dict(getattr(runner, "metadata", None) or {})

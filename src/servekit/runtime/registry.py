@@ -25,7 +25,7 @@ from ..protocol.routed import route, traffic_of
 from ..rollout import Traffic
 from ..runners.base import warm_up
 from ..runners.versioned import VersionedRunner
-from .base import ServedModel, load_models, reload_models
+from .base import ServedModel, load_or_unready, reload_models
 
 __all__ = [
     "ServedModels",
@@ -93,7 +93,7 @@ class ServedModels:
             assert self.config is not None, "nothing to load: no config and no models"
             c = self.config
             self._models = [
-                m for model in c.models for m in load_models(model, c.cache_dir, c.storage)
+                m for model in c.models for m in load_or_unready(model, c.cache_dir, c.storage)
             ]
         for m in self._models:
             warm_up(m.runner, m.name)

@@ -66,6 +66,9 @@ class RepositoryModel:
     """A version's own weights in place of ``weights`` (a model's ``[[models.versions]]``)."""
     version_files: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     """Files of one version folder only: your own model's ``code.json`` per version."""
+    broken: str | None = None
+    """Why the model will not load (its set-up raised when probed): tritonserver holds it
+    UNAVAILABLE with its stub's words, and nobody waits for it to be ready."""
 
 
 def runner_parameters(model: ModelConfig) -> dict[str, str]:
@@ -233,6 +236,7 @@ def _model_folder(
         versions=model.version_numbers if own else versions,
         version_weights={} if model.is_code else own,
         version_files=code,
+        broken=probe.broken,
     )
 
 

@@ -62,7 +62,7 @@ class TritonRuntime:
                 },
             ).start()
             self.process.wait_ready(
-                [m.name for m in models]
+                [m.name for m in models if m.broken is None]
                 + [  # each version of a routed model ("<name>/versions/<v>/ready")
                     f"{name}/versions/{v}" for name, t in self.traffic.items() for v in t.versions
                 ]
