@@ -345,6 +345,47 @@ def test_a_tensor_is_read_and_written_at_its_offset(shared):
     assert regions.status() == [{"name": "r", "key": "/k", "offset": 16, "byte_size": 64}]
 
 
+def test_an_output_in_a_region_is_answered_as_tritonserver_answers_it(shared):
+    """Its name, datatype and shape alone, over HTTP and gRPC (NVIDIA's C++ client reads
+    an output's parameters as its binary_data_size, and refused native's answers while
+    they named the region); ``binary_data`` beside a region is Triton's 400."""
+    import json
+
+    from servekit.grpc.tensors import infer_response
+    from servekit.protocol.kserve import decode_request, encode_response
+
+    regions, root = shared
+    (root / "k").write_bytes(b"\0" * 32)
+    regions.register("r", "/k", 0, 32)
+    y = np.arange(4, dtype=np.float32).reshape(1, 4)
+    span = {"shared_memory_region": "r", "shared_memory_offset": 16, "shared_memory_byte_size": 16}
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [0.0]}
+    body = {"inputs": [x], "outputs": [{"name": "y", "parameters": span}, {"name": "z"}]}
+    answer, _ = encode_response(
+        "m", {"y": y, "z": y}, decode_request(json.dumps(body).encode(), None, regions)
+    )
+    assert json.loads(answer)["outputs"] == [
+        {"name": "y", "datatype": "FP32", "shape": [1, 4]},
+        {"name": "z", "datatype": "FP32", "shape": [1, 4], "data": [0.0, 1.0, 2.0, 3.0]},
+    ]
+    assert (root / "k").read_bytes()[16:] == y.tobytes()
+    body["outputs"][0]["parameters"] = {**span, "binary_data": True}
+    with pytest.raises(InvalidInput, match="can't set both 'shared_memory_region' and 'bin"):
+        decode_request(json.dumps(body).encode(), None, regions)
+
+    request = grpcclient.service_pb2.ModelInferRequest(model_name="m")
+    out = request.outputs.add(name="y")
+    for key, value in span.items():
+        kind = "string_param" if isinstance(value, str) else "int64_param"
+        setattr(out.parameters[key], kind, value)
+    request.outputs.add(name="z")
+    parts = infer_response(request, {"y": y * 2, "z": y}, ["y", "z"], "1", regions)
+    response = grpcclient.service_pb2.ModelInferResponse.FromString(parts.SerializeToString())
+    assert [dict(o.parameters) for o in response.outputs] == [{}, {}]
+    assert list(response.raw_output_contents) == [b"", y.tobytes()]
+    assert (root / "k").read_bytes()[16:] == (y * 2).tobytes()
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_registration_that_cannot_work_is_the_clients_error(server, protocol):
     """A missing key, one too small, a path or one of the server's own regions: a 400 /

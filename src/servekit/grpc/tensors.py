@@ -16,7 +16,7 @@ from ..errors import InvalidInput
 from ..protocol.cudashm import keep_outputs
 from ..protocol.jsonbody import integer_tensor
 from ..protocol.kserve import check_datatype, element_count, tensor_from_raw, tensor_to_raw
-from ..protocol.shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref, write_output
+from ..protocol.shm import Regions, ShmRef, served, shm_ref, write_output
 from ..spec import as_dtype
 from .calls import Parts, bytes_field
 
@@ -232,14 +232,13 @@ def infer_response(
                 f"requested output {out!r}: {request.model_name} has {sorted(outputs)}"
             )
         array = outputs[out]
-        tensor = response.outputs.add(
+        response.outputs.add(
             name=out, datatype=as_dtype(array.dtype).datatype, shape=list(array.shape)
         )
         ref = refs.get(out)
         if ref is not None:
-            size = write_output(served(regions, ref, out), ref, out, array)
-            tensor.parameters[REGION].string_param = ref.region
-            tensor.parameters[BYTE_SIZE].int64_param = size
+            # No parameters, as tritonserver answers it: the client named the region.
+            write_output(served(regions, ref, out), ref, out, array)
             contents += bytes_field(RAW_OUTPUT_CONTENTS, b"")
         else:
             contents += bytes_field(RAW_OUTPUT_CONTENTS, raw_view(on_host(array)))

@@ -26,7 +26,7 @@ from ..spec import DTYPES, ModelSpec, as_dtype
 from .cudashm import keep_outputs
 from .jsonbody import json_body, json_tensor, parse_json
 from .parameters import flag
-from .shm import BYTE_SIZE, REGION, Regions, ShmRef, served, shm_ref, write_output
+from .shm import Regions, ShmRef, served, shm_ref, write_output
 
 __all__ = [
     "DecodedRequest",
@@ -251,6 +251,10 @@ def decode_request(
                 (binary_out if own else json_out).add(o["name"])
             ref = shm_ref(params, f"output {o['name']!r}")
             if ref is not None:
+                if o["name"] in binary_out:  # tritonserver's 400, in its words
+                    raise InvalidInput(
+                        "Output can't set both 'shared_memory_region' and 'binary_data'"
+                    )
                 served(regions, ref, o["name"])
                 shm_outputs[o["name"]] = ref
             k = params.get("classification")
@@ -348,8 +352,10 @@ def encode_response(
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         ref = request.shm_outputs.get(name)
         if ref is not None and request.regions is not None:
-            size = write_output(request.regions, ref, name, array)
-            entry["parameters"] = {REGION: ref.region, BYTE_SIZE: size}
+            # As tritonserver answers it: name, datatype and shape alone. NVIDIA's C++
+            # client reads an output's "parameters" as its binary_data_size and refuses
+            # the answer without one.
+            write_output(request.regions, ref, name, array)
             entries.append(entry)
             continue
         array = on_host(array)
