@@ -257,6 +257,10 @@ def test_cuda_shared_memory_where_no_gpu_serves_it_is_refused_by_name(server, pr
         status = client.get_cuda_shared_memory_status(headers=token_headers(protocol))
         names = list(status.regions) if protocol == "grpc" else [s["name"] for s in status]
         assert "gpu_region" not in names
+        # None registered, so none left: an unregister is answered as tritonserver does
+        # (perf_analyzer unregisters every CUDA region as it ends, and reports a refusal)
+        client.unregister_cuda_shared_memory(headers=token_headers(protocol))
+        client.unregister_cuda_shared_memory("gpu_region", headers=token_headers(protocol))
     finally:
         client.close()
 
@@ -478,6 +482,7 @@ def test_a_server_without_shared_memory_refuses_it_by_name():
     )
     assert status == 403 and b"native, pytriton and triton" in body
     assert call("GET", "/v2/systemsharedmemory/status")[:2] == (200, b"[]")
+    assert call("POST", "/v2/systemsharedmemory/unregister")[0] == 200  # none left
     region = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
     request = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "parameters": region}]}
     status, body, _ = call("POST", "/v2/models/m/infer", request)

@@ -432,9 +432,10 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
         return service_pb2.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        await self._cuda_served(context, "CudaSharedMemoryUnregister")
         try:
-            self._shared_memory(context).unregister(request.name or None, "cuda")
+            self.check_control(context)
+            if cuda_refusal(self._shm) is None:  # else none registered, none left (Triton's OK)
+                self._shared_memory(context).unregister(request.name or None, "cuda")
         except Exception as exc:
             await self.fail(context, exc)
         return service_pb2.CudaSharedMemoryUnregisterResponse()

@@ -60,18 +60,21 @@ async def shared_memory_answer(
     if regions is None or refusal is not None:
         if action == "status" and match["name"] is None:
             return _json(200, [])  # none registered
+        if action == "unregister":  # none registered, so none left: as Triton answers
+            check_control(request)
+            return 200, b"", _JSON
         return _json(403, {"error": f"{request.method} {request.path}: {refusal}"})
     check_control(request)
     if action == "status":
         return _json(200, regions.status(name, kind))
     if action == "unregister":
         regions.unregister(name, kind)
-        return 200, b"", {}
+        return 200, b"", _JSON
     if kind == "cuda":
         regions.register_cuda(*_cuda_registration(data, name))
     else:
         regions.register(*_registration(data, name))
-    return 200, b"", {}
+    return 200, b"", _JSON
 
 
 def _registration(body: bytes | None, name: str | None) -> tuple[str, Any, Any, Any]:
