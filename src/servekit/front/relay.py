@@ -31,7 +31,7 @@ from ..grpc.streams import STREAM_IN_FLIGHT, SequenceOrder, stream_error, stream
 from ..grpc.tensors import decode_inputs, output_refs, request_parameters
 from ..protocol.models import decoupled_refusal
 from ..protocol.parameters import scheduling, sequence_flags, unsequenced
-from ..protocol.shm import DECLARED, check_output_room, check_registration
+from ..protocol.shm import DECLARED, SharedMemory, check_output_room, check_registration
 from ..recovery import tensors_key
 from .forwarded import ForwardedModel
 from .grpc import GrpcForwarder, Status
@@ -65,10 +65,14 @@ class GrpcRelay:
         upstream: str,
         *,
         on_failure: Callable[[str], None] = lambda _: None,
+        mirror: SharedMemory | None = None,
     ) -> None:
         self.service, self.registry = service, registry
         self.upstream = GrpcForwarder(upstream)
         self._on_failure = on_failure
+        self.mirror = mirror
+        """The front's own map of the system regions tritonserver holds, for the models
+        the front serves itself (PyTriton's ``local``); None where it serves none."""
 
     def methods(self) -> Mapping[bytes, Method | None]:
         descriptor = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -133,19 +137,36 @@ class GrpcRelay:
         registration checked as native checks it (a missing key, one too small, a path or
         one of the server's own regions is the client's INVALID_ARGUMENT, where
         tritonserver answers INTERNAL), then passed on with the front's own control
-        metadata: tritonserver maps and reads the regions."""
+        metadata: tritonserver maps and reads the regions. A system region is mapped by
+        the front too where it serves models itself (``mirror``), as long as tritonserver
+        holds it."""
+        mirrored: str | None = None
         try:
             self.service.check_control(context)
             if method == "SystemSharedMemoryRegister":
                 kind = service_pb2.SystemSharedMemoryRegisterRequest
                 m = await self._parse(kind, request, context)
                 check_registration(m.name, m.key, m.offset, m.byte_size)
+                if self.mirror is not None:
+                    self.mirror.register(m.name, m.key, m.offset, m.byte_size)
+                    mirrored = m.name
         except ServekitError as exc:
             await self.service.fail(context, exc)
         control = tuple(
             (GRPC_HEADER_PREFIX + k, v) for k, v in self.registry.control_headers.items()
         )
-        outcome = await self.upstream.call(method, request.data, control)
+        try:
+            outcome = await self.upstream.call(method, request.data, control)
+        except BaseException:
+            if mirrored is not None and self.mirror is not None:
+                self.mirror.unregister(mirrored)
+            raise
+        if self.mirror is not None and isinstance(outcome, Status) and mirrored is not None:
+            self.mirror.unregister(mirrored)  # tritonserver refused it
+        elif self.mirror is not None and method == "SystemSharedMemoryUnregister":
+            kind = service_pb2.SystemSharedMemoryUnregisterRequest
+            if not isinstance(outcome, Status):
+                self.mirror.unregister((await self._parse(kind, request, context)).name or None)
         return await self._answer(context, outcome)
 
     async def _trace_setting(self, request: Raw, context: Any) -> Any:

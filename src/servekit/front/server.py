@@ -13,6 +13,7 @@ from ..grpc import GrpcOnLoop, GrpcService
 from ..http.app import KServeApp
 from ..http.h1 import H1Server
 from ..metrics import Family
+from ..protocol.shm import SharedMemory
 from ..recovery import Recovery
 from ..rollout import Traffic
 from ..spec import ModelSpec
@@ -76,6 +77,9 @@ class Front:
         triton_metrics_url: str | None = None,
     ) -> None:
         self.recovery, self.tracing, self.cache = recovery, tracing, cache
+        # tritonserver maps the regions; the models the front serves itself read a
+        # mirror of its system regions
+        self.mirror = SharedMemory() if local else None
         self.registry: TritonModels | PyTritonModels = (
             models
             if isinstance(models, TritonModels)
@@ -108,6 +112,7 @@ class Front:
             inference_token=inference_token,
             control_token=control_token,
             tracing=tracing,
+            shared_memory=self.mirror,
         )
         for t in (traffic or {}).values():
             self.app.metrics.watch_traffic(t)
@@ -126,10 +131,12 @@ class Front:
                     control_token=control_token,
                     on_failure=self.app.metrics.failed,
                     tracing=tracing,
+                    shared_memory=self.mirror,
                 ),
                 self.registry,
                 grpc_url,
                 on_failure=self.app.metrics.failed,
+                mirror=self.mirror,
             )
             if grpc_port is not None
             else None
@@ -176,6 +183,8 @@ class Front:
         await self.registry.aclose()
         if self.cache is not None:
             await self.cache.store.aclose()
+        if self.mirror is not None:
+            self.mirror.close()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._http.stop(timeout_s)

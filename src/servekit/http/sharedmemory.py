@@ -2,7 +2,8 @@
 [/region/<r>]/status``, ``POST .../region/<r>/register`` and ``POST .../[region/<r>/]
 unregister``. Behind the control token. Served from the server's ``SharedMemory`` (native;
 CUDA regions where it sees a GPU), passed on to tritonserver with the front's own control
-headers (the Triton runtimes' front), or refused naming where it is served (Ray)."""
+headers (the Triton runtimes' front, which maps a system region too where it serves models
+itself), or refused naming where it is served (Ray)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,25 @@ async def shared_memory_answer(
     data = body() if request.method == "POST" else None
     if behind is not None:  # tritonserver maps the region
         check_control(request)
+        mirror = regions if kind == "system" else None  # the front's own models read it
+        mirrored = None
         if action == "register" and kind == "system":  # the client's error, not Triton's 500
-            check_registration(*_registration(data, name))
-        return await behind.restricted(request.method, request.wire_path, data)
+            registration = _registration(data, name)
+            check_registration(*registration)
+            if mirror is not None:
+                mirror.register(*registration)
+                mirrored = registration[0]
+        try:
+            answer = await behind.restricted(request.method, request.wire_path, data)
+        except BaseException:
+            if mirror is not None and mirrored is not None:
+                mirror.unregister(mirrored)
+            raise
+        if mirror is not None and mirrored is not None and answer[0] != 200:
+            mirror.unregister(mirrored)  # tritonserver refused it
+        elif mirror is not None and action == "unregister" and answer[0] == 200:
+            mirror.unregister(name)
+        return answer
     refusal = cuda_refusal(regions) if kind == "cuda" else None
     if regions is None and refusal is None:
         refusal = f"shared memory {NO_SHARED_MEMORY}"
