@@ -89,16 +89,24 @@ def _merge(into: dict[int, int], clock: dict[int, int]) -> None:
             into[k] = v
 
 
+def _see(block: _Block, tensor: torch.Tensor) -> None:
+    """One more of the program's tensors over ``block`` (ids of dead tensors are reused)."""
+    ref = block.seen.get(id(tensor))
+    if ref is None or ref() is not tensor:
+        block.seen[id(tensor)] = weakref.ref(tensor)
+
+
 class _Block:
     """What the tracker knows of one storage: who made it, its last write, reads since."""
 
-    __slots__ = ("ref", "made_on", "write", "reads", "users", "recorded", "what", "seen")
+    __slots__ = ("ref", "made_on", "write", "reads", "users", "recorded", "what", "seen", "jobs")
 
     def __init__(self, ref: StorageWeakRef, made_on: int, what: str) -> None:
         self.ref, self.made_on, self.what = ref, made_on, what
         self.seen: dict[int, weakref.ref[torch.Tensor]] = {}
-        """The program's tensors over this memory: once all are gone it is freed (the
-        fake's own queued copies hold aliases of their own, as CUDA holds nothing)."""
+        """The program's tensors over this memory: once all are gone while only the fake's
+        own queued copies (``jobs`` of them) hold it, it is freed (CUDA holds nothing)."""
+        self.jobs = 0
         self.write: tuple[int, int] | None = None
         self.reads: list[tuple[int, int]] = []
         self.users: dict[int, int] = {}  # stream -> its last position using this block
@@ -153,6 +161,13 @@ class FakeCuda(Cuda):
         if self._runtime is None:
             self._runtime = FakeRuntime(self)
         return self._runtime
+
+    def driver(self) -> Any:
+        return self.runtime()  # the one driver call servekit makes is FakeRuntime's too
+
+    def tensor_at(self, ptr: int, nbytes: int, device: Any) -> Any:
+        raw = (ctypes.c_byte * max(nbytes, 1)).from_address(int(ptr))
+        return torch.from_numpy(np.frombuffer(raw, np.uint8, count=nbytes))
 
     def stream(self, device: Any) -> Stream:
         return self.new_stream("servekit")
@@ -270,15 +285,17 @@ class FakeCuda(Cuda):
         key = storage.data_ptr()
         block = self._blocks.get(key)
         if block is None or block.ref.expired():
+            if block is not None:  # its memory was freed and made again since the last look
+                self._retire(key, block)
             what = what or f"a tensor of {list(tensor.shape)} {str(tensor.dtype)[6:]}"
             block = _Block(StorageWeakRef(storage), made_on, what)
             self._blocks[key] = block
-        block.seen.setdefault(id(tensor), weakref.ref(tensor))
+        _see(block, tensor)
         return block
 
-    def _made(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """An op's output: new memory is made (written) by ``stream``; a view of known
-        memory is nothing new."""
+    def _made(self, tensor: torch.Tensor, stream: Stream, access: bool = True) -> None:
+        """An op's output: new memory is made by ``stream`` (written, unless only allocated:
+        ``access`` False); a view of known memory is one more of the program's tensors."""
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if not key:
@@ -286,8 +303,11 @@ class FakeCuda(Cuda):
         block = self._blocks.get(key)
         if block is None or block.ref.expired():
             block = self._block(tensor, stream.sid)
-            block.write = (stream.sid, stream.seq)
-            block.users[stream.sid] = stream.seq
+            if access:
+                block.write = (stream.sid, stream.seq)
+                block.users[stream.sid] = stream.seq
+        else:
+            _see(block, tensor)
 
     def _ordered(self, access: tuple[int, int], stream: Stream) -> bool:
         sid, seq = access
@@ -334,19 +354,24 @@ class FakeCuda(Cuda):
         of (another stream's, not recorded, not ordered before the block's own stream)
         is a use after free: the block is the next allocation's at once."""
         for key, block in list(self._blocks.items()):
-            if not block.ref.expired() and any(r() is not None for r in block.seen.values()):
-                continue
+            held = any(r() is not None for r in block.seen.values())
+            if block.ref.expired() or (block.jobs and not held):
+                self._retire(key, block)
+
+    def _retire(self, key: int, block: _Block) -> None:
+        """``block``'s memory is free: check the uses the allocator could not know of."""
+        if self._blocks.get(key) is block:
             del self._blocks[key]
-            owner = self.streams[block.made_on]
-            for sid, seq in block.users.items():
-                if sid == block.made_on or sid in block.recorded:
-                    continue
-                done = self.host.get(sid, 0) >= seq or owner.clock.get(sid, 0) >= seq
-                if not done:
-                    self.problems.append(
-                        f"{block.what} freed (made on {owner.name}) while "
-                        f"{self.streams[sid].name} may still use it: no record_stream"
-                    )
+        owner = self.streams[block.made_on]
+        for sid, seq in block.users.items():
+            if sid == block.made_on or sid in block.recorded:
+                continue
+            done = self.host.get(sid, 0) >= seq or owner.clock.get(sid, 0) >= seq
+            if not done:
+                self.problems.append(
+                    f"{block.what} freed (made on {owner.name}) while "
+                    f"{self.streams[sid].name} may still use it: no record_stream"
+                )
 
     def check(self) -> None:
         """Look for freed memory now (``gc`` has run), as the next op would."""
@@ -375,6 +400,13 @@ class _Tracker(TorchDispatchMode):
         if fake is None or fake.closed or getattr(_QUIET, "on", False):
             return func(*args, **kwargs)
         schema = func._schema
+        if func in _ALLOCATIONS or _is_view(schema):  # no work on a stream: metadata, memory
+            out = func(*args, **kwargs)
+            with fake._lock:
+                for o in out if isinstance(out, list | tuple) else [out]:
+                    if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr():
+                        fake._made(o, fake.current(), access=False)
+            return out
         reads, writes = [], []
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -394,7 +426,16 @@ class _Tracker(TorchDispatchMode):
             if deferred:  # an asynchronous copy: done when its stream next runs or is waited on
                 alias = torch.ops.aten.alias.default
                 dst, src = _plain(alias, args[0]), _plain(alias, args[1])
-                stream.pending.append(lambda: _plain(torch.ops.aten.copy_.default, dst, src))
+                held = [fake._block(t, stream.sid) for t in args[:2]]
+                for block in held:
+                    block.jobs += 1
+
+                def copy() -> None:
+                    _plain(torch.ops.aten.copy_.default, dst, src)
+                    for block in held:
+                        block.jobs -= 1
+
+                stream.pending.append(copy)
                 return args[0]
         out = func(*args, **kwargs)
         with fake._lock:
@@ -403,6 +444,24 @@ class _Tracker(TorchDispatchMode):
             for o in made:
                 fake._made(o, stream)
         return out
+
+
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+}
+"""Allocations: memory of the current stream's pool, no work on it."""
+
+
+def _is_view(schema: Any) -> bool:
+    """An op that only makes a view (its outputs alias an input, nothing is written)."""
+    returns = schema.returns
+    return (
+        bool(returns)
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    )
 
 
 _QUIET = threading.local()
@@ -543,3 +602,31 @@ class FakeRuntime:
 
     def cudaGetErrorString(self, err: int) -> tuple[int, bytes]:
         return 0, b"fake CUDA error"
+
+    # CUDA IPC: a handle is the buffer's address in its first 8 bytes (one process here).
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    class cudaIpcMemHandle_t:  # noqa: N801  (CUDA's name)
+        def __init__(self) -> None:
+            self.raw = ctypes.create_string_buffer(64)
+
+        def getPtr(self) -> int:  # noqa: N802
+            return ctypes.addressof(self.raw)
+
+    @staticmethod
+    def export(ptr: int) -> bytes:
+        """The 64-byte handle a client would send for the buffer at ``ptr``."""
+        return int(ptr).to_bytes(8, "little") + bytes(56)
+
+    def cudaIpcOpenMemHandle(self, handle: Any, flags: int) -> tuple[int, int]:
+        ptr = int.from_bytes(handle.raw.raw[:8], "little")
+        return (0, ptr) if ptr in self._memory else (1, 0)
+
+    def cudaIpcCloseMemHandle(self, ptr: int) -> tuple[int]:
+        return (0,)
+
+    def cuMemGetAddressRange(self, ptr: int) -> tuple[int, int, int]:
+        for start, buf in self._memory.items():
+            if start <= int(ptr) < start + buf.nbytes:
+                return 0, start, buf.nbytes
+        return 1, 0, 0

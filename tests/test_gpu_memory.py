@@ -223,3 +223,72 @@ def test_tensorrt_lanes_run_on_non_blocking_streams_and_never_on_the_legacy_one(
         assert fake.legacy == 0, fake.legacy_ops
     finally:
         runner.close()
+
+
+# ------------------------------------- CUDA shared memory: the real mapping and copies
+
+
+def test_eight_clients_through_cuda_shared_memory_run_the_real_ipc_code(
+    fake, tiny_cnn_path, reference
+):
+    """CUDA shared memory's own code (``cudashm._IpcMemory``: the handle opened, the size
+    behind it checked, reads to the device and writes from it) on the fake device: eight
+    clients' regions, their requests batched over two lanes, every output written device
+    to device into its region, no access unordered and nothing on the legacy stream."""
+    import json
+
+    from servekit.protocol.cudashm import OnDevice, open_ipc
+    from servekit.protocol.kserve import decode_request, encode_response
+    from servekit.protocol.shm import SharedMemory
+    from servekit.runners.torch import TorchRunner
+
+    rows, in_bytes, out_bytes = 2, 2 * 3 * 32 * 32 * 4, 2 * 10 * 4
+    runtime = fake.runtime()
+    regions = SharedMemory(open_cuda=open_ipc)
+    view = OnDevice(regions, torch.device("cuda", 0))
+    buffers = []
+    for i in range(8):
+        ptr = runtime.cudaMalloc(in_bytes + out_bytes)[1]
+        regions.register_cuda(f"c{i}", runtime.export(ptr), 0, in_bytes + out_bytes)
+        buffers.append(runtime._memory[ptr])
+    runner = TorchRunner(
+        tiny_cnn_path, device="cuda", precision="fp32", max_batch_size=16, instances=2
+    )
+    fake.legacy, fake.legacy_ops[:] = 0, []
+
+    def span(region, offset, size):
+        return {"shared_memory_region": region, "shared_memory_offset": offset,
+                "shared_memory_byte_size": size}  # fmt: skip
+
+    async def client(i: int, batcher: Batcher) -> None:
+        rng = np.random.default_rng(i)
+        for _ in range(3):
+            x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
+            buffers[i][:in_bytes] = np.frombuffer(x.tobytes(), np.uint8)
+            body = {
+                "inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 3, 32, 32],
+                            "parameters": span(f"c{i}", 0, in_bytes)}],
+                "outputs": [{"name": "logits", "parameters": span(f"c{i}", in_bytes, out_bytes)}],
+            }  # fmt: skip
+            decoded = decode_request(json.dumps(body).encode(), regions=view)
+            assert decoded.inputs["input"].keep_outputs
+            outputs = await batcher.infer(decoded.inputs)
+            encode_response("tiny", outputs, decoded)
+            got = buffers[i][in_bytes:].view(np.float32).reshape(rows, 10)
+            np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-5)
+
+    async def main() -> None:
+        policy = BatchingPolicy(max_batch_size=16, max_queue_delay_us=5_000)
+        async with Batcher(runner, policy, instance_count=2) as batcher:
+            await asyncio.gather(*(client(i, batcher) for i in range(8)))
+
+    try:
+        asyncio.run(main())
+        ((_, _, _, samples),) = regions.figures()
+        assert sorted((s["tensor"], s["path"], n) for s, n in samples) == [
+            ("input", "device", 24.0), ("output", "device", 24.0),
+        ]  # fmt: skip
+        assert fake.legacy == 0, fake.legacy_ops
+    finally:
+        regions.unregister(None, "cuda")
+        runner.close()

@@ -94,12 +94,26 @@ class Cuda:
         self._torch.cuda.empty_cache()
 
     def runtime(self) -> Any:
-        """cuda-python's runtime bindings (TensorRT's memory and streams)."""
+        """cuda-python's runtime bindings (TensorRT's memory and streams, CUDA shared
+        memory's copies)."""
         try:
             from cuda.bindings import runtime
         except ImportError:
             from cuda import cudart as runtime  # cuda-python < 12.6
         return runtime
+
+    def driver(self) -> Any:
+        """cuda-python's driver bindings (the size behind a CUDA IPC handle)."""
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            from cuda import cuda as driver  # cuda-python < 12.6
+        return driver
+
+    def tensor_at(self, ptr: int, nbytes: int, device: Any) -> Any:
+        """A torch uint8 tensor over ``nbytes`` of device memory at ``ptr`` (a buffer another
+        process exported), no copy."""
+        return self._torch.as_tensor(_Span(ptr, nbytes), device=device)
 
     # ------------------------------------------------------------------ streams
 
@@ -166,6 +180,16 @@ class Cuda:
         with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
             result = fn()
         return graph, result
+
+
+class _Span:
+    """Bytes on a device as torch takes them without a copy (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+            "version": 2,
+        }  # fmt: skip
 
 
 _LAYER: Cuda | None = None

@@ -29,10 +29,16 @@ __all__ = ["DeviceTensor", "gather_on_device", "on_host", "torch_dtype", "unwrap
 
 
 def torch_dtype(dtype: np.dtype) -> Any:
-    """The torch dtype of a numpy one (torch imports lazily)."""
+    """The torch dtype of a numpy one (torch imports lazily); no tensor is made."""
     import torch
 
-    return torch.from_numpy(np.empty(0, dtype)).dtype
+    found = _TORCH_DTYPES.get(np.dtype(dtype).str)
+    if found is None:
+        found = _TORCH_DTYPES[np.dtype(dtype).str] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
 
 
 class DeviceTensor:

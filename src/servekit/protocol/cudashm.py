@@ -122,7 +122,7 @@ class _IpcMemory:
     """A buffer another process exported, mapped into this one."""
 
     def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        cudart = self._cudart = _runtime()
+        cudart = self._cudart = layer().runtime()
         self.device_id, self.byte_size = device_id, byte_size
         handle = cudart.cudaIpcMemHandle_t()
         # cuda-bindings 13 exposes the handle's bytes only through its address.
@@ -145,11 +145,7 @@ class _IpcMemory:
         """The allocation behind the handle holds ``byte_size`` bytes: a read past it would
         be an illegal address, which ends every later CUDA call of the process."""
         try:
-            from cuda.bindings import driver
-        except ImportError:
-            from cuda import cuda as driver  # cuda-python before 12.6
-        try:
-            base, size = _checked(driver.cuMemGetAddressRange(self.ptr), "")
+            base, size = _checked(layer().driver().cuMemGetAddressRange(self.ptr), "")
         except InvalidInput as exc:  # not known: the client's byte_size is taken as given
             log.warning(
                 "CUDA shared-memory region %r: its allocation's size is unknown%s", name, exc
@@ -188,7 +184,7 @@ class _IpcMemory:
         device = gpu.device(self.device_id)
         stream = gpu.side_stream(device)
         with gpu.using(stream):
-            span = as_tensor(_Span(self.ptr + start, size), device)
+            span = gpu.tensor_at(self.ptr + start, size, device)
             out = span.clone()  # device to device, on this thread's own stream
         gpu.synchronize(stream)  # before an unregister may unmap
         return out
@@ -210,7 +206,7 @@ class _IpcMemory:
         if data.numel():
             stream = gpu.side_stream(device)
             with gpu.using(stream):
-                span = as_tensor(_Span(self.ptr + start, data.numel()), device)
+                span = gpu.tensor_at(self.ptr + start, data.numel(), device)
                 span.copy_(data)  # device to device, on this thread's own stream
             gpu.synchronize(stream)  # read once answered
         return True
@@ -218,16 +214,6 @@ class _IpcMemory:
     def close(self) -> None:
         self._on_device()
         self._cudart.cudaIpcCloseMemHandle(self.ptr)
-
-
-class _Span:
-    """Bytes on a device as torch takes them without a copy (``__cuda_array_interface__``)."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None,
-            "version": 2,
-        }  # fmt: skip
 
 
 _STREAMS = threading.local()
@@ -243,13 +229,6 @@ def _side_stream(cudart: Any, device_id: int) -> Any:
             cudart.cudaStreamCreateWithFlags(flags), f"a stream on device {device_id}"
         )
     return streams[device_id]
-
-
-def as_tensor(span: Any, device: Any) -> Any:
-    """A torch uint8 tensor over device memory (``_Span``), no copy."""
-    import torch
-
-    return torch.as_tensor(span, device=device)
 
 
 def open_ipc(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> CudaMemory:
