@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +25,17 @@ __all__ = [
     "Target",
     "open_target",
 ]
+
+
+Payloads = Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]]
+"""One request's inputs, or several requests' sent in turn."""
+
+
+def _payloads(inputs: Payloads) -> list[dict[str, np.ndarray]]:
+    payloads = [dict(inputs)] if isinstance(inputs, Mapping) else [dict(p) for p in inputs]
+    if not payloads:
+        raise ServekitError("no inputs to send: give at least one payload")
+    return payloads
 
 
 class Target(Protocol):
@@ -61,11 +73,11 @@ class Sequences:
 class RemoteTarget:
     """A KServe v2 server over HTTP or gRPC.
 
-    The request is built once and reused, since the payload never changes. Over HTTP the
-    body itself is encoded once (binary tensors, or JSON with ``binary=False``) and each
+    Each request is built once and reused: ``inputs`` is one payload or several, sent in
+    turn (``--input-data`` with several entries). Over HTTP each body is encoded once (binary tensors, or JSON with ``binary=False``) and each
     request only posts those bytes, as wrk would; over gRPC tritonclient's asyncio client
-    sends the prepared inputs. With ``shared_memory`` (``"system"`` or ``"cuda"``) the
-    inputs are written once into a registered shared-memory region and the outputs are
+    sends the prepared inputs. With ``shared_memory`` (``"system"`` or ``"cuda"``, one
+    payload only) the inputs are written once into a registered shared-memory region and the outputs are
     asked for in it too, as perf_analyzer's ``--shared-memory`` does (same host only;
     ``access_token`` for servers that restrict that API, as PyTriton does).
     """
@@ -76,7 +88,7 @@ class RemoteTarget:
         self,
         url: str,
         model: str,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Payloads,
         *,
         shared_memory: str | None = None,
         access_token: str | None = None,
@@ -87,7 +99,12 @@ class RemoteTarget:
 
         self.name = f"{url} {model}{f' ({shared_memory} shm)' if shared_memory else ''}"
         self._sequences = Sequences(sequence_length)
-        self.url, self.model, self.inputs = url, model, dict(inputs)
+        payloads = _payloads(inputs)
+        if shared_memory and len(payloads) > 1:
+            raise ServekitError(
+                f"shared memory holds one payload, got {len(payloads)}: give one entry"
+            )
+        self.url, self.model, self.inputs = url, model, payloads[0]
         self._registrar = None
         self._session: Any = None
         self._outputs: list[Any] | None = None
@@ -108,19 +125,24 @@ class RemoteTarget:
         else:
             self._client = AsyncClient(url)
             self._prepared = self._client.prepare(self.inputs, binary=binary)
-        self._body: bytes | None = None
+        self._requests = [self._prepared] + [
+            self._client.prepare(p, binary=binary) for p in payloads[1:]
+        ]
+        self._turn = itertools.cycle(range(len(self._requests)))
+        self._bodies: list[tuple[bytes, dict[str, str]]] = []
         if url.startswith("http://"):
             import tritonclient.http as th
 
-            body, json_size = th.InferenceServerClient.generate_request_body(
-                self._prepared, outputs=self._outputs
-            )
-            self._body = body
-            self._headers = {
-                "Content-Type": "application/octet-stream" if json_size else "application/json"
-            }
-            if json_size is not None:
-                self._headers["Inference-Header-Content-Length"] = str(json_size)
+            for prepared in self._requests:
+                body, json_size = th.InferenceServerClient.generate_request_body(
+                    prepared, outputs=self._outputs
+                )
+                headers = {
+                    "Content-Type": "application/octet-stream" if json_size else "application/json"
+                }
+                if json_size is not None:
+                    headers["Inference-Header-Content-Length"] = str(json_size)
+                self._bodies.append((body, headers))
             self._endpoint = f"{url}/v2/models/{model}/infer"
 
     async def check(self) -> None:
@@ -132,9 +154,10 @@ class RemoteTarget:
 
     async def send(self) -> None:
         flags = self._sequences.next()
-        if self._body is None:
+        turn = next(self._turn)
+        if not self._bodies:
             await self._client.infer_prepared(
-                self.model, self._prepared, outputs=self._outputs, **flags
+                self.model, self._requests[turn], outputs=self._outputs, **flags
             )
             return
         import aiohttp
@@ -143,12 +166,12 @@ class RemoteTarget:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        whole, headers = self._body, self._headers
+        whole, headers = self._bodies[turn]
         if flags:  # the sequence's parameters are in the request's JSON: made per request
             import tritonclient.http as th
 
             whole, json_size = th.InferenceServerClient.generate_request_body(
-                self._prepared, outputs=self._outputs, **flags
+                self._requests[turn], outputs=self._outputs, **flags
             )
             if json_size is not None:
                 headers = {**headers, "Inference-Header-Content-Length": str(json_size)}
@@ -177,9 +200,7 @@ class StreamTarget:
 
     remote = True
 
-    def __init__(
-        self, url: str, model: str, inputs: Mapping[str, np.ndarray], sequence_length: int = 0
-    ) -> None:
+    def __init__(self, url: str, model: str, inputs: Payloads, sequence_length: int = 0) -> None:
         import tritonclient.grpc as tg
         import tritonclient.grpc.aio as aio
 
@@ -189,12 +210,16 @@ class StreamTarget:
             raise ServekitError(f"streaming needs a grpc:// url, got {url!r}")
         self.name, self.url, self.model = f"{url} {model} (stream)", url, model
         self._client = aio.InferenceServerClient(url.removeprefix("grpc://"))
-        self._inputs = []
-        for name, array in inputs.items():
-            datatype, _ = tensor_to_raw(array)
-            tensor = tg.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(array)
-            self._inputs.append(tensor)
+        self._requests: list[list[Any]] = []
+        for payload in _payloads(inputs):
+            tensors = []
+            for name, array in payload.items():
+                datatype, _ = tensor_to_raw(array)
+                tensor = tg.InferInput(name, list(array.shape), datatype)
+                tensor.set_data_from_numpy(array)
+                tensors.append(tensor)
+            self._requests.append(tensors)
+        self._turn = itertools.cycle(self._requests)
         self._sequences = Sequences(sequence_length)
         self._streams: dict[object, tuple[asyncio.Queue[Any], list[asyncio.Future[None]]]] = {}
         self._readers: list[asyncio.Task[None]] = []
@@ -238,7 +263,8 @@ class StreamTarget:
         queue, waiting = self._streams.get(worker) or self._open(worker)
         future = asyncio.get_running_loop().create_future()
         waiting.append(future)
-        request = {"model_name": self.model, "inputs": self._inputs, **self._sequences.next()}
+        inputs = next(self._turn)
+        request = {"model_name": self.model, "inputs": inputs, **self._sequences.next()}
         queue.put_nowait(request)
         await future
 
@@ -295,7 +321,7 @@ class RunnerTarget:
 def open_target(
     url: str,
     model: str,
-    inputs: Mapping[str, np.ndarray],
+    inputs: Payloads,
     *,
     shared_memory: str | None = None,
     access_token: str | None = None,
@@ -303,7 +329,8 @@ def open_target(
     streaming: bool = False,
     sequence_length: int = 0,
 ) -> RemoteTarget | StreamTarget:
-    """A remote target for ``http://host:port`` or ``grpc://host:port``; ``binary=False``
+    """A remote target for ``http://host:port`` or ``grpc://host:port``, sending ``inputs``
+    (one payload, or several in turn); ``binary=False``
     sends JSON (HTTP only), as wrk or curl would; ``streaming``: each worker's requests over
     a gRPC stream of its own; ``sequence_length``: each worker runs sequences of so many
     requests (unique ids, START on the first, END on the last)."""

@@ -66,14 +66,29 @@ def bench(
             "rows). Default: generated 320x240 JPEGs.",
         ),
     ] = None,
+    input_data: Annotated[
+        str,
+        typer.Option(
+            help="What the requests carry, as perf_analyzer's --input-data: zero, random, "
+            'random:LOW:HIGH (uniform), a JSON file ({"data": [{"INPUT": [...]}, ...]}, '
+            "one row an entry, sent in turn) or a folder of one raw file per input."
+        ),
+    ] = "random",
+    shapes: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--shape",
+            help="NAME:D1,D2: an input's variable dimensions, batch excluded (repeat).",
+        ),
+    ] = None,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
     import asyncio
 
     from ..bench import MeasureConfig, open_target, parse_levels, sweep
+    from ..bench.inputdata import load_input_data, parse_shapes
     from ..bench.loadgen import Point
-    from ..bench.payload import payload_from_metadata
     from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
     from ..client import Client
 
@@ -94,8 +109,12 @@ def bench(
         )
         with Client(url) as client:
             photos = [p.read_bytes() for p in images or ()]
-            inputs = payload_from_metadata(
-                client.metadata(model)["inputs"], batch_size, images=photos
+            inputs = load_input_data(
+                input_data,
+                client.metadata(model)["inputs"],
+                batch_size,
+                parse_shapes(shapes or ()),
+                images=photos,
             )
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
