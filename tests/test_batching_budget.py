@@ -193,10 +193,15 @@ SPEC = ModelSpec((TensorSpec("x", np.float32, [4]),), (TensorSpec("y", np.float3
 
 
 def test_the_batcher_holds_a_budget_and_says_what_it_chose():
+    from conftest import parse_metrics
+    from servekit.metrics import Metrics
+
     policy = BatchingPolicy(max_batch_size=32, latency_budget_ms=50)
+    formed: list[int] = []
 
     def model(inputs):
         x = inputs["x"]
+        formed.append(len(x))
         time.sleep(0.002 + 0.0002 * len(x))
         return {"y": x * 2}
 
@@ -220,6 +225,16 @@ def test_the_batcher_holds_a_budget_and_says_what_it_chose():
     assert 0 < budget.attainment(time.monotonic()) <= 1
     assert budget.times.mean(32) > budget.times.mean(1)
     assert sum(n for rows, n in b.stats.batch_rows.items() if rows > 1)  # batched at all
+    # The rows gauge is the mean of the batches the model was actually given, lately.
+    assert budget.batch_rows() == pytest.approx(np.mean(formed[-64:]))
+    metrics = Metrics(gpu=False)
+    metrics.watch(b, "m")
+    gauges = {name: value for (name, _), value in parse_metrics(metrics.render()).items()}
+    assert gauges["servekit_batch_rows"] == pytest.approx(np.mean(formed[-64:]))
+    assert gauges["servekit_batch_target_rows"] == budget.target
+    # One instance: a free instance never has another running, so no batch is held for
+    # the target; batches still grow past one row, taking all that waits.
+    assert max(formed) > budget.target or budget.target == 1
 
 
 def test_a_budget_beside_a_queue_delay_or_preferred_sizes_is_refused_by_name():
@@ -269,7 +284,20 @@ def test_eight_clients_over_http_get_their_answers_and_the_budget_s_gauges(tmp_p
 
         each_client(work)
         got = scrape(config.server.metrics_url)
+        served = httpclient.InferenceServerClient(url).get_model_config("dev")
     labels = {"model": "dev", "version": "1"}
+    # The config says the budget, and the hold in force: the last batch's, as the gauge.
+    params = {k: v["string_value"] for k, v in served["parameters"].items()}
+    assert params["latency_budget_ms"] == "50" and params["latency_percentile"] == "99"
+    assert 0 < float(params["working_budget_ms"]) <= 50
+    delay = got[("servekit_batch_delay_seconds", frozenset(labels.items()))]
+    held_us = served["dynamic_batching"].get("max_queue_delay_microseconds", "0")
+    assert int(held_us) == round(delay * 1e6) != 5000  # not the static rendering's tenth
+    assert (
+        params["target_rows"]
+        == f"{got[('servekit_batch_target_rows', frozenset(labels.items()))]:g}"
+    )
+    assert 1 <= got[("servekit_batch_rows", frozenset(labels.items()))] <= 16
     assert got[("servekit_latency_budget_seconds", frozenset(labels.items()))] == 0.05
     assert 0 < got[("servekit_latency_budget_attainment", frozenset(labels.items()))] <= 1
     assert 1 <= got[("servekit_batch_target_rows", frozenset(labels.items()))] <= 16

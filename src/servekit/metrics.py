@@ -92,7 +92,13 @@ BUDGET_GAUGES = {
     ),
     "servekit_batch_target_rows": (
         "target_rows",
-        "Rows the budget's batcher aims each batch at: the fewest that keep up with the arrivals",
+        "The fewest rows the budget's batcher holds a batch for while another instance runs "
+        "one (the fewest that keep up with the arrivals); an idle server sends at once, and a "
+        "batch takes all that waits up to max_batch_size (servekit_batch_rows)",
+    ),
+    "servekit_batch_rows": (
+        "batch_rows",
+        "Mean rows of the last 64 batches the budget's batcher ran",
     ),
     "servekit_batch_delay_seconds": (
         "held_s",

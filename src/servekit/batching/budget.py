@@ -45,6 +45,8 @@ _PLAN_EVERY_S = 0.01
 _ANSWERS_KEPT = 512
 """Answers the attainment is counted over (and no older than ``_ANSWERS_S``)."""
 _ANSWERS_S = 10.0
+_BATCHES_KEPT = 64
+"""Batches the mean rows per batch (``batch_rows``) is taken over."""
 
 
 class BatchTimes:
@@ -127,7 +129,9 @@ class Budget:
         """The budget the decisions use: the budget, less what misses taught."""
         self._adapted_at = -math.inf
         self.target = 1
-        """The rows the last decision aimed at."""
+        """The fewest rows a free instance holds a batch for while another instance runs
+        one: the fewest that keep up with the arrivals (an idle server sends at once)."""
+        self._rows: deque[int] = deque(maxlen=_BATCHES_KEPT)
         self._planned_at = -math.inf
         self.held_s = 0.0
         """How long the oldest request of the last batch waited for it to leave."""
@@ -146,6 +150,13 @@ class Budget:
 
     def ran(self, rows: int, seconds: float) -> None:
         self.times.observe(rows, seconds)
+        self._rows.append(rows)
+
+    def batch_rows(self) -> float | None:
+        """Mean rows of the last ``_BATCHES_KEPT`` batches run (None before any): every
+        batch takes all that waits, up to the limit, so at a load it passes the target."""
+        rows = tuple(self._rows)  # one C call: a scrape may read from another thread
+        return sum(rows) / len(rows) if rows else None
 
     def answered(self, latencies_s: Sequence[float], now: float) -> None:
         """Requests answered now after ``latencies_s`` each in the server."""
@@ -219,17 +230,22 @@ class Budget:
         return d
 
     def figures(self) -> dict[str, float]:
-        """What it chose and how it fares, now: the budget, the share of recent answers
-        within it (while there are any), the target rows and the last batch's hold."""
+        """What it chose and how it fares, now: the budget and the part of it the holds
+        use, the share of recent answers within it (while there are any), the target rows,
+        the rows the recent batches held (once any ran) and the last batch's hold."""
         now = self._clock()
         out = {
             "budget_s": self.budget_s,
+            "working_s": self.working_s,
             "target_rows": float(self.target),
             "held_s": self.held_s,
         }
         attained = self.attainment(now)
         if attained is not None:
             out["attainment"] = attained
+        rows = self.batch_rows()
+        if rows is not None:
+            out["batch_rows"] = rows
         return out
 
     def replicas_needed(self, now: float | None = None) -> float:

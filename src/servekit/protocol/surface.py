@@ -58,6 +58,8 @@ def model_config(name: str, model: FrontModel) -> Any:
     config = render(name, model.spec, policy, instance_count=instances)
     if batcher is None or isinstance(batcher, SequenceBatcher):
         config.ClearField("dynamic_batching")
+    elif policy is not None and policy.latency_budget_ms:
+        _budget_in_force(config, batcher)
     if isinstance(batcher, SequenceBatcher):
         inputs = {t.name: t for t in batcher.model_spec.inputs}
         batcher.sequence.to_triton(config.sequence_batching, inputs)
@@ -69,6 +71,25 @@ def model_config_json(name: str, model: FrontModel) -> dict[str, Any]:
     from google.protobuf import json_format
 
     return json_format.MessageToDict(model_config(name, model), preserving_proto_field_name=True)
+
+
+def _budget_in_force(config: Any, batcher: Any) -> None:
+    """A latency budget as its batcher holds it: the budget and percentile in
+    ``parameters`` (servekit's own knobs), and, since no fixed delay is in force, the
+    batch hold it uses now (``max_queue_delay_microseconds``: the last batch's, 0 before
+    any) beside the part of the budget the holds use and the target rows."""
+    policy, budget = batcher.policy, batcher.budget
+    figures = budget.figures() if budget is not None else {}
+    config.dynamic_batching.max_queue_delay_microseconds = round(figures.get("held_s", 0) * 1e6)
+    params = {
+        "latency_budget_ms": f"{policy.latency_budget_ms:g}",
+        "latency_percentile": f"{policy.latency_percentile:g}",
+    }
+    if figures:
+        params["working_budget_ms"] = f"{figures['working_s'] * 1e3:g}"
+        params["target_rows"] = f"{figures['target_rows']:g}"
+    for key, value in params.items():
+        config.parameters[key].string_value = value
 
 
 def _duration(count: int, us: float) -> dict[str, int]:
