@@ -412,6 +412,37 @@ def on(runtime: str, store: Any = None):
     return serve_on
 
 
+@contextlib.contextmanager
+def supervised(runtime: Any) -> Iterator[Any]:
+    """``runtime`` started and watched by a Supervisor on a thread (restarts at once)."""
+    from servekit.runtime.supervisor import Supervisor
+
+    events: list[str] = []
+    supervisor = Supervisor(
+        runtime, max_restarts=20, check_s=0.2, backoff_s=0.05, max_backoff_s=0.2,
+        on_event=events.append,
+    )  # fmt: skip
+    supervisor.events = events  # type: ignore[attr-defined]
+    thread = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
+    thread.start()
+    try:
+        yield supervisor
+    finally:
+        supervisor.request_stop()
+        thread.join(60)
+
+
+@pytest.fixture(autouse=True)
+def forget_lost_device() -> Iterator[None]:
+    """A test that stands in a device raising CUDA's sticky words in this process loses
+    the process's device (``servekit.cuda.lost``): forgotten after it, so the next test's
+    server is live."""
+    from servekit import cuda
+
+    with cuda.lost_within():
+        yield
+
+
 @pytest.fixture(scope="module")
 def ray_url() -> Iterator[str]:
     """A Ray Serve instance for the module's tests (skipped without the ray extra)."""

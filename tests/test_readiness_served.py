@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import each_client, needs_runtime, on, wait_until
+from conftest import each_client, needs_runtime, on, supervised, wait_until
 from servekit import BatchingPolicy, ModelConfig
 
 pytest.importorskip("tritonclient", reason="needs the triton extra")
@@ -110,12 +110,23 @@ def test_a_model_whose_every_start_fails_reads_not_ready_with_its_reason(runtime
         wait_until(lambda: unready_with(base, "broken", "no weights"), "still not ready", 5)
 
 
-def served_on(runtime: str, model: ModelConfig):
-    """``model`` served on ``runtime``; yields its base URL (Ray: no wait for readiness)."""
+def served_on(runtime: str, model: ModelConfig, *, watched: bool = False):
+    """``model`` served on ``runtime``; yields its base URL (Ray: no wait for readiness).
+    ``watched``: started and restarted by a Supervisor, as ``servekit serve`` does."""
     import contextlib
 
     @contextlib.contextmanager
     def serve():
+        if watched and runtime != "ray":
+            from servekit import ServeConfig, ServerConfig
+            from servekit.serving import create_runtime
+
+            config = ServeConfig(
+                (model,), ServerConfig(exit_timeout_s=2), runtime=runtime
+            ).on_loopback()
+            with supervised(create_runtime(config)):
+                yield config.server.http_url
+            return
         if runtime != "ray":
             with on(runtime)(model) as served:
                 yield f"http://127.0.0.1:{served.http_port}"
@@ -179,3 +190,76 @@ def test_on_native_a_sticky_cuda_error_fails_its_batch_once_and_the_server_is_no
         assert get(f"{base}/v2/health/live") == 503
         client(1)  # a good request now: refused, and the device is not called
         assert len(calls) == 1 and said in errors[-1]
+
+
+ONCE = '''
+import os
+from pathlib import Path
+
+import servekit
+
+FAULT = Path(__file__).with_name("fault")
+
+
+class Once(servekit.Model):
+    """Stands in for a device that hits a sticky error once: the first batch run while
+    the file ``fault`` exists (in whichever worker process) takes it away and raises."""
+
+    inputs = [("X", "FP32", [4])]
+    outputs = [("Y", "FP32", [4])]
+    max_batch_size = 16
+
+    def infer(self, batch):
+        try:
+            FAULT.unlink()
+        except FileNotFoundError:
+            return {"Y": batch["X"] * 2}
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+'''
+
+
+@pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
+def test_a_sticky_cuda_error_restarts_the_worker_or_takes_the_process_out(runtime, tmp_path):
+    """GPU defect 8 on the runtimes with a worker of their own: a sticky CUDA error in a
+    Triton stub or a Ray replica ends that worker with the batch unanswered; the worker is
+    started again (tritonserver by the Supervisor, the replica by Ray) and the batch's
+    requests are sent again to it: eight clients, all answered. On PyTriton the model runs
+    in servekit's own process, as on native: the batch gets 503 naming CUDA's words, the
+    model reads not ready and the server not live, so the orchestrator restarts it."""
+    needs_runtime(runtime)
+    (tmp_path / "once.py").write_text(ONCE)
+    model = ModelConfig(
+        "once:Once", "once", path=str(tmp_path),
+        batching=BatchingPolicy(max_batch_size=16, max_queue_delay_us=100_000),
+    )  # fmt: skip
+    with served_on(runtime, model, watched=True) as base:
+        wait_until(lambda: get(f"{base}/v2/models/once/ready") == 200, "once ready", 60)
+        (tmp_path / "fault").write_text("")
+        answers: dict[int, object] = {}
+
+        def client(k: int) -> None:
+            c = httpclient.InferenceServerClient(base.removeprefix("http://"), network_timeout=120)
+            try:
+                x = httpclient.InferInput("X", [1, 4], "FP32")
+                x.set_data_from_numpy(np.full((1, 4), float(k), np.float32))
+                try:
+                    answers[k] = c.infer("once", [x]).as_numpy("Y")
+                except InferenceServerException as exc:
+                    answers[k] = f"{exc.status()} {exc.message()}"
+            finally:
+                c.close()
+
+        each_client(client)
+        assert not (tmp_path / "fault").exists()  # the fault was hit
+        said = "device lost: CUDA error: an illegal memory access was encountered"
+        if runtime == "pytriton":
+            failed = [a for a in answers.values() if isinstance(a, str)]
+            assert failed and all(said in a for a in failed), answers
+            assert unready_with(base, "once", said)
+            assert get(f"{base}/v2/health/live") == 503
+            return
+        for k, answer in answers.items():
+            assert not isinstance(answer, str), answers
+            np.testing.assert_array_equal(answer, np.full((1, 4), 2.0 * k, np.float32))
+        wait_until(lambda: get(f"{base}/v2/models/once/ready") == 200, "ready again", 30)
+        assert get(f"{base}/v2/health/live") == 200

@@ -7,7 +7,6 @@ every request batched with it is answered and the server stays up."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -19,20 +18,18 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import free_port, ray_serve, scrape, wait_until
+from conftest import free_port, ray_serve, scrape, supervised, wait_until
 from servekit import ModelConfig, RayOptions, ServeConfig, ServerConfig
 from servekit.bench.checked import CheckedLoad
 from servekit.client import Client
 from servekit.errors import InvalidInput
 from servekit.runtime.processes import processes
-from servekit.runtime.supervisor import Supervisor
 from servekit.serving import create_runtime
 from servekit.triton.launcher import TritonOptions, TritonProcess
 
@@ -79,24 +76,6 @@ def _stubs(workdir: Path) -> list[tuple[int, list[str]]]:
         for pid, argv in processes(str(workdir)).items()
         if argv[0].endswith("triton_python_backend_stub")
     ]
-
-
-@contextlib.contextmanager
-def supervised(runtime) -> Iterator[Supervisor]:
-    """``runtime`` started and watched by a Supervisor on a thread (restarts at once)."""
-    events: list[str] = []
-    supervisor = Supervisor(
-        runtime, max_restarts=20, check_s=0.2, backoff_s=0.05, max_backoff_s=0.2,
-        on_event=events.append,
-    )  # fmt: skip
-    supervisor.events = events  # type: ignore[attr-defined]
-    thread = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
-    thread.start()
-    try:
-        yield supervisor
-    finally:
-        supervisor.request_stop()
-        thread.join(60)
 
 
 def add_sub_config(path: Path, runtime: str) -> ServeConfig:

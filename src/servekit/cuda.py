@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Cuda", "STICKY_ERRORS", "for_device", "is_sticky", "layer", "use"]
+__all__ = ["Cuda", "STICKY_ERRORS", "for_device", "is_sticky", "layer", "lose", "lost", "use"]
 
 STICKY_ERRORS = (
     "illegal memory access",
@@ -52,6 +52,33 @@ def is_sticky(exc: BaseException) -> bool:
             return True
         e = e.__cause__
     return False
+
+
+_LOST: str | None = None
+
+
+def lose(reason: str) -> None:
+    """This process's CUDA context is lost (a sticky error, ``reason``): every model it runs
+    on a GPU is done for, and only a new process serves again (its liveness fails)."""
+    global _LOST
+    if _LOST is None:
+        _LOST = reason
+
+
+def lost() -> str | None:
+    """Why this process's CUDA context is lost (``lose``); None while it serves."""
+    return _LOST
+
+
+@contextmanager
+def lost_within() -> Iterator[None]:
+    """A block whose lost device is forgotten at its end: a test that stands in a device
+    raising CUDA's sticky words inside its own process."""
+    global _LOST
+    try:
+        yield
+    finally:
+        _LOST = None
 
 
 _CAPTURE = threading.Lock()

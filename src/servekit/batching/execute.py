@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda import is_sticky
+from ..cuda import is_sticky, lose
 from ..errors import DeviceLost, InvalidInput, RunnerError, ServekitError
 from ..runners.base import batch_function, staging_of
 from ..runners.staging import Lends, Staging
@@ -169,6 +169,7 @@ class _Run:
         """A sticky CUDA error lost the device: said once, and nothing runs on it again."""
         if self.fit.lost is None and is_sticky(exc):
             self.fit.lost = f"device lost: {cause(exc)}"
+            lose(f"{self.name + ': ' if self.name else ''}{self.fit.lost}")
             FAULTS(self.name, exc)
             log.error("%s: %s; the model is not ready from now on", self.name, self.fit.lost)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from ..cache import ResponseCache
+from ..cuda import lost
 from ..errors import ModelNotFound, ModelNotReady
 from ..protocol.models import FrontModel, StaticModels, as_front_model
 from ..protocol.routed import RoutedModel
@@ -87,6 +88,8 @@ class PyTritonModels(StaticModels):
 
     async def is_ready(self, name: str, version: str | None) -> bool:
         model = self._models.get(name)
+        if lost():  # servekit's process runs PyTriton's models: its device is theirs
+            return False
         if name in self.local:
             return await super().is_ready(name, version)
         if isinstance(model, RoutedModel):

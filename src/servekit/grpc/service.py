@@ -117,7 +117,7 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignor
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
         # A device lost in this process (native): live no more, so it is restarted.
-        return service_pb2.ServerLiveResponse(live=lost_device(self.models.loaded()) is None)
+        return service_pb2.ServerLiveResponse(live=lost_device() is None)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerReadyResponse(ready=self._ready())

@@ -225,7 +225,7 @@ class KServeApp(Forwarding):
         return self._json(404, {"error": f"no route {request.method} {request.path}"})
 
     async def _live(self, request: HttpRequest, m: re.Match[str]) -> Answer:
-        lost = lost_device(self.models.loaded())  # in this process (native): restart it
+        lost = lost_device()  # in this process (native, PyTriton): restart it
         return (200, b"", {}) if lost is None else self._json(503, {"error": lost})
 
     async def _server_ready(self, request: HttpRequest, m: re.Match[str]) -> Answer:

@@ -20,6 +20,7 @@ from ..batching import Batcher
 from ..batching.execute import as_error
 from ..batching.sequence import SequenceFlags
 from ..batching.sequencer import SequenceBatcher
+from ..cuda import lost
 from ..errors import InvalidInput, ModelNotFound, ServekitError
 from ..runners.base import Runner, tensor_device
 from ..runners.broken import broken
@@ -203,19 +204,16 @@ class RepositoryControl(Protocol):
 
 def unready_reason(model: FrontModel) -> str | None:
     """Why ``model`` cannot serve although it is listed (its set-up failed, its device was
-    lost: ``runners.broken``); None while it can. Readiness and the index read it."""
-    return broken(model) or broken(model.batcher)
+    lost: ``runners.broken``, or this process's CUDA context: ``cuda.lost``); None while
+    it can. Readiness and the index read it."""
+    return broken(model) or broken(model.batcher) or lost()
 
 
-def lost_device(models: Mapping[str, FrontModel]) -> str | None:
+def lost_device() -> str | None:
     """``<model>: device lost: ...`` where a model running in this process lost its device
-    to a sticky CUDA error: the process serves no more (the native runtime's liveness)."""
-    for name, model in models.items():
-        batcher = model.batcher
-        lost = batcher.device_lost if isinstance(batcher, Batcher) else None
-        if lost:
-            return f"{name}: {lost}"
-    return None
+    to a sticky CUDA error (``cuda.lost``): the process serves no more (the liveness of
+    native and of PyTriton, whose models run in servekit's process)."""
+    return lost()
 
 
 def input_device(model: object) -> Any:

@@ -14,12 +14,16 @@ what runs:
 The config's inputs and outputs must match what servekit builds; a mismatch, a missing
 or corrupt model file fails the load with a message naming it. Each request in a batch
 is validated and answered on its own (``run_requests``): one bad request errors alone,
-with Triton's code for it (INVALID_ARG -> HTTP 400).
+with Triton's code for it (INVALID_ARG -> HTTP 400). A batch that loses the device to a
+sticky CUDA error (``batching.execute.device_lost``) is not answered: the stub exits, the
+Supervisor restarts tritonserver, and servekit's front sends the batch's requests again
+to the new stub, on a fresh CUDA context (``servekit.recovery``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import tracing
-from ..batching.execute import as_error, run_requests
+from ..batching.execute import as_error, device_lost, run_requests
 from ..batching.sequence import SequenceFlags, SequencePolicy
 from ..batching.sequencer import Row, SequenceState
 from ..errors import ServekitError, triton_code, worded
@@ -310,8 +314,16 @@ class TritonPythonModel:
         inputs = [x for x, _ in items]
         carriers = [c for _, c in items]
         if self.tracer is None or all(c is None for c in carriers):
-            return run_requests(self.runner, inputs, self.runner.spec, name=self.name)
-        return self._traced(carriers, items, self.tracer)
+            results = run_requests(self.runner, inputs, self.runner.spec, name=self.name)
+        else:
+            results = self._traced(carriers, items, self.tracer)
+        lost = device_lost(self.runner)
+        if lost:  # every later CUDA call of this process fails: a new stub serves again
+            self._pb.Logger.log_error(
+                f"servekit: {self.name}: {lost}; the stub exits for a new one to serve"
+            )
+            os._exit(70)
+        return results
 
     def _traced(
         self, carriers: list[Any], items: list[tuple[dict[str, np.ndarray], Any]], tracer: EnvTracer
