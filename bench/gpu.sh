@@ -6,7 +6,9 @@
 #      (bench/gpu.py, every precision asked for);
 #   2. the CUDA tests of tests/test_gpu_runners.py (two lanes against ONNX Runtime), of
 #      tests/test_device_decode.py (JPEGs decoded on the GPU against Pillow) and of
-#      tests/test_cuda_shared_memory.py (eight tritonclients through CUDA shared memory);
+#      tests/test_cuda_shared_memory.py (eight tritonclients through CUDA shared memory),
+#      then the same tests again under PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1),
+#      its reports counted in gpu_sanitizer.txt (the target: 0);
 #   3. the native server at FP16, 2 instances, 64 clients, with the server's CPU per
 #      request (servekit bench): one-image requests over HTTP binary, HTTP with system
 #      shared memory and gRPC; the same model taking UINT8 pixels (optimize --pixels, a
@@ -41,6 +43,13 @@ if python3 -c "import pytest, hypothesis, onnxruntime" 2> /dev/null; then
         2>&1 | grep -E "nvJPEG|same top-5|passed|failed|skipped" | tee -a "$out/gpu_tests.txt" || true
     timeout 90 python3 -m pytest $tests tests/test_cuda_shared_memory.py \
         2>&1 | tail -15 | tee -a "$out/gpu_tests.txt" || true
+    # Every kernel's stream accesses checked: a missing wait or record_stream is a report.
+    TORCH_CUDA_SANITIZER=1 timeout 150 python3 -m pytest $tests \
+        tests/test_gpu_runners.py -k "cuda or lanes" tests/test_cuda_shared_memory.py \
+        > "$out/gpu_sanitizer.log" 2>&1 || true
+    echo "CSAN reports: $(grep -c 'CSAN detected' "$out/gpu_sanitizer.log" || true)" \
+        | tee "$out/gpu_sanitizer.txt"
+    tail -3 "$out/gpu_sanitizer.log" | tee -a "$out/gpu_sanitizer.txt"
 else
     echo "gpu.sh: no pytest/hypothesis/onnxruntime here (carry them in .whl): step 2 skipped"
 fi
