@@ -61,8 +61,26 @@ def test_unknown_runtimes_are_named(tiny_cnn_path):
 
 
 @pytest.mark.parametrize("protocol", ["http-json", "http-binary", "grpc"])
-def test_compare_reaches_a_served_runtime_over_each_protocol(add_sub_path, protocol):
-    result = compare(ModelConfig(str(add_sub_path)), ["native"], [2], FAST, protocol=protocol)
+def test_compare_reaches_a_served_runtime_over_each_protocol(add_sub_path, protocol, monkeypatch):
+    from servekit.bench import compare as module
+    from servekit.endpoints import free_port
+
+    first = free_port()
+    started = []
+    enter = module.ServerProcess.__enter__
+
+    def recorded(self):
+        started.append(self.config.server)
+        return enter(self)
+
+    monkeypatch.setattr(module.ServerProcess, "__enter__", recorded)
+    result = compare(
+        ModelConfig(str(add_sub_path)), ["native"], [2], FAST, protocol=protocol,
+        ports=(first, first + 20),
+    )  # fmt: skip
+    (server,) = started  # every port of the served runtime within the range given
+    assert all(first <= p <= first + 20 for p in (server.http_port, server.grpc_port,
+                                                   server.metrics_port))  # fmt: skip
     (point,) = result.series["native"]
     assert point.stats.errors == 0 and point.stats.requests > 0
     assert point.server_cpu_us > 0 and point.client_cpu_us > 0

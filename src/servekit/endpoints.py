@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Endpoints", "free_port"]
+__all__ = ["Endpoints", "PortRange", "free_port", "parse_port_range"]
 
 
 class Endpoints:
@@ -89,18 +89,48 @@ def _claim(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
+PortRange = tuple[int, int]
+"""Ports ``first`` to ``last``, both included (``servekit compare --ports 19000:19099``)."""
+
+
+def parse_port_range(spec: str) -> PortRange:
+    """``"19000:19099"`` as ``(19000, 19099)``.
+
+    Raises:
+        ValueError: not FIRST:LAST, or outside [1, 65535], or LAST before FIRST.
+    """
+    try:
+        first, last = (int(p) for p in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"a port range is FIRST:LAST, got {spec!r}") from None
+    if not 0 < first <= last < 65536:
+        raise ValueError(f"a port range is FIRST:LAST within [1, 65535], got {spec!r}")
+    return first, last
+
+
+def free_port(within: PortRange | None = None) -> int:
     """A loopback TCP port nothing listens on right now (for tests and benchmarks).
 
     Chosen below Linux's ephemeral range (32768-60999), where no client connection's own
-    port can take it before the server listens, never the same twice per process, and
-    never one another process was handed here in the last ten minutes (``_claim``): a
-    port is free between the check and the listen, when another process may check it too."""
+    port can take it before the server listens, or ``within`` a range given, never the
+    same twice per process, and never one another process was handed here in the last ten
+    minutes (``_claim``): a port is free between the check and the listen, when another
+    process may check it too.
+
+    Raises:
+        OSError: no port of ``within`` is free.
+    """
     import random
     import socket
 
-    for _ in range(200):
-        port = random.randint(20000, 32767)
+    first, last = within or (20000, 32767)
+    tries = 200 if within is None else last - first + 1
+    candidates = (
+        (random.randint(first, last) for _ in range(tries))
+        if within is None
+        else iter(random.sample(range(first, last + 1), tries))
+    )
+    for port in candidates:
         if port in _HANDED:
             continue
         with socket.socket() as s:
@@ -112,6 +142,8 @@ def free_port() -> int:
             continue
         _HANDED.add(port)
         return port
+    if within is not None:
+        raise OSError(f"no free port left in {first}:{last}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

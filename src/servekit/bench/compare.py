@@ -27,6 +27,7 @@ import numpy as np
 
 from ..batching import Batcher
 from ..config import ModelConfig, RayOptions, ServeConfig, ServerConfig, image_model_name
+from ..endpoints import PortRange
 from ..stages import synthetic_image
 from .loadgen import MeasureConfig, Point, sweep
 from .report import markdown_head
@@ -57,6 +58,8 @@ class Setup:
     protocol: str = "grpc"
     """How the served runtimes are reached: ``grpc``, ``http-binary`` or ``http-json``
     (Ray has HTTP only: binary when gRPC is asked for)."""
+    ports: PortRange | None = None
+    """Where every served runtime's ports are chosen (None: anywhere in 20000-32767)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> Setup:
@@ -119,7 +122,7 @@ def _served(runtime: str, ray: RayOptions | None = None) -> Callable[[Setup], An
     def served(setup: Setup) -> Iterator[Any]:
         config = ServeConfig(
             (setup.model,), ServerConfig(exit_timeout_s=2), runtime=runtime, ray=ray
-        ).on_loopback()
+        ).on_loopback(setup.ports)
         url = target_url(config, setup.protocol)
         binary = setup.protocol != "http-json"
         with ServerProcess(config) as server:
@@ -315,16 +318,18 @@ def compare(
     on_event: Callable[[str], None] = lambda _: None,
     ceiling_seconds: float = 0.0,
     protocol: str = "grpc",
+    ports: PortRange | None = None,
 ) -> ComparisonResult:
     """Run the same closed-loop sweep against each runtime in turn, each serving ``model``
     (an image classifier: its image model takes the load); with ``ceiling_seconds``, first
-    measure the in-process Pipeline's best batched throughput as the raw ceiling."""
+    measure the in-process Pipeline's best batched throughput as the raw ceiling. Every
+    port a served runtime opens is chosen ``ports`` (a range), where one is given."""
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose from {list(PROTOCOLS)}")
-    setup = dataclasses.replace(Setup.of(model), protocol=protocol)
+    setup = dataclasses.replace(Setup.of(model), protocol=protocol, ports=ports)
     result = ComparisonResult({}, {}, workload=_workload(setup))
     if ceiling_seconds > 0:
         on_event("measuring the raw ceiling (in-process, batch 1/8/16/max)")

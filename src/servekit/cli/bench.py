@@ -191,6 +191,13 @@ def compare(
     protocol: Annotated[
         str, typer.Option(help="grpc, http-binary or http-json (Ray: HTTP only).")
     ] = "grpc",
+    ports: Annotated[
+        str | None,
+        typer.Option(
+            help="FIRST:LAST: every port a served runtime opens is chosen in this range "
+            "(default: free ones in 20000-32767)."
+        ),
+    ] = None,
 ) -> None:
     """Start each runtime in turn on loopback with the same model and policy, run the same
     sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
@@ -208,6 +215,7 @@ def compare(
         write_csv,
         write_json,
     )
+    from ..endpoints import parse_port_range
 
     cfg = serve_config(
         config,
@@ -228,9 +236,12 @@ def compare(
             on_event=console.print,
             ceiling_seconds=ceiling_seconds,
             protocol=protocol,
+            ports=parse_port_range(ports) if ports else None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    except OSError as exc:  # the port range ran out
+        raise typer.BadParameter(str(exc), param_hint="--ports") from None
     for name, points in result.series.items():
         console.print(table(points, title=name))
     command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -42,6 +42,9 @@ SERVER_FLAGS = (
     "http_port",
     "grpc_port",
     "metrics_port",
+    "triton_http_port",
+    "triton_grpc_port",
+    "triton_metrics_port",
     "front",
     "inference_token",
     "control_token",
@@ -50,8 +53,40 @@ SERVER_FLAGS = (
 """The flags of both commands that set ``ServeConfig.server`` fields of the same names."""
 
 
+PORTS = ("http_port", "grpc_port", "metrics_port",
+         "triton_http_port", "triton_grpc_port", "triton_metrics_port")  # fmt: skip
+"""The ports ``--port-base N`` sets, N, N+1, ... in this order."""
+
+
 def _server_flags(scope: dict[str, object]) -> dict[str, object]:
-    return {name: scope[name] for name in SERVER_FLAGS}
+    """The server flags given; with ``--port-base``, every port no flag names from it."""
+    flags = {name: scope[name] for name in SERVER_FLAGS}
+    base = scope["port_base"]
+    if isinstance(base, int):
+        for offset, name in enumerate(PORTS):
+            if flags[name] is None:
+                flags[name] = base + offset
+    return flags
+
+
+TritonPort = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=65535,
+        help="Behind the front (pytriton, triton): this tritonserver port, on 127.0.0.1 "
+        "(default: a free one, announced at start).",
+    ),
+]
+PortBase = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=65530,
+        help="Every port from N: HTTP N, gRPC N+1, metrics N+2, and tritonserver's own "
+        "behind the front N+3, N+4, N+5 (a port flag given wins).",
+    ),
+]
 
 
 Restarts = Annotated[
@@ -100,6 +135,10 @@ def serve(
     http_port: Annotated[int | None, typer.Option()] = None,
     grpc_port: Annotated[int | None, typer.Option()] = None,
     metrics_port: Annotated[int | None, typer.Option()] = None,
+    triton_http_port: TritonPort = None,
+    triton_grpc_port: TritonPort = None,
+    triton_metrics_port: TritonPort = None,
+    port_base: PortBase = None,
     front: Front = None,
     inference_token: InferenceToken = None,
     control_token: ControlToken = None,
@@ -154,12 +193,15 @@ def serve(
         return cfg.replace(ray=dataclasses.replace(cfg.ray, address=address))
 
     cfg = read()
+    try:  # every port known before the start, and the same ones on a reread
+        cfg = cfg.private_ports_chosen()
+    except OSError as exc:
+        raise fail(str(exc)) from None
+    flags.update(cfg.private_ports())
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    s = cfg.server
-    ray = cfg.runtime == "ray"  # Ray's ingress is HTTP only, its metrics on that port
     console.print(
         f"starting the {cfg.runtime} runtime with {[m.name for m in cfg.models]} on "
-        f"{s.listening(grpc=not ray, metrics_port=not ray)}; ready once every model is loaded"
+        f"{cfg.listening()}; ready once every model is loaded"
     )
     try:
         code = run(
@@ -194,6 +236,10 @@ def triton(
     http_port: Annotated[int | None, typer.Option()] = None,
     grpc_port: Annotated[int | None, typer.Option()] = None,
     metrics_port: Annotated[int | None, typer.Option()] = None,
+    triton_http_port: TritonPort = None,
+    triton_grpc_port: TritonPort = None,
+    triton_metrics_port: TritonPort = None,
+    port_base: PortBase = None,
     log_verbose: Annotated[int | None, typer.Option()] = None,
     restarts: Restarts = 5,
     inference_token: InferenceToken = None,
@@ -214,6 +260,10 @@ def triton(
         server=_server_flags(locals()),
     )
     try:
+        cfg = cfg.private_ports_chosen()
+    except OSError as exc:
+        raise fail(str(exc)) from None
+    try:
         options = TritonOptions(
             model_repository,
             cfg.server,
@@ -225,9 +275,7 @@ def triton(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     process = TritonProcess(options, autoscale=cfg.autoscale_policies())
-    s = cfg.server
-    via = f"servekit's front on {s.http_url}" if s.front else s.http_url
-    console.print(f"starting tritonserver on {via} (gRPC {s.grpc_url}, metrics {s.metrics_url})")
+    console.print(f"starting tritonserver on {cfg.listening()}")
     try:
         code = Supervisor(process, max_restarts=restarts, on_event=console.print).run()
     except TritonSetupError as exc:

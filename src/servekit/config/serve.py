@@ -12,6 +12,7 @@ from typing import Any
 
 from ..autoscale import AutoscalePolicy
 from ..batching.policy import BatchingPolicy
+from ..endpoints import PortRange
 from ..storage import StorageConfig
 from ..tables import check_keys
 from .model import ModelConfig
@@ -197,18 +198,61 @@ class ServeConfig:
         if problems:
             raise ValueError(f"the {runtime} runtime cannot honour: " + "; ".join(problems))
 
-    def on_loopback(self) -> ServeConfig:
-        """This config on 127.0.0.1 with free ports for the ports its runtime listens on
-        (tests, benchmarks, ``servekit compare``)."""
+    def on_loopback(self, within: PortRange | None = None) -> ServeConfig:
+        """This config on 127.0.0.1 with free ports for every port its runtime listens on
+        (tests, benchmarks, ``servekit compare``), all ``within`` a range where one is given.
+
+        Raises:
+            OSError: the range has too few free ports.
+        """
         from ..endpoints import free_port
 
         ports: dict[str, Any] = {
-            p: free_port()
+            p: free_port(within)
             for p in ("http_port", "grpc_port", "metrics_port")
             if p not in _UNSUPPORTED[self.runtime]
         }
         server = dataclasses.replace(self.server, host="127.0.0.1", **ports)
-        return dataclasses.replace(self, server=server)
+        return dataclasses.replace(self, server=server).private_ports_chosen(within)
+
+    def private_ports(self) -> dict[str, int]:
+        """tritonserver's own ports behind servekit's front (pytriton and triton with
+        ``server.front``), by name; 0 where none is chosen yet. Empty on other runtimes."""
+        if self.runtime not in ("pytriton", "triton") or not self.server.front:
+            return {}
+        s = self.server
+        return {"triton_http_port": s.triton_http_port, "triton_grpc_port": s.triton_grpc_port,
+                "triton_metrics_port": s.triton_metrics_port}  # fmt: skip
+
+    def private_ports_chosen(self, within: PortRange | None = None) -> ServeConfig:
+        """This config with a free port (``within`` a range, if given) for each private port
+        left to chance, so that every port is known, and announced, before the server starts."""
+        from ..endpoints import free_port
+
+        chosen: dict[str, Any] = {
+            k: free_port(within) for k, v in self.private_ports().items() if not v
+        }
+        if not chosen:
+            return self
+        return dataclasses.replace(self, server=dataclasses.replace(self.server, **chosen))
+
+    def listening(self) -> str:
+        """Every port the runtime opens, as its startup line says them."""
+        ray = self.runtime == "ray"  # Ray's ingress is HTTP only, its metrics on that port
+        line = self.server.listening(grpc=not ray, metrics_port=not ray)
+        private = self.private_ports()
+        if private:
+            line += (
+                f"; tritonserver behind the front on 127.0.0.1: HTTP "
+                f"{private['triton_http_port'] or 'any free'}, gRPC "
+                f"{private['triton_grpc_port'] or 'any free'}, metrics "
+                f"{private['triton_metrics_port'] or 'any free'}"
+            )
+        elif self.runtime in ("pytriton", "triton"):
+            line += " (tritonserver itself, no front)"
+        if ray and not self.ray.address:
+            line += "; and the Ray instance servekit starts opens Ray's own ports (give --address to use yours)"
+        return line
 
     def replace(self, **changes: Any) -> ServeConfig:
         return dataclasses.replace(self, **changes)
