@@ -443,6 +443,24 @@ def forget_lost_device() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def fake_cuda() -> Iterator[Any]:
+    """The model of a GPU (``fakecuda``) as the process's CUDA for the test; nothing it saw
+    may be left unreported when the test ends."""
+    import gc
+
+    from fakecuda import FakeCuda
+    from servekit import cuda
+
+    device = FakeCuda()
+    with cuda.use(device):
+        yield device
+        gc.collect()
+        device.check()
+    device.close()
+    assert device.problems == [], device.problems
+
+
 @pytest.fixture(scope="module")
 def ray_url() -> Iterator[str]:
     """A Ray Serve instance for the module's tests (skipped without the ray extra)."""

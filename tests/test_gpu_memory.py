@@ -7,7 +7,6 @@ as ``faketensorrt``: the runners' own code, with memory that is poisoned when fr
 from __future__ import annotations
 
 import asyncio
-import gc
 import sys
 
 import numpy as np
@@ -15,7 +14,6 @@ import pytest
 
 from conftest import needs_torch
 from servekit import Batcher, BatchingPolicy, ModelSpec, TensorSpec
-from servekit import cuda as servekit_cuda
 from servekit.runners.staging import StagingPool
 from servekit.runners.versioned import VersionedRunner
 
@@ -24,18 +22,11 @@ pytestmark = needs_torch
 torch = pytest.importorskip("torch")
 
 import faketensorrt  # noqa: E402  (needs torch through fakecuda)
-from fakecuda import FakeCuda  # noqa: E402
 
 
 @pytest.fixture
-def fake():
-    device = FakeCuda()
-    with servekit_cuda.use(device):
-        yield device
-        gc.collect()
-        device.check()
-    device.close()
-    assert device.problems == [], device.problems
+def fake(fake_cuda):
+    return fake_cuda
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from conftest import needs_torch
-from servekit import cuda as servekit_cuda
 from servekit.device import DeviceTensor, gather_on_device
 from servekit.spec import ModelSpec, TensorSpec
 
@@ -31,15 +30,8 @@ from fakecuda import FakeCuda, Race  # noqa: E402  (needs torch)
 
 
 @pytest.fixture
-def fake():
-    """The fake device as the process's CUDA; nothing it saw may be left unreported."""
-    device = FakeCuda()
-    with servekit_cuda.use(device):
-        yield device
-        gc.collect()
-        device.check()
-    device.close()
-    assert device.problems == [], device.problems
+def fake(fake_cuda):
+    return fake_cuda
 
 
 def on_stream(fake: FakeCuda, rows: np.ndarray, name: str = "producer") -> DeviceTensor:

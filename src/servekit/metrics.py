@@ -293,20 +293,17 @@ class Metrics:
             isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
             if isolated:
                 _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)
-            fitted = [
-                (w.labels, float(w.batcher.fitted_rows))
-                for w, _, _ in rows
-                if isinstance(w.batcher, Batcher) and w.batcher.fitted_rows
-            ]
-            if fitted:
-                _family(lines, FITTED_METRIC, "gauge", FITTED_HELP, fitted)
-            pinned = [
-                (w.labels, float(w.batcher.pinned_bytes))
-                for w, _, _ in rows
-                if isinstance(w.batcher, Batcher) and w.batcher.pinned_bytes
-            ]
-            if pinned:
-                _family(lines, PINNED_METRIC, "gauge", PINNED_HELP, pinned)
+            for name, help_text, figure in (
+                (FITTED_METRIC, FITTED_HELP, lambda b: b.fitted_rows),
+                (PINNED_METRIC, PINNED_HELP, lambda b: b.pinned_bytes),
+            ):  # a Batcher's, where it has one to say
+                samples = [
+                    (w.labels, float(figure(w.batcher)))
+                    for w, _, _ in rows
+                    if isinstance(w.batcher, Batcher) and figure(w.batcher)
+                ]
+                if samples:
+                    _family(lines, name, "gauge", help_text, samples)
             for name, help_text in GAUGES.items():
                 if name not in (DEMAND, READY) or values[name]:  # a front's: from tritonserver
                     _family(lines, name, "gauge", help_text, values[name])
