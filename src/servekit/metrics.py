@@ -72,6 +72,12 @@ OVERLAP_HELP = (
 """The failures Triton's own counters miss: its Python backend's error responses (counted
 in the stub, ``triton.stub_metrics``) and requests servekit's front refused before they
 reached tritonserver (counted here)."""
+ABANDONED_METRIC = "servekit_requests_abandoned_total"
+ABANDONED_HELP = (
+    "Requests whose client left (closed, reset, cancelled, past its deadline) before the "
+    "answer: where=queued were dropped unrun, forwarded were cancelled on their way, "
+    "running ran in a batch and their answers were dropped"
+)
 DEMAND = "servekit_replicas_needed"
 READY = "servekit_model_ready"
 GAUGES = {
@@ -290,6 +296,13 @@ class Metrics:
                 values[DEMAND].append((w.labels, self._needed(w, s)))
             for name, help_text in COUNTERS.items():
                 _family(lines, name, "counter", help_text, values[name])
+            abandoned = [
+                (f'{w.labels},where="{where}"', float(n))
+                for w, s, _ in rows
+                for where, n in (("queued", s.abandoned_queued), ("running", s.abandoned_running))
+            ]
+            if abandoned:
+                _family(lines, ABANDONED_METRIC, "counter", ABANDONED_HELP, abandoned)
             isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
             if isolated:
                 _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -183,8 +183,13 @@ class Batcher:
         """
         loop = asyncio.get_running_loop()
         if self._bridge.loop is not loop and not self._bridge.bind(loop):
-            fut = self._submit_threadsafe(inputs, priority, timeout_us)
-            return await asyncio.wrap_future(fut)
+            request = self._submit_threadsafe(inputs, priority, timeout_us)
+            try:
+                return await asyncio.wrap_future(request.future)  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                request.future.cancel()
+                self._bridge.call_soon(self._abandoned, request)
+                raise
         if self._state is not _State.OPEN:
             raise ModelNotReady(f"{self.name}: batcher is {self._state.value}")
         request = self._request(inputs, priority, timeout_us, loop.create_future())
@@ -192,7 +197,9 @@ class Batcher:
         try:
             outputs = await request.future  # type: ignore[misc]
         except asyncio.CancelledError:
-            self.stats.request_cancelled += 1
+            # The caller left (its client closed, its call was cancelled): still queued,
+            # the cancelled future is skipped by every batch formed from now on.
+            self._abandoned(request)
             raise
         if tracing.CURRENT.get() is not None and request.started:
             tracing.batched(
@@ -218,12 +225,13 @@ class Batcher:
             raise RuntimeError(
                 "infer_sync would block the batcher's own event loop; use `await batcher.infer()`"
             )
-        fut = self._submit_threadsafe(inputs, priority, timeout_us)
+        request = self._submit_threadsafe(inputs, priority, timeout_us)
+        fut = cast(concurrent.futures.Future, request.future)
         try:
             return fut.result(wait_s)  # type: ignore[no-any-return]
         except concurrent.futures.TimeoutError:
             if fut.cancel():
-                self._bridge.call_soon(self._count_cancelled)
+                self._bridge.call_soon(self._abandoned, request)
             raise DeadlineExceeded(f"{self.name}: no result within {wait_s} s") from None
 
     async def aclose(self, drain: bool = True) -> None:
@@ -318,16 +326,25 @@ class Batcher:
 
     def _submit_threadsafe(
         self, inputs: Mapping[str, np.ndarray], priority: int, timeout_us: int | None
-    ) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._bridge.submit(self._request(inputs, priority, timeout_us, fut))
-        return fut
+    ) -> Request:
+        request = self._request(inputs, priority, timeout_us, concurrent.futures.Future())
+        self._bridge.submit(request)
+        return request
 
     def _on_bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._scheduler.loop = loop
 
-    def _count_cancelled(self) -> None:
+    def _abandoned(self, request: Request) -> None:
+        """Count, once, a request whose caller stopped waiting: where it was decides
+        whether the device was spared (queued) or ran it for nobody (running)."""
+        if request.abandoned:
+            return
+        request.abandoned = True
         self.stats.request_cancelled += 1
+        if request.in_batch:
+            self.stats.abandoned_running += 1
+        else:
+            self.stats.abandoned_queued += 1
 
     def _count_timeouts(self, n: int) -> None:
         self.stats.request_timeout += n
@@ -336,6 +353,8 @@ class Batcher:
     # ------------------------------------------------------------ execution
 
     def _launch(self, batch: list[Request], now: float) -> None:
+        for r in batch:
+            r.in_batch = True
         queue_us = tuple((now - r.arrival) * 1e6 for r in batch)
         seq = self._delivery.number()
         self._instances.launch(self._bridge.loop, seq, batch, queue_us)  # type: ignore[arg-type]

@@ -40,7 +40,11 @@ class Request:
     expired: bool = False
     """Timed out under ``TimeoutAction.DELAY``: now waits behind unexpired requests."""
     taken: bool = False
-    """Removed from the queue into a batch (or failed)."""
+    """Removed from the queue into a batch (or failed, or dropped once its caller left)."""
+    in_batch: bool = False
+    """Launched in a batch: a caller leaving now no longer saves the device its rows."""
+    abandoned: bool = False
+    """Its caller stopped waiting (counted once, ``Batcher._abandoned``)."""
     started: float = 0.0
     """When its batch began to run (``time.monotonic``), on which instance, of how many rows."""
     instance: int = -1

@@ -36,6 +36,13 @@ class BatcherStats:
     request_isolated: int = 0
     """Failed alone while the rest of their batch was answered (also in failures)."""
     request_cancelled: int = 0
+    """Abandoned: the caller stopped waiting (its client left, its call was cancelled or
+    its own deadline passed) before the answer came; queued plus running."""
+    abandoned_queued: int = 0
+    """Abandoned while still queued: dropped, never run (``servekit_requests_abandoned_total``
+    with ``where="queued"``)."""
+    abandoned_running: int = 0
+    """Abandoned once its batch had formed: it ran, its answer was dropped."""
     request_rejected: int = 0
     """Rejected at admission because the queue was full (also counted in failures)."""
     request_timeout: int = 0

@@ -79,6 +79,8 @@ class _Connection(asyncio.Protocol):
         self.discarding = False
         self.last = self.loop.time()
         """When the connection last went idle (the server's sweep closes it after keep_alive_s)."""
+        self.handling: asyncio.Task[None] | None = None
+        """The task awaiting an inference's answer, cancelled if the peer leaves."""
         self.streaming: asyncio.Task[None] | None = None
         """The task writing a streamed answer (Server-Sent Events), cancelled if the peer leaves."""
         self.writable: asyncio.Event | None = None
@@ -112,6 +114,8 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.transport = None
         self.pending.clear()
+        if self.handling is not None:
+            self.handling.cancel()
         if self.streaming is not None:
             self.streaming.cancel()
         if self.writable is not None:
@@ -244,6 +248,8 @@ class _Connection(asyncio.Protocol):
         task = self.loop.create_task(self._handle(request, path, query))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
+        if path.endswith("/infer"):  # an answer nobody will read is not computed
+            self.handling = task
 
     def _reply(
         self,
@@ -294,6 +300,10 @@ class _Connection(asyncio.Protocol):
                     query=query, oversize=request.oversize, limit=limit,
                 )
             )  # fmt: skip
+        except asyncio.CancelledError:
+            if self.transport is not None:
+                raise
+            return  # the peer left while it waited: nobody reads an answer
         except ServekitError as exc:
             self._reply(http_status(exc), _error_body(str(exc)), _JSON)
             return
@@ -301,6 +311,9 @@ class _Connection(asyncio.Protocol):
             log.exception("unexpected error on %s %s", request.method, path)
             self._reply(500, _error_body(f"internal error: {type(exc).__name__}"), {})
             return
+        finally:
+            if self.handling is asyncio.current_task():
+                self.handling = None
         if request.method == "HEAD" and isinstance(body, bytes):
             self._reply(status, body, out, head=True)
         elif isinstance(body, bytes):

@@ -1,0 +1,313 @@
+"""Work nobody waits for is never done (issue 71): a request whose client left is dropped
+from its queue and never reaches the device; one already in a running batch finishes and
+its answer is dropped; each is counted once in ``servekit_requests_abandoned_total``.
+
+The property runs the Batcher in-process; the served tests use real clients over loopback
+against native's own HTTP/1.1 and gRPC servers: raw sockets that close or reset,
+tritonclient's gRPC cancel, stream cancel and deadline, and the KServe ``timeout``
+parameter. The device is simulated (``SimulatedDevice``): its rows are the model's own
+``nv_inference_count``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import time
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import on, sample, scrape, wait_until
+from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, QueuePolicy, TensorSpec, zoo
+from servekit.zoo.tiny import build_simulated
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+
+# ------------------------------------------------------------------ the Batcher's property
+
+SPEC = ModelSpec((TensorSpec("x", np.float32, [1]),), (TensorSpec("y", np.float32, [1]),), 64)
+
+
+async def _run_case(rows: list[int], cancel: list[bool], limit: int) -> None:
+    batches: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def fn(inputs):
+        batches.append([int(v) for v in inputs["x"][:, 0]])
+        await gate.wait()
+        return {"y": inputs["x"] * 2}
+
+    batcher = Batcher(fn, BatchingPolicy(max_batch_size=limit), spec=SPEC, name="p")
+    xs = [np.full((min(r, limit), 1), i, np.float32) for i, r in enumerate(rows)]
+    tasks = [asyncio.ensure_future(batcher.infer({"x": xs[0]}))]
+    await asyncio.sleep(0)  # the first runs at once and holds the only instance
+    tasks += [asyncio.ensure_future(batcher.infer({"x": x})) for x in xs[1:]]
+    for _ in range(3):
+        await asyncio.sleep(0)  # every request admitted and queued
+    for task, leave in zip(tasks, cancel, strict=True):
+        if leave:
+            task.cancel()
+    await asyncio.sleep(0)
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await batcher.aclose()
+
+    ran = [i for batch in batches for i in dict.fromkeys(batch)]
+    assert ran[0] == 0 and len(ran) == len(set(ran)), batches  # nobody runs twice
+    for i, (result, leave) in enumerate(zip(results, cancel, strict=True)):
+        if leave:
+            assert isinstance(result, asyncio.CancelledError)
+            assert i == 0 or i not in ran, f"request {i} left before its batch, yet ran"
+        else:
+            assert isinstance(result, dict), result
+            np.testing.assert_array_equal(result["y"], xs[i] * 2)
+            assert i in ran
+    s = batcher.stats
+    assert s.abandoned_running == int(cancel[0])
+    assert s.abandoned_queued == sum(cancel[1:])
+    assert s.request_cancelled == sum(cancel)
+    assert s.inference_count == sum(len(xs[i]) for i in ran)
+
+
+case = st.integers(1, 8).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(1, 4), min_size=n, max_size=n),
+        st.lists(st.booleans(), min_size=n, max_size=n),
+        st.integers(1, 8),
+    )
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case)
+def test_a_request_cancelled_before_its_batch_forms_never_runs_and_the_rest_answer_once(c):
+    rows, cancel, limit = c
+    asyncio.run(_run_case(rows, cancel, limit))
+
+
+# -------------------------------------------------------------------- native, served
+
+SLOW_S = 0.3
+"""The slow device's batch: long enough that requests queue behind it on a busy machine."""
+
+
+@pytest.fixture(scope="module")
+def slow_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("abandoned") / "slow.onnx"
+    onnx.save(build_simulated("abandoned-slow", SLOW_S * 1e6, 0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sim_path(model_cache):
+    return zoo.build("sim_t4", model_cache)
+
+
+def figures(url: str) -> dict[str, float]:
+    s = scrape(f"{url}/metrics")
+    labels = {"model": "m", "version": "1"}
+    out = {
+        name: sample(s, name, **labels)
+        for name in (
+            "nv_inference_count", "nv_inference_request_success",
+            "nv_inference_pending_request_count",
+        )
+    }  # fmt: skip
+    for where in ("queued", "running", "forwarded"):
+        out[where] = sample(s, "servekit_requests_abandoned", **labels, where=where)
+    return out
+
+
+def settled(url: str, clients: int) -> dict[str, float]:
+    """The figures once every client's request is answered or counted abandoned."""
+    got: dict[str, float] = {}
+
+    def done() -> bool:
+        got.update(figures(url))  # those abandoned running are answered (and dropped)
+        return got["nv_inference_request_success"] + got["queued"] + got["forwarded"] >= clients
+
+    wait_until(done, f"{clients} requests answered or abandoned (last: {got})", 30)
+    return got
+
+
+def infer_body(x: np.ndarray, parameters: dict | None = None) -> tuple[bytes, bytes]:
+    """A KServe v2 request's JSON header and binary data, for ``INPUT0`` or ``input``."""
+    header = {
+        "inputs": [
+            {"name": NAME[x.shape[1:]], "shape": list(x.shape), "datatype": "FP32",
+             "parameters": {"binary_data_size": x.nbytes}}
+        ],
+        "parameters": parameters or {},
+    }  # fmt: skip
+    head = json.dumps(header).encode()
+    return head, x.tobytes()
+
+
+NAME = {(64, 64, 3): "input", (16,): "INPUT0"}
+
+
+def http_request(x: np.ndarray, parameters: dict | None = None) -> bytes:
+    head, raw = infer_body(x, parameters)
+    return (
+        (
+            f"POST /v2/models/m/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"content-type: application/octet-stream\r\ninference-header-content-length: {len(head)}\r\n"
+            f"content-length: {len(head) + len(raw)}\r\n\r\n"
+        ).encode()
+        + head
+        + raw
+    )
+
+
+def leave(port: int, clients: int, x: np.ndarray, wait_s: float = 0.03) -> None:
+    """``clients`` connections each send one request and leave ``wait_s`` later without
+    reading: half close, half reset (linger 0), as clients with a timeout do."""
+    request = http_request(x)
+    open_: list[tuple[float, socket.socket]] = []
+
+    def close_due(now: float) -> None:
+        while open_ and open_[0][0] <= now:
+            s = open_.pop(0)[1]
+            if len(open_) % 2:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+
+    for _ in range(clients):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(request)
+        open_.append((time.monotonic() + wait_s, s))
+        close_due(time.monotonic())
+    while open_:
+        time.sleep(max(0.0, open_[0][0] - time.monotonic()))
+        close_due(time.monotonic())
+
+
+def native_model(path, **queue) -> ModelConfig:
+    policy = BatchingPolicy(max_batch_size=32, default_queue_policy=QueuePolicy(**queue))
+    return ModelConfig(str(path), "m", batching=policy)
+
+
+def test_sim_t4_clients_that_close_after_30_ms_cost_at_most_two_batches(sim_path):
+    """The issue's run, smaller: 120 clients of sim_t4 (max batch 32) leave after 30 ms;
+    the device runs at most two batches' rows, and every request is answered or counted."""
+    clients = 120
+    with on("native")(native_model(sim_path)) as served:
+        url = f"http://127.0.0.1:{served.http_port}"
+        leave(served.http_port, clients, np.zeros((1, 64, 64, 3), np.float32))
+        got = settled(url, clients)
+        assert got["nv_inference_count"] <= 64, got
+        assert got["queued"] >= clients - 64, got
+        assert got["nv_inference_pending_request_count"] == 0
+
+
+def _occupy(port: int) -> socket.socket:
+    """One request that holds the slow device (answered later, read by nobody)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(http_request(np.zeros((1, 16), np.float32)))
+    return s
+
+
+@pytest.fixture(scope="module")
+def slow(slow_path):
+    with on("native")(native_model(slow_path, allow_timeout_override=True)) as served:
+        yield served
+
+
+def _rows_after(url: str, before: dict[str, float], clients: int) -> dict[str, float]:
+    seen = before["nv_inference_request_success"] + before["queued"] + before["forwarded"]
+    got = settled(url, clients + seen)
+    return {k: got[k] - before[k] for k in got}
+
+
+def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
+    url = f"http://127.0.0.1:{slow.http_port}"
+    before = figures(url)
+    holder = _occupy(slow.http_port)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{slow.grpc_port}")
+    try:
+        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        x.set_data_from_numpy(np.ones((1, 16), np.float32))
+        answers: list = []
+        calls = [
+            client.async_infer("m", [x], lambda r, e: answers.append((r, e))) for _ in range(6)
+        ]
+        wait_until(lambda: figures(url)["nv_inference_pending_request_count"] == 6, "6 queued")
+        for call in calls:
+            call.cancel()  # RST_STREAM
+        got = _rows_after(url, before, 7)
+    finally:
+        client.close()
+        holder.close()
+    assert got["nv_inference_count"] == 1, got  # the holder's row only
+    assert got["queued"] == 6, got
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_cancelled_grpc_stream_takes_its_queued_requests_with_it(slow):
+    # tritonclient's own stream thread raises on the CANCELLED it asked for: not ours.
+    url = f"http://127.0.0.1:{slow.http_port}"
+    before = figures(url)
+    holder = _occupy(slow.http_port)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{slow.grpc_port}")
+    try:
+        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        x.set_data_from_numpy(np.ones((1, 16), np.float32))
+        client.start_stream(lambda r, e: None)
+        for _ in range(5):
+            client.async_stream_infer("m", [x])
+        wait_until(lambda: figures(url)["nv_inference_pending_request_count"] == 5, "5 queued")
+        client.stop_stream(cancel_requests=True)
+        got = _rows_after(url, before, 6)
+    finally:
+        client.close()
+        holder.close()
+    assert got["nv_inference_count"] == 1, got
+    assert got["queued"] == 5, got
+
+
+def test_a_grpc_deadline_that_passes_in_the_queue_drops_the_request(slow):
+    url = f"http://127.0.0.1:{slow.http_port}"
+    before = figures(url)
+    holder = _occupy(slow.http_port)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{slow.grpc_port}")
+    try:
+        time.sleep(0.1)  # the holder reaches the device first
+        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        x.set_data_from_numpy(np.ones((1, 16), np.float32))
+        with pytest.raises(Exception, match="(?i)deadline"):
+            client.infer("m", [x], client_timeout=0.05)  # grpc-timeout: 50 ms
+        got = _rows_after(url, before, 2)
+    finally:
+        client.close()
+        holder.close()
+    assert got["nv_inference_count"] == 1, got
+    assert got["queued"] == 1, got
+
+
+def test_the_kserve_timeout_parameter_drops_a_request_that_waits_past_it(slow):
+    """``timeout`` (microseconds, honoured with ``allow_timeout_override`` as Triton does):
+    timed out in the queue, the request fails (504) and never runs."""
+    url = f"http://127.0.0.1:{slow.http_port}"
+    before = figures(url)
+    holder = _occupy(slow.http_port)
+    try:
+        time.sleep(0.1)  # the holder reaches the device first
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{slow.http_port}")
+        x = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        x.set_data_from_numpy(np.ones((1, 16), np.float32))
+        with pytest.raises(Exception, match="(?i)timed out"):
+            client.infer("m", [x], timeout=50_000)
+        client.close()
+        wait_until(lambda: figures(url)["nv_inference_request_success"]
+                   > before["nv_inference_request_success"], "the holder answered")  # fmt: skip
+    finally:
+        holder.close()
+    got = {k: v - before[k] for k, v in figures(url).items()}
+    assert got["nv_inference_count"] == 1, got
