@@ -311,3 +311,43 @@ def test_the_kserve_timeout_parameter_drops_a_request_that_waits_past_it(slow):
         holder.close()
     got = {k: v - before[k] for k, v in figures(url).items()}
     assert got["nv_inference_count"] == 1, got
+
+
+# ------------------------------------------------------- the Triton runtime, behind the front
+
+
+def device_rows(timeline) -> int:
+    """Rows the simulated device ran, from its own timeline (whichever process ran them)."""
+    if not timeline.exists():
+        return 0
+    return sum(json.loads(line)["rows"] for line in timeline.read_text().splitlines())
+
+
+@pytest.mark.timeout(240)
+def test_grpc_calls_cancelled_through_the_triton_front_never_reach_the_device(
+    slow_path, tmp_path, monkeypatch
+):
+    """servekit's front relays the reset to tritonserver (which cancels gRPC calls); a
+    batch formed of cancelled requests is answered CANCELLED by servekit's backend, unrun."""
+    pytest.importorskip("pytriton", reason="needs the triton extra (its tritonserver)")
+    from servekit.runners.simulated import TIMELINE_ENV
+
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(TIMELINE_ENV, str(timeline))
+    with on("triton")(native_model(slow_path)) as served:
+        before = device_rows(timeline)
+        holder = _occupy(served.http_port)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        try:
+            x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+            x.set_data_from_numpy(np.ones((1, 16), np.float32))
+            calls = [client.async_infer("m", [x], lambda r, e: None) for _ in range(6)]
+            wait_until(lambda: served.pending("m") == 6, "6 queued in tritonserver", 30)
+            for call in calls:
+                call.cancel()
+            wait_until(lambda: served.pending("m") == 0, "the queue emptied", 30)
+            time.sleep(SLOW_S * 2)  # the holder's batch, and any batch after it
+        finally:
+            client.close()
+            holder.close()
+        assert device_rows(timeline) - before == 1  # the holder's row only
