@@ -12,15 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +22,9 @@ from ..batching import Batcher
 from ..config import ModelConfig, RayOptions, ServeConfig, ServerConfig, image_model_name
 from ..endpoints import PortRange
 from ..stages import synthetic_image
+from .cpu import tree_cpu_by_title
 from .loadgen import MeasureConfig, Point, sweep
-from .report import markdown_head
+from .process import ServerProcess, spawned
 from .stats import rows_per_s
 from .targets import BatcherTarget, RunnerTarget, open_target
 
@@ -40,8 +34,9 @@ __all__ = [
     "ComparisonResult",
     "ServerProcess",
     "Setup",
+    "Targets",
     "compare",
-    "markdown_report",
+    "effective_policy",
     "spawned",
     "target_url",
 ]
@@ -60,6 +55,8 @@ class Setup:
     (Ray has HTTP only: binary when gRPC is asked for)."""
     ports: PortRange | None = None
     """Where every served runtime's ports are chosen (None: anywhere in 20000-32767)."""
+    max_batch: int = 0
+    """The most rows the model itself takes (0: it does not batch)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> Setup:
@@ -71,13 +68,14 @@ class Setup:
         from .payload import payload_from_metadata
 
         probe = probe_model(model)
+        most = probe.spec.max_batch_size
         if probe.image_spec is not None:
             payload = {"image": np.array([[synthetic_image(0)]], dtype=object)}
-            return cls(model, image_model_name(model.name), payload, True)
+            return cls(model, image_model_name(model.name), payload, True, max_batch=most)
         if model.is_code:
-            return cls(model, model.name, probe.spec.sample_inputs(1), False)
+            return cls(model, model.name, probe.spec.sample_inputs(1), False, max_batch=most)
         inputs = metadata(model.name, probe.spec)["inputs"]
-        return cls(model, model.name, payload_from_metadata(inputs), False)
+        return cls(model, model.name, payload_from_metadata(inputs), False, max_batch=most)
 
     def local(self, threads: int | None = None) -> Any:
         """What the in-process rows call: the Pipeline (classifier) or the runner itself."""
@@ -90,11 +88,53 @@ class Setup:
         return image_classifier(runner, top_k=self.model.top_k) if self.image else runner
 
 
+Totals = tuple[float, float, float, float, float]
+"""A model's own statistics so far: requests answered, then the count and microseconds
+of its queue entries and of its compute entries (Triton's counts: per request in
+tritonserver, per execution in servekit's Batcher, so each mean is a request's wait, or
+the compute of the batch it rode in)."""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Makes a runtime's load-generator target (inside the measuring loop) and reads the
+    model's own statistics (``totals``: None where the runtime keeps none)."""
+
+    make: Callable[[], Any]
+    totals: Callable[[], Totals | None] = lambda: None
+
+    def __call__(self) -> Any:
+        return self.make()
+
+
+def _served_totals(http_url: str, model: str) -> Totals | None:
+    """Triton's statistics extension (``/v2/models/<m>/stats``): every runtime that serves
+    it; None where it is not served."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/models/{model}/stats", timeout=10) as r:
+            stats = json.loads(r.read())["model_stats"]
+    except (OSError, ValueError, KeyError):
+        return None
+    out = [0.0] * 5
+    for s in stats:
+        i = s.get("inference_stats", {})
+        out[0] += float(i.get("success", {}).get("count", 0))
+        out[1] += float(i.get("queue", {}).get("count", 0))
+        out[2] += float(i.get("queue", {}).get("ns", 0)) / 1e3
+        out[3] += float(i.get("compute_infer", {}).get("count", 0))
+        out[4] += sum(float(i.get(k, {}).get("ns", 0)) / 1e3
+                      for k in ("compute_input", "compute_infer", "compute_output"))  # fmt: skip
+    return out[0], out[1], out[2], out[3], out[4]
+
+
 @contextlib.contextmanager
 def _raw(setup: Setup) -> Iterator[Any]:
     local = setup.local()
     try:
-        yield (lambda: RunnerTarget(local, setup.payload, threads=16, name="raw")), None
+        yield Targets(lambda: RunnerTarget(local, setup.payload, threads=16, name="raw")), None
     finally:
         local.close()
 
@@ -104,8 +144,14 @@ def _batcher(setup: Setup) -> Iterator[Any]:
     m = setup.model
     local = setup.local(m.threads)
     batcher = Batcher(local, m.batching, instance_count=m.instances, name=setup.target)
+
+    def totals() -> Totals:
+        s = batcher.stats.snapshot()
+        ok, runs = float(s.request_success), float(s.execution_count)
+        return ok, ok, float(s.queue_us), runs, float(s.compute_us)
+
     try:
-        yield (lambda: BatcherTarget(batcher, setup.payload)), None
+        yield Targets(lambda: BatcherTarget(batcher, setup.payload), totals), None
     finally:
         batcher.close()
         local.close()
@@ -127,7 +173,13 @@ def _served(runtime: str, ray: RayOptions | None = None) -> Callable[[Setup], An
         binary = setup.protocol != "http-json"
         with ServerProcess(config) as server:
             server.wait_ready([setup.target])
-            yield (lambda: open_target(url, setup.target, setup.payload, binary=binary)), server.pid
+            yield (
+                Targets(
+                    lambda: open_target(url, setup.target, setup.payload, binary=binary),
+                    lambda: _served_totals(config.server.http_url, setup.target),
+                ),
+                server.pid,
+            )
 
     return served
 
@@ -141,92 +193,6 @@ def target_url(config: ServeConfig, protocol: str = "grpc") -> str:
     if protocol == "grpc" and config.runtime != "ray":
         return config.server.grpc_url
     return config.server.http_url
-
-
-@contextlib.contextmanager
-def spawned(
-    argv: Sequence[str], ready: Callable[[], bool], what: str, timeout_s: float = 180.0
-) -> Iterator[int]:
-    """A peer server (a plain Ray app, say) in a process of its own: its pid once ``ready()``
-    is true; terminated (killed if it lingers) on the way out."""
-    proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(Exception):
-                if ready():
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start")
-            time.sleep(0.5)
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-class ServerProcess:
-    """``servekit serve --config`` in a process of its own: start, wait, stop (SIGTERM)."""
-
-    def __init__(self, config: ServeConfig, *extra_args: str) -> None:
-        self.config, self.extra_args = config, extra_args
-        self._dir = tempfile.TemporaryDirectory(prefix="servekit-server-")
-        self.log = Path(self._dir.name) / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def __enter__(self) -> ServerProcess:
-        path = Path(self._dir.name) / "serve.toml"
-        path.write_text(self.config.to_toml())
-        command = [sys.executable, "-m", "servekit", "serve", "--config", str(path)]
-        with self.log.open("wb") as log:
-            # A session of its own: a runtime that signals its process group on the way out
-            # (Ray's node shutdown) must not take the measuring process with it.
-            self.proc = subprocess.Popen(
-                [*command, *self.extra_args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def wait_ready(self, models: Sequence[str], timeout_s: float = 300.0) -> None:
-        from ..client import Client
-
-        deadline = time.monotonic() + timeout_s
-        url = self.config.server.http_url
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
-            try:
-                with Client(url) as client:
-                    if client.is_ready() and all(client.is_ready(m) for m in models):
-                        return
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{models} not ready in {timeout_s} s: {self.log.read_text()[-3000:]}"
-                )
-            time.sleep(0.5)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._dir.cleanup()
 
 
 def pipeline_ceiling(setup: Setup, seconds: float = 5.0) -> tuple[float, dict[int, float]]:
@@ -287,26 +253,81 @@ models in the ingress replica)."""
 
 @dataclass
 class ComparisonResult:
-    series: dict[str, list[Point]]
+    rounds: dict[str, list[list[Point]]]
+    """Runtime -> each round's points, one per level, in the order measured."""
     skipped: dict[str, str]
     ceiling: float | None = None
     """The in-process Pipeline's best images/s at its best batch size: the raw ceiling."""
     ceiling_by_batch: dict[int, float] | None = None
     workload: str = ""
     """What each request is, in words (for the report)."""
+    model: str = ""
+    """The model served, as the report and the plot name it."""
+    policies: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Runtime -> its effective policy (batch size, delay or budget, instances, threads)."""
+    notes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """Runtime -> what of the policy it cannot honour, and what it does instead."""
+    time_spent: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Runtime -> microseconds: ``queue`` (a request's mean wait) and ``compute`` (the
+    mean compute of the batch a request rode in), the model's own statistics, and
+    ``CPU: <process>``, its process tree's CPU per request answered, by process."""
+
+    @property
+    def series(self) -> dict[str, list[Point]]:
+        """Each runtime's points, at each level the round of median throughput (a point
+        measured as it is, not a mean of several)."""
+        out = {}
+        for name, rounds in self.rounds.items():
+            out[name] = [
+                sorted(at, key=lambda p: p.stats.inferences_per_s)[(len(at) - 1) // 2]
+                for at in zip(*rounds, strict=True)
+            ]
+        return out
 
     def share_of_raw(self) -> dict[str, float]:
-        """Each runtime's best inferences/s as a fraction of the raw ceiling (or raw's best)."""
+        """Each runtime's best inferences/s as a fraction of the raw ceiling (or raw's
+        best); empty when neither was measured."""
+        series = self.series
         if self.ceiling:
             raw = self.ceiling
-        elif "raw" in self.series:
-            raw = max(p.stats.inferences_per_s for p in self.series["raw"])
+        elif "raw" in series:
+            raw = max(p.stats.inferences_per_s for p in series["raw"])
         else:
             return {}
         return {
-            name: max(p.stats.inferences_per_s for p in pts) / raw
-            for name, pts in self.series.items()
+            name: max(p.stats.inferences_per_s for p in pts) / raw for name, pts in series.items()
         }
+
+
+def effective_policy(setup: Setup, runtime: str) -> tuple[str, list[str]]:
+    """What ``runtime`` does with the setup's policy, in words, and what it cannot honour."""
+    from ..config import ServeConfig
+    from ..runtime.base import static_budgets
+
+    m = setup.model
+    threads = f"{m.threads} ORT thread(s) an instance" if m.threads else "ORT's default threads"
+    if runtime == "raw":
+        return f"no batching, no server: one request a call from 16 threads, {threads}", [
+            "`raw` calls the model directly: the policy's batching and instances do not apply"
+        ]
+    b = m.batching
+    rows = b.effective_max_batch_size(setup.max_batch)
+    wait = (
+        f"latency budget {b.latency_budget_ms:g} ms at p{b.latency_percentile:g}"
+        if b.latency_budget_ms
+        else f"max_queue_delay_us {b.max_queue_delay_us}"
+    )
+    preferred = f", preferred {list(b.preferred_batch_sizes)}" if b.preferred_batch_sizes else ""
+    text = f"max_batch_size {rows}{preferred}, {wait}, {m.instances} instance(s), {threads}"
+    notes = []
+    if runtime in ("pytriton", "triton"):
+        notes = static_budgets(ServeConfig((m,), runtime=runtime))
+    if runtime.startswith("ray"):
+        notes.append(f"{runtime}: each model replica reserves {_RAY_CPUS[runtime]:g} Ray CPU")
+    return text, notes
+
+
+_RAY_CPUS = {"ray": 0.5, "ray-direct": 0.5, "ray-direct-fused": 1.0}
 
 
 def compare(
@@ -319,40 +340,76 @@ def compare(
     ceiling_seconds: float = 0.0,
     protocol: str = "grpc",
     ports: PortRange | None = None,
+    rounds: int = 1,
 ) -> ComparisonResult:
-    """Run the same closed-loop sweep against each runtime in turn, each serving ``model``
-    (an image classifier: its image model takes the load); with ``ceiling_seconds``, first
-    measure the in-process Pipeline's best batched throughput as the raw ceiling. Every
-    port a served runtime opens is chosen ``ports`` (a range), where one is given."""
+    """Start every runtime, each serving ``model`` (an image classifier: its image model
+    takes the load), then run the same closed-loop sweep against each in turn, ``rounds``
+    times, the runtimes interleaved (A B C, B C A, ...) so a drift of the machine falls on
+    all of them; with ``ceiling_seconds``, first measure the in-process Pipeline's best
+    batched throughput as the raw ceiling. Every port a served runtime opens is chosen in
+    ``ports`` (a range), where one is given."""
     unknown = [r for r in runtimes if r not in RUNTIMES]
     if unknown:
         raise ValueError(f"unknown runtime(s) {unknown}; choose from {list(RUNTIMES)}")
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose from {list(PROTOCOLS)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     setup = dataclasses.replace(Setup.of(model), protocol=protocol, ports=ports)
-    result = ComparisonResult({}, {}, workload=_workload(setup))
+    result = ComparisonResult({}, {}, workload=_workload(setup), model=model.name)
     if ceiling_seconds > 0:
         on_event("measuring the raw ceiling (in-process, batch 1/8/16/max)")
         result.ceiling, result.ceiling_by_batch = pipeline_ceiling(setup, ceiling_seconds)
-    for name in runtimes:
-        try:
-            context = RUNTIMES[name](setup)
-        except _Skip as exc:
-            result.skipped[name] = str(exc)
-            on_event(f"skipped {name}: {exc}")
+    with contextlib.ExitStack() as stack:
+        started: dict[str, tuple[Targets, int | None]] = {}
+        for name in runtimes:
+            try:
+                context = RUNTIMES[name](setup)
+            except _Skip as exc:
+                result.skipped[name] = str(exc)
+                on_event(f"skipped {name}: {exc}")
+                continue
+            on_event(f"starting {name}")
+            started[name] = stack.enter_context(context)
+            result.policies[name], result.notes[name] = effective_policy(setup, name)
+            result.rounds[name] = []
+        sums: dict[str, list[float]] = {name: [0.0] * 4 for name in started}
+        cpu: dict[str, dict[str, float]] = {name: {} for name in started}
+        names = list(started)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
+                targets, pid = started[name]
+                on_event(f"round {r + 1}/{rounds}: measuring {name}")
+                before, cpu_before = targets.totals(), tree_cpu_by_title(pid) if pid else {}
+                measure = dataclasses.replace(cfg, server_pid=pid)
+
+                async def run(targets: Any = targets, measure: Any = measure) -> list[Point]:
+                    target = targets()  # inside the loop: asyncio clients bind to it
+                    try:
+                        return await sweep(target, levels, "concurrency", measure)
+                    finally:
+                        await target.close()
+
+                result.rounds[name].append(asyncio.run(run()))
+                after = targets.totals()
+                if before is None or after is None or after[0] <= before[0]:
+                    continue
+                for k in range(4):
+                    sums[name][k] += after[k + 1] - before[k + 1]
+                if pid:  # over the same span as the statistics: warm-up, windows and all
+                    for proc, seconds in tree_cpu_by_title(pid).items():
+                        used = (seconds - cpu_before.get(proc, 0.0)) * 1e6
+                        cpu[name][proc] = cpu[name].get(proc, 0.0) + used
+                cpu[name][""] = cpu[name].get("", 0.0) + after[0] - before[0]
+    for name, (queued, queue_us, runs, compute_us) in sums.items():
+        if not queued:
             continue
-        on_event(f"measuring {name}")
-        with context as (make_target, pid):
-            measure = dataclasses.replace(cfg, server_pid=pid)
-
-            async def run(make_target: Any = make_target, measure: Any = measure) -> list[Point]:
-                target = make_target()  # inside the loop: asyncio clients bind to it
-                try:
-                    return await sweep(target, levels, "concurrency", measure)
-                finally:
-                    await target.close()
-
-            result.series[name] = asyncio.run(run())
+        answered = cpu[name].pop("")
+        result.time_spent[name] = {
+            "queue": queue_us / queued,
+            "compute": compute_us / runs if runs else 0.0,
+            **{f"CPU: {proc}": us / answered for proc, us in cpu[name].items()},
+        }
     return result
 
 
@@ -377,49 +434,3 @@ def _what(setup: Setup) -> str:
         f"Every runtime serves `{setup.target}` with the same policy, closed loop, one request "
         f"of {shapes} at a time per client."
     )
-
-
-def markdown_report(result: ComparisonResult, command: str, plot: str | None, machine: str) -> str:
-    """The comparison as Markdown: the command, the table, shares of raw, skipped runtimes."""
-    shares = result.share_of_raw()
-    lines = [
-        *markdown_head("servekit compare", machine, command),
-        result.workload
-        or "Every runtime serves the same model, closed loop, one request at a time per client.",
-        "",
-        (
-            f"Raw ceiling: {result.ceiling:.1f} rows/s, the in-process model at its best batch size "
-            f"(by batch: {', '.join(f'{b}: {v:.1f}' for b, v in (result.ceiling_by_batch or {}).items())}). "
-            "The `raw` rows call it one request at a time from concurrent threads."
-            if result.ceiling
-            else "Shares are of the `raw` rows' best."
-        ),
-        "",
-        "| runtime | concurrency | rows/s | share of raw (best) | p50 ms | p95 ms | p99 ms | errors "
-        "| server CPU us/request | client CPU us/request |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, points in result.series.items():
-        for p in points:
-            s = p.stats
-            server = "-" if math.isnan(p.server_cpu_us) else f"{p.server_cpu_us:.0f}"
-            lines.append(
-                f"| {name} | {p.level:g} | {s.inferences_per_s:.1f} | {shares.get(name, float('nan')):.1%} | "
-                f"{s.p50_ms:.1f} | {s.p95_ms:.1f} | {s.p99_ms:.1f} | {s.errors} | {server} | "
-                f"{p.client_cpu_us:.0f} |"
-            )
-    if shares:
-        lines += [
-            "",
-            "Best throughput as a share of raw: "
-            + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
-            + ".",
-        ]
-    if result.skipped:
-        lines += [
-            "",
-            "Skipped: " + "; ".join(f"{k} ({v})" for k, v in result.skipped.items()) + ".",
-        ]
-    if plot:
-        lines += ["", f"![latency against throughput]({plot})"]
-    return "\n".join(lines) + "\n"

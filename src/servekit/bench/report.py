@@ -77,6 +77,11 @@ def table(points: Sequence[Point], title: str = "") -> Table:
 
 
 def _clean(value: Any) -> Any:
+    """``value`` with every NaN, however deep in dicts and lists, as None (JSON has none)."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
@@ -84,7 +89,7 @@ def write_json(
     series: Mapping[str, Sequence[Point]], path: Path, meta: Mapping[str, Any] | None = None
 ) -> None:
     data = {
-        "meta": dict(meta or {}),
+        "meta": _clean(dict(meta or {})),
         "series": {
             name: [{k: _clean(v) for k, v in p.as_dict().items()} for p in pts]
             for name, pts in series.items()

@@ -175,9 +175,22 @@ def compare(
         str, typer.Option(help="Zoo model or ONNX path (an image classifier).")
     ] = "resnet50",
     config: ConfigFile = None,
-    max_batch_size: Annotated[int, typer.Option(min=1)] = 8,
-    instances: Annotated[int, typer.Option(min=1)] = 2,
-    threads: Annotated[int | None, typer.Option(min=1, help="ORT threads per instance.")] = 1,
+    max_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Default 8; with --config, the file's.")
+    ] = None,
+    instances: Annotated[
+        int | None, typer.Option(min=1, help="Default 2; with --config, the file's.")
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="ORT threads per instance. Default 1; with --config, the file's."),
+    ] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Rounds of the whole sweep, the runtimes interleaved: the intervals' n."
+        ),
+    ] = 3,
     window: Annotated[float, typer.Option()] = 5.0,
     warmup: Annotated[float, typer.Option()] = 3.0,
     max_windows: Annotated[int, typer.Option(min=3)] = 8,
@@ -199,15 +212,17 @@ def compare(
         ),
     ] = None,
 ) -> None:
-    """Start each runtime in turn on loopback with the same model and policy, run the same
-    sweep, and write a Markdown report (table, share of raw, plot); unavailable runtimes
-    are skipped and named."""
+    """Start every runtime on loopback with the same model and policy (a --config file's
+    policy is used as given), run the same sweep against each, round after round with the
+    runtimes interleaved, and write a Markdown report: each runtime's effective policy, a
+    verdict per figure (a winner only beyond noise), each figure with its 95 % interval,
+    where the time goes, and a plot; unavailable runtimes are skipped and named."""
     import shlex
     import sys
 
     from ..bench import MeasureConfig, parse_levels
     from ..bench.compare import compare as run_compare
-    from ..bench.compare import markdown_report
+    from ..bench.compare_report import markdown_report
     from ..bench.report import (
         machine,
         plot_latency_vs_throughput,
@@ -217,13 +232,14 @@ def compare(
     )
     from ..endpoints import parse_port_range
 
+    defaults = config is None  # a file's policy is the one compared, unless a flag says
     cfg = serve_config(
         config,
         models=None if config else [model_source(model, cache_dir)],
         cache_dir=cache_dir,
-        instances=instances,
-        threads=threads,
-        max_batch_size=max_batch_size,
+        instances=instances if instances is not None or not defaults else 2,
+        threads=threads if threads is not None or not defaults else 1,
+        max_batch_size=max_batch_size if max_batch_size is not None or not defaults else 8,
     )
     try:
         levels = parse_levels(concurrency)
@@ -237,25 +253,38 @@ def compare(
             ceiling_seconds=ceiling_seconds,
             protocol=protocol,
             ports=parse_port_range(ports) if ports else None,
+            rounds=rounds,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except OSError as exc:  # the port range ran out
         raise typer.BadParameter(str(exc), param_hint="--ports") from None
-    for name, points in result.series.items():
-        console.print(table(points, title=name))
+    series = result.series  # each level's median round
+    for name, points in series.items():
+        console.print(table(points, title=f"{name} (median round)"))
     command = "servekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_json(
-        result.series, out.with_suffix(".json"), {"skipped": result.skipped, "command": command}
+    load = (
+        f"closed loop at concurrency {', '.join(f'{v:g}' for v in levels)} over {protocol}, "
+        f"{warmup:g} s warm-up, windows of {window:g} s until three agree (at most {max_windows})"
     )
-    write_csv(result.series, out.with_suffix(".csv"))
+    extra = {
+        "skipped": result.skipped, "command": command, "model": result.model, "load": load,
+        "machine": machine(), "policies": result.policies, "notes": result.notes,
+        "time_spent_us": result.time_spent,
+        "rounds": {k: [[p.as_dict() for p in r] for r in v] for k, v in result.rounds.items()},
+    }  # fmt: skip
+    write_json(series, out.with_suffix(".json"), extra)
+    write_csv(series, out.with_suffix(".csv"))
     plot = None
-    if result.series:
-        plot_latency_vs_throughput(
-            result.series, out.with_suffix(".png"), title="servekit compare: ResNet-50 on JPEGs"
-        )
+    if series:
+        title = f"servekit compare: {result.model}, {protocol}, {machine()}"
+        plot_latency_vs_throughput(series, out.with_suffix(".png"), title=title)
         plot = out.with_suffix(".png").name
-    out.with_suffix(".md").write_text(markdown_report(result, command, plot, machine()))
+    report = markdown_report(result, command, plot, machine(), load)
+    out.with_suffix(".md").write_text(report)
+    for line in report.split("## Verdicts", 1)[-1].split("## Figures", 1)[0].splitlines():
+        if line.strip():
+            console.print(line)
     console.print(f"wrote {out.with_suffix('.md')}")
 
 
