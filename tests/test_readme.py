@@ -152,3 +152,28 @@ def test_the_readme_is_a_guide_not_a_log():
     assert len(costs) == 4, costs
     for cost in costs:  # at concurrency 8: "| 8 | ... | <cost> |"
         assert re.search(rf"\| 8 \|[^\n]*\| {cost.replace(',', '')} \|", measured), cost
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped
+    (hyphens and underscores kept), spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_benchmarks_is_a_reference_each_figure_with_a_command_and_the_docs_link_to_it():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) < 1000
+    headings = re.findall(r"^#{2,3} (.+)$", text, re.M)
+    assert not [h for h in headings if re.search(r"session \d|rerun", h, re.I)], headings
+    # Every section with a table of figures shows the command that measured them.
+    for part in re.split(r"^## ", text, flags=re.M)[1:]:
+        if "| ---" in part:
+            assert "```sh" in part, part.splitlines()[0]
+    anchors = {github_anchor(h) for h in headings}
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    links = [
+        (page.name, anchor)
+        for page in pages
+        for anchor in re.findall(r"BENCHMARKS\.md#([\w\-]+)", page.read_text())
+    ] + [("BENCHMARKS.md", a) for a in re.findall(r"\]\(#([\w\-]+)\)", text)]
+    assert links and not [(p, a) for p, a in links if a not in anchors]
