@@ -133,7 +133,10 @@ def settled(url: str, clients: int) -> dict[str, float]:
         got.update(figures(url))  # those abandoned running are answered (and dropped)
         return got["nv_inference_request_success"] + got["queued"] + got["forwarded"] >= clients
 
-    wait_until(done, f"{clients} requests answered or abandoned (last: {got})", 30)
+    try:
+        wait_until(done, f"{clients} requests answered or abandoned", 30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last figures: {got}") from None
     return got
 
 
