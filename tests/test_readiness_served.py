@@ -57,7 +57,7 @@ class Poisoned(servekit.Model):
         return {"Y": batch["X"] * 2}
 '''
 
-REASON = "model broken: broken:Broken failed to set up: OSError: no weights at /models/broken"
+REASON = "model broken: setup_fails:Broken failed to set up: OSError: no weights at /models/broken"
 
 
 def get(url: str) -> int:
@@ -90,8 +90,8 @@ def test_a_model_whose_every_start_fails_reads_not_ready_with_its_reason(runtime
     each stub): the server starts, the model reads not ready within 30 s, the repository
     index gives the set-up's words, and a request is refused with them (503)."""
     needs_runtime(runtime)
-    (tmp_path / "broken.py").write_text(BROKEN)
-    model = ModelConfig("broken:Broken", "broken", path=str(tmp_path))
+    (tmp_path / "setup_fails.py").write_text(BROKEN)  # a name no other test imports
+    model = ModelConfig("setup_fails:Broken", "broken", path=str(tmp_path))
     with served_on(runtime, model) as base:
         # tritonserver words it its own way, around the stub's: the set-up's words stay.
         wait_until(lambda: unready_with(base, "broken", REASON.split(": ", 1)[1]),
@@ -158,13 +158,13 @@ def test_on_native_a_sticky_cuda_error_fails_its_batch_once_and_the_server_is_no
     restarts the process (nobody re-sends on native: docs/operations.md)."""
     import sys
 
-    (tmp_path / "poisoned.py").write_text(POISONED)
+    (tmp_path / "sticky_device.py").write_text(POISONED)
     model = ModelConfig(
-        "poisoned:Poisoned", "poisoned", path=str(tmp_path),
+        "sticky_device:Poisoned", "poisoned", path=str(tmp_path),
         batching=BatchingPolicy(max_batch_size=16, max_queue_delay_us=200_000),
     )  # fmt: skip
     with on("native")(model) as served:
-        calls = sys.modules["poisoned"].CALLS
+        calls = sys.modules["sticky_device"].CALLS
         base = f"http://127.0.0.1:{served.http_port}"
         errors: list[str] = []
         del calls[:]  # warm-up's
@@ -227,9 +227,9 @@ def test_a_sticky_cuda_error_restarts_the_worker_or_takes_the_process_out(runtim
     in servekit's own process, as on native: the batch gets 503 naming CUDA's words, the
     model reads not ready and the server not live, so the orchestrator restarts it."""
     needs_runtime(runtime)
-    (tmp_path / "once.py").write_text(ONCE)
+    (tmp_path / "strikes_once.py").write_text(ONCE)
     model = ModelConfig(
-        "once:Once", "once", path=str(tmp_path),
+        "strikes_once:Once", "once", path=str(tmp_path),
         batching=BatchingPolicy(max_batch_size=16, max_queue_delay_us=100_000),
     )  # fmt: skip
     with served_on(runtime, model, watched=True) as base:
