@@ -287,11 +287,6 @@ class TritonPythonModel:
                 tensors = {n: pb.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs}
                 self.streams.answer(r, tensors)
             return None
-        # A request whose client left (tritonserver cancels a gRPC call reset or past its
-        # deadline) is answered CANCELLED, unrun: the device's time goes to those waiting.
-        cancelled = [r.is_cancelled() for r in requests]
-        if any(cancelled):
-            return self._without_cancelled(requests, cancelled)
         # Pipelined, copies: a request's tensors are Triton's to free once execute returns.
         read = np.array if self.pipeline is not None else (lambda a: a)
         tracer = self.tracer
@@ -306,24 +301,6 @@ class TritonPythonModel:
             return self._responses(self._run(items))
         self.pipeline.submit(items, [r.get_response_sender() for r in requests])
         return None  # answered through the senders (``pipeline``)
-
-    def _without_cancelled(self, requests: list[Any], cancelled: list[bool]) -> list[Any] | None:
-        """``execute`` for the requests still waited for; the cancelled are answered
-        CANCELLED (through their senders where the batch is pipelined)."""
-        pb = self._pb
-        live = [r for r, c in zip(requests, cancelled, strict=True) if not c]
-        answered = self.execute(live) if live else []
-        error = pb.TritonError("request cancelled: its client left", pb.TritonError.CANCELLED)
-        if self.pipeline is not None:
-            final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-            for r, c in zip(requests, cancelled, strict=True):
-                if c:
-                    r.get_response_sender().send(pb.InferenceResponse(error=error), flags=final)
-            return None
-        out, answers = [], iter(answered or [])
-        for c in cancelled:
-            out.append(pb.InferenceResponse(error=error) if c else next(answers))
-        return out
 
     def _rows(self, items: list[tuple[dict[str, np.ndarray], Any]]) -> int:
         """A batch's rows (its requests' where the model does not batch)."""
