@@ -12,10 +12,13 @@ parameter. The device is simulated (``SimulatedDevice``): its rows are the model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import onnx
@@ -223,13 +226,10 @@ def slow(slow_path):
         yield served
 
 
-def _rows_after(url: str, before: dict[str, float], clients: int) -> dict[str, float]:
-    seen = before["nv_inference_request_success"] + before["queued"] + before["forwarded"]
-    got = settled(url, clients + seen)
-    return {k: got[k] - before[k] for k in got}
-
-
-def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
+@contextlib.contextmanager
+def held_grpc(slow) -> Iterator[tuple[str, dict[str, float], Any, Any]]:
+    """The slow device held by one request, a gRPC client beside it and one request's
+    input: (metrics url, the figures before, client, input); all closed after."""
     url = f"http://127.0.0.1:{slow.http_port}"
     before = figures(url)
     holder = _occupy(slow.http_port)
@@ -237,6 +237,20 @@ def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
     try:
         x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
         x.set_data_from_numpy(np.ones((1, 16), np.float32))
+        yield url, before, client, x
+    finally:
+        client.close()
+        holder.close()
+
+
+def _rows_after(url: str, before: dict[str, float], clients: int) -> dict[str, float]:
+    seen = before["nv_inference_request_success"] + before["queued"] + before["forwarded"]
+    got = settled(url, clients + seen)
+    return {k: got[k] - before[k] for k in got}
+
+
+def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
+    with held_grpc(slow) as (url, before, client, x):
         answers: list = []
         calls = [
             client.async_infer("m", [x], lambda r, e: answers.append((r, e))) for _ in range(6)
@@ -245,9 +259,6 @@ def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
         for call in calls:
             call.cancel()  # RST_STREAM
         got = _rows_after(url, before, 7)
-    finally:
-        client.close()
-        holder.close()
     assert got["nv_inference_count"] == 1, got  # the holder's row only
     assert got["queued"] == 6, got
 
@@ -255,41 +266,23 @@ def test_grpc_calls_cancelled_by_the_client_never_reach_the_device(slow):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_cancelled_grpc_stream_takes_its_queued_requests_with_it(slow):
     # tritonclient's own stream thread raises on the CANCELLED it asked for: not ours.
-    url = f"http://127.0.0.1:{slow.http_port}"
-    before = figures(url)
-    holder = _occupy(slow.http_port)
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{slow.grpc_port}")
-    try:
-        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        x.set_data_from_numpy(np.ones((1, 16), np.float32))
+    with held_grpc(slow) as (url, before, client, x):
         client.start_stream(lambda r, e: None)
         for _ in range(5):
             client.async_stream_infer("m", [x])
         wait_until(lambda: figures(url)["nv_inference_pending_request_count"] == 5, "5 queued")
         client.stop_stream(cancel_requests=True)
         got = _rows_after(url, before, 6)
-    finally:
-        client.close()
-        holder.close()
     assert got["nv_inference_count"] == 1, got
     assert got["queued"] == 5, got
 
 
 def test_a_grpc_deadline_that_passes_in_the_queue_drops_the_request(slow):
-    url = f"http://127.0.0.1:{slow.http_port}"
-    before = figures(url)
-    holder = _occupy(slow.http_port)
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{slow.grpc_port}")
-    try:
+    with held_grpc(slow) as (url, before, client, x):
         time.sleep(0.1)  # the holder reaches the device first
-        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        x.set_data_from_numpy(np.ones((1, 16), np.float32))
         with pytest.raises(Exception, match="(?i)deadline"):
             client.infer("m", [x], client_timeout=0.05)  # grpc-timeout: 50 ms
         got = _rows_after(url, before, 2)
-    finally:
-        client.close()
-        holder.close()
     assert got["nv_inference_count"] == 1, got
     assert got["queued"] == 1, got
 
