@@ -161,3 +161,15 @@ def test_run_requests_gathers_into_the_runners_staging():
         results = run_requests(runner, requests)
         assert [float(r["y"][0, 0]) for r in results] == [float(i) for i in range(8)]
     assert runner.staging.allocations == 1
+
+
+def test_a_closed_pool_refuses_a_batch_as_the_model_not_ready():
+    """A batch after its runner closed gets a 503 saying why, not a crash on freed memory."""
+    import pytest
+
+    from servekit.errors import ModelNotReady
+
+    pool = StagingPool(4)
+    pool.close()
+    with pytest.raises(ModelNotReady, match="staging buffers are freed"), pool.lend():
+        pass

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ..device import DeviceTensor, gather_on_device
+from ..errors import ModelNotReady
 
 __all__ = ["Allocator", "Lends", "Staging", "StagingPool"]
 
@@ -206,7 +207,7 @@ class StagingPool:
         """Borrow a staging for one batch, returned on exit (thread-safe)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("staging lent after its pool closed")
+                raise ModelNotReady("the runner is closed: its staging buffers are freed")
             staging = self._free.pop() if self._free else self._new()
         try:
             yield staging
