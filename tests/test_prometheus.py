@@ -41,6 +41,7 @@ REQUESTS, BAD = 120, 3
 FEATURES = (
     "servekit_version_", "servekit_traffic_", "servekit_store_", "servekit_storage_",
     "servekit_latency_budget_", "servekit_batch_target_", "servekit_batch_delay_",
+    "servekit_batch_rows",
 )  # fmt: skip
 """Series a server exports only with a rollout, a model store, an object-storage source or
 a latency budget: their panels are checked by the test that configures them."""
