@@ -140,6 +140,9 @@ def test_the_file_sets_every_knob(tmp_path, tiny_cnn_path, add_sub_path):
     # Where images decode has its own served tests on native and PyTriton
     # (test_device_decode); the Triton runtime refuses a device by name.
     fixed |= {"image_decode"}
+    # Shedding is servekit's own (the batcher's, or the Triton fronts' window), not in
+    # Triton's model configuration: its own served tests on every runtime (test_shedding).
+    fixed |= {"shed_late"}
     for kind, default, of in (
         (BatchingPolicy, BatchingPolicy(), lambda m: m.batching),
         (QueuePolicy, QueuePolicy(), lambda m: m.batching.default_queue_policy),

@@ -29,6 +29,7 @@ from .errors import (
     RunnerError,
     ServekitError,
     ServerUnreachable,
+    Shed,
     Unauthenticated,
 )
 from .metrics import Metrics
@@ -61,6 +62,7 @@ __all__ = [
     "ModelSpec",
     "OnnxRuntimeRunner",
     "Overloaded",
+    "Shed",
     "Pipeline",
     "Postprocess",
     "Prediction",

@@ -52,6 +52,7 @@ __all__ = [
     "ServekitError",
     "SetupError",
     "SetupFailed",
+    "Shed",
     "TritonSetupError",
     "Unauthenticated",
     "UnsupportedEncoding",
@@ -136,6 +137,11 @@ class Overloaded(ServekitError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Shed(Overloaded):
+    """Refused at admission because the queue's measured pace would answer it after its
+    deadline (``shed_late``): refused unrun instead of queued to fail late."""
 
 
 class DeadlineExceeded(ServekitError, TimeoutError):

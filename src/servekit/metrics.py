@@ -78,6 +78,11 @@ ABANDONED_HELP = (
     "answer: where=queued were dropped unrun, forwarded were cancelled on their way, "
     "running ran in a batch and their answers were dropped"
 )
+SHED_METRIC = "servekit_requests_shed_total"
+SHED_HELP = (
+    "Requests refused at once (503 / UNAVAILABLE, Retry-After) because the queue's measured "
+    "pace would answer them after their deadline (shed_late)"
+)
 DEMAND = "servekit_replicas_needed"
 READY = "servekit_model_ready"
 GAUGES = {
@@ -303,6 +308,13 @@ class Metrics:
             ]
             if abandoned:
                 _family(lines, ABANDONED_METRIC, "counter", ABANDONED_HELP, abandoned)
+            shed = [
+                (w.labels, float(s.request_shed))
+                for w, s, _ in rows
+                if getattr(getattr(w.batcher, "policy", None), "shed_late", False)
+            ]
+            if shed:
+                _family(lines, SHED_METRIC, "counter", SHED_HELP, shed)
             isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
             if isolated:
                 _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)

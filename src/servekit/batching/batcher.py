@@ -26,6 +26,7 @@ from ..errors import (
     ModelNotReady,
     Overloaded,
     RunnerError,
+    Shed,
 )
 from ..runners.base import Runner, batch_function, staging_of
 from ..runners.broken import broken
@@ -146,6 +147,7 @@ class Batcher:
             launch=self._launch,
             on_timeout=self._count_timeouts,
             ahead=Ahead(policy.batch_limit(spec.max_batch_size), ahead) if ahead else None,
+            name=name,
         )
         self._delivery = Delivery(
             name,
@@ -310,6 +312,10 @@ class Batcher:
     def _admit(self, request: Request) -> None:
         try:
             self._scheduler.admit(request)
+        except Shed:
+            self.stats.request_shed += 1
+            self.stats.request_failure += 1
+            raise
         except Overloaded:
             self.stats.request_rejected += 1
             self.stats.request_failure += 1

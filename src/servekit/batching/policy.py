@@ -138,6 +138,11 @@ class BatchingPolicy:
     ``latency_percentile`` while the device keeps up (``batching.budget``). Where
     tritonserver's batcher assembles the batches it is rendered as a fixed delay
     (``static_delay_us``).
+
+    ``shed_late`` (servekit's own; off by default, as in Triton): a request with a
+    deadline (its ``timeout`` parameter, its gRPC deadline, the queue policy's timeout)
+    that the queue's measured pace would answer after it is refused at once, 503 /
+    UNAVAILABLE with ``Retry-After`` (``batching.pace``), instead of queued to fail late.
     """
 
     max_batch_size: int = 0
@@ -151,6 +156,7 @@ class BatchingPolicy:
     default_queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
     priority_queue_policies: Mapping[int, QueuePolicy] = field(default_factory=dict)
     """Per-level overrides of ``default_queue_policy`` (``priority_queue_policy``)."""
+    shed_late: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -224,6 +230,7 @@ class BatchingPolicy:
                 self.default_priority_level,
                 self.default_queue_policy,
                 tuple(self.priority_queue_policies.items()),
+                self.shed_late,
             )
         )
 
@@ -288,6 +295,7 @@ class BatchingPolicy:
             "preserve_ordering": self.preserve_ordering,
             "priority_levels": self.priority_levels,
             "default_priority_level": self.default_priority_level,
+            "shed_late": self.shed_late,
             "queue": self.default_queue_policy.to_dict(),
         }
         if self.priority_queue_policies:
@@ -313,6 +321,7 @@ class BatchingPolicy:
             "preserve_ordering",
             "priority_levels",
             "default_priority_level",
+            "shed_late",
         }
         check_keys(section, data, scalars | {"queue", "priority_queues"}, cls)
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in scalars}

@@ -131,6 +131,16 @@ class RequestQueue:
         self.take(out)
         return out
 
+    def rows_ahead(self, level: int) -> int:
+        """Rows waiting at ``level`` and above (what runs before a request of that level)."""
+        return sum(
+            r.rows
+            for lv in self._levels[:level]
+            for q in (lv.live, lv.delayed)
+            for r in q
+            if not r.done()
+        )
+
     def idle(self) -> bool:
         """True when no entry at all is queued (cheap; dropped entries count as queued)."""
         return not any(level.live or level.delayed for level in self._levels)

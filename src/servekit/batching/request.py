@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -18,9 +20,15 @@ from ..tracing import CURRENT, traced
 from .policy import BatchingPolicy
 from .stats import BatcherStats
 
-__all__ = ["Admission", "Request"]
+__all__ = ["CLIENT_DEADLINE", "Admission", "Request"]
 
 Future = asyncio.Future | concurrent.futures.Future
+
+CLIENT_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "servekit_client_deadline", default=None
+)
+"""When the client stops waiting (``time.monotonic``), where its protocol says so (a
+gRPC call's ``grpc-timeout``): set by the server for the call's task."""
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +45,9 @@ class Request:
     deadline: float
     """Absolute time (batcher clock) after which the queue policy's timeout applies; inf = none."""
     future: Future
+    due: float = math.inf
+    """When its client stops waiting (batcher clock): the earliest of the queue policy's
+    timeout, its ``timeout`` parameter and its gRPC deadline; inf = none (``shed_late``)."""
     expired: bool = False
     """Timed out under ``TimeoutAction.DELAY``: now waits behind unexpired requests."""
     taken: bool = False
@@ -133,9 +144,19 @@ class Admission:
             else tuple(inputs[n].shape[1:] for n in names)
         )
         deadline = now + timeout / 1e6 if timeout else math.inf
+        due = deadline
+        if (
+            timeout_us is not None and timeout_us > 0
+        ):  # the client's own, allowed to override or not
+            due = min(due, now + timeout_us / 1e6)
+        client = CLIENT_DEADLINE.get()
+        if client is not None:
+            due = min(due, now + client - time.monotonic())
         with self._lock:
             self._stats.request_admitted += 1
-        request = Request(next(self._ids), inputs, rows, shape_key, level, now, deadline, future)
+        request = Request(
+            next(self._ids), inputs, rows, shape_key, level, now, deadline, future, due=due
+        )
         if CURRENT.get() is not None:
             request.parent = traced()
         return request

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from .ahead import Ahead
 from .budget import Budget
 from .decision import decide
+from .pace import Pace, late
 from .policy import BatchingPolicy
 from .queue import RequestQueue
 from .request import Request
@@ -39,6 +40,7 @@ class Scheduler:
         ahead: hold a batch that would leave while the devices are busy until it is
             full or the oldest out is about to end (``batching.ahead``); None sends it
             once an instance is free.
+        name: the model's, in a shed request's error.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Scheduler:
         launch: Callable[[list[Request], float], None],
         on_timeout: Callable[[int], None],
         ahead: Ahead | None = None,
+        name: str = "model",
     ) -> None:
         self.queue = RequestQueue(policy)
         self.instance_count = instance_count
@@ -79,6 +82,9 @@ class Scheduler:
             else None
         )
         """The latency budget's learned state (``batching.budget``), where one is set."""
+        self.pace = Pace() if policy.shed_late else None
+        """Its batches' compute time, what ``shed_late`` judges deadlines against."""
+        self._name = name
         self._poke_pending = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf  # on the injected clock
@@ -88,7 +94,10 @@ class Scheduler:
 
         Raises:
             Overloaded: the queue is full.
+            Shed: ``shed_late`` and the queue would answer it after its deadline.
         """
+        if self.pace is not None and request.due != math.inf:
+            self._shed_late(request)
         budget = self.budget
         if budget is not None:
             budget.arrived(request.rows, request.arrival)
@@ -168,8 +177,26 @@ class Scheduler:
         if self.drained is not None and self.free == self.instance_count and not self.queue.peek(1):
             self.drained.set()
 
+    def _shed_late(self, request: Request) -> None:
+        """Raise ``Shed`` where the batches queued at or above its level, run on the
+        instances at the measured compute time (half a batch more while every instance
+        is busy), would answer ``request`` after its deadline."""
+        pace = self.pace
+        assert pace is not None
+        if not pace.service_s:
+            return  # nothing measured yet: nothing to judge by
+        rows = request.rows + self.queue.rows_ahead(request.level)
+        waves = math.ceil(math.ceil(rows / self._limit) / self.instance_count)
+        expected = pace.answer_s(waves + (0.0 if self.free else 0.5))
+        left = request.due - request.arrival
+        if expected > left:
+            raise late(self._name, expected, left)
+
     def finished(self, batch: list[Request], compute_us: float) -> None:
-        """A batch ran (before its instance is released): what the budget learns from."""
+        """A batch ran (before its instance is released): what the budget and the pace
+        learn from."""
+        if self.pace is not None:
+            self.pace.ran(compute_us / 1e6)
         if self.budget is not None:
             now = self._clock()
             self.budget.ran(sum(r.rows for r in batch), compute_us / 1e6)

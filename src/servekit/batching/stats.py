@@ -45,6 +45,9 @@ class BatcherStats:
     """Abandoned once its batch had formed: it ran, its answer was dropped."""
     request_rejected: int = 0
     """Rejected at admission because the queue was full (also counted in failures)."""
+    request_shed: int = 0
+    """Refused at admission because the queue would answer after its deadline
+    (``shed_late``; also counted in failures)."""
     request_timeout: int = 0
     """Timed out in the queue under REJECT (also counted in failures)."""
     inference_count: int = 0

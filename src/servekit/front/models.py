@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, cast
 
 from ..cache import ResponseCache
@@ -28,6 +28,7 @@ from ..spec import spec_from_config
 from .cached import FrontCache
 from .forwarded import ForwardedModel, TritonVersion
 from .private import triton_fetch, triton_ready
+from .window import Window, limit_from_triton
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
 
@@ -152,8 +153,11 @@ class TritonModels(Mapping[str, ForwardedModel]):
         control_mode: str = "explicit",
         cached: Mapping[str, Callable[[], str]] | None = None,
         cache: ResponseCache | None = None,
+        shed_late: Collection[str] = (),
     ) -> None:
         self.http_url, self.grpc_url = http_url, grpc_url
+        self.shed_late = frozenset(shed_late)
+        """Models whose front window sheds what cannot make its deadline (``front.window``)."""
         self.cached, self.response_cache = dict(cached or {}), cache
         """Models with ``response_cache`` (name -> the identity of what it serves)."""
         if ttl_s is None:  # only poll mode changes a model behind the front's back
@@ -165,6 +169,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         self.traffic = dict(traffic or {})
         self._routed: dict[str, RoutedModel] = {}
         self._retired: list[ForwardedModel] = []
+        self._windows: dict[str, Window] = {}
 
     def _get(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.http_url}{path}", headers=self.control_headers)
@@ -247,6 +252,17 @@ class TritonModels(Mapping[str, ForwardedModel]):
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
                 sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
+        limit = limit_from_triton(config)
+        window = self._windows.get(name)
+        if not limit:
+            window = None
+        elif window is None or window.limit != limit:
+            # One per name, even where two threads read the config at once (``lookup``).
+            made = Window(name, limit, shed_late=name in self.shed_late)
+            window = self._windows.setdefault(name, made)
+            if window.limit != limit:
+                window = self._windows[name] = made
+        model.window = window
         if self.response_cache is not None and name in self.cached and model.cache is None:
             model.cache = FrontCache(self.response_cache, name, self.cached[name])
         self._cache[name] = (now, model)

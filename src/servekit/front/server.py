@@ -23,6 +23,7 @@ from .exposition import merged_metrics_handler
 from .forwarded import ForwardedModel
 from .models import PyTritonModels, TritonModels
 from .relay import GrpcRelay
+from .window import Window, windows_figures
 
 __all__ = ["Front"]
 
@@ -45,7 +46,9 @@ class Front:
     registry's models share it. ``local`` (PyTriton): models the front serves itself from
     servekit's core (``PyTritonModels``). ``metrics_port``: the public metrics port, where
     tritonserver's exposition (``triton_metrics_url``, a private port) is served merged
-    with the front's own (``front.exposition``).
+    with the front's own (``front.exposition``). ``windows`` (PyTriton): how many
+    requests of each model are with tritonserver at once (``front.window``; the triton
+    runtime's registry reads them from each model's config).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Front:
         local: Mapping[str, Any] | None = None,
         metrics_port: int | None = None,
         triton_metrics_url: str | None = None,
+        windows: Mapping[str, Window] | None = None,
     ) -> None:
         self.recovery, self.tracing, self.cache = recovery, tracing, cache
         # tritonserver maps the regions; the models the front serves itself read a
@@ -102,6 +106,9 @@ class Front:
                 local=local,
             )
         )
+        if isinstance(self.registry, PyTritonModels):
+            for name, window in (windows or {}).items():
+                self.registry.forwarded[name].window = window
         if isinstance(self.registry, PyTritonModels) and cache is not None:
             for name, identity in (cached or {}).items():
                 self.registry.forwarded[name].cache = FrontCache(cache, name, identity)
@@ -122,6 +129,7 @@ class Front:
             self.app.metrics.collect(recovery.figures)
         if cache is not None:
             self.app.metrics.collect(cache.figures)
+        self.app.metrics.collect(windows_figures(self._windows))
         self._relay = (
             GrpcRelay(
                 GrpcService(
@@ -170,6 +178,15 @@ class Front:
             on_start=self._grpc.start if self._grpc is not None else None,
             on_exit=self._close,
         )
+
+    def _windows(self) -> list[Window]:
+        registry = self.registry
+        models = (
+            registry.forwarded.values()
+            if isinstance(registry, PyTritonModels)
+            else (registry[name] for name in registry)
+        )
+        return [m.window for m in models if m.window is not None]
 
     def start(self, timeout_s: float = 30.0) -> Front:
         self._http.start(timeout_s)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
+from ..batching.request import CLIENT_DEADLINE
 from .calls import Aborted, CallContext, Method, Parts, deadline, inflated, unary_message
 from .frames import (
     DATA,
@@ -217,7 +220,11 @@ class Calls:
 
     def _run(self, sid: int, stream: Stream, call: Any, timeout: float | None) -> None:
         """Run a call's coroutine as the stream's task, expiring at its deadline."""
-        task = self.server.loop.create_task(call)
+        context = None
+        if timeout is not None:  # the batcher sheds what cannot be answered by then
+            context = contextvars.copy_context()
+            context.run(CLIENT_DEADLINE.set, time.monotonic() + timeout)
+        task = self.server.loop.create_task(call, context=context)
         stream.task = task
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)

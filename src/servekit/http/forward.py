@@ -6,6 +6,7 @@ repeats it is not decoded again."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import tracing
@@ -77,11 +78,12 @@ class Forwarding:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         reply: Reply,
-    ) -> bool:
+    ) -> bool | Callable[[], None]:
         """The fast path (``messages.FastPath``): an unversioned infer of a model known to pass
         through is checked exactly as on the full path, then its bytes go on from
         callbacks. Anything else (versions, encodings, raw binary, a model not looked
-        up yet) returns False and takes the full path."""
+        up yet) returns False and takes the full path; a request taken returns True, or
+        what to call if its client leaves before the answer (``front.window``)."""
         behind = self._behind
         if behind is None or method != "POST" or not path.endswith("/infer"):
             return False
@@ -124,8 +126,8 @@ class Forwarding:
 
         c = checked
         with tracing.hop(span, tracer.tracer if tracer else None, passed):
-            model.send(c.body, c.length, "", done, c.timeout_us, c.sequence)
-        return True
+            leave = model.send(c.body, c.length, "", done, c.timeout_us, c.sequence)
+        return leave or True
 
     def _pass_through(
         self, name: str, model: FrontModel | PassThrough, body: bytes, raw: str | None

@@ -85,6 +85,8 @@ class _Connection(asyncio.Protocol):
         """The task writing a streamed answer (Server-Sent Events), cancelled if the peer leaves."""
         self.writable: asyncio.Event | None = None
         """Clear while the peer leaves our writes unread (a streamed answer waits on it)."""
+        self.leave: Callable[[], None] | None = None
+        """Tells the fast path the peer left before its answer (``FastPath``)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -116,6 +118,9 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
         if self.handling is not None:
             self.handling.cancel()
+        if self.leave is not None:
+            leave, self.leave = self.leave, None
+            leave()
         if self.streaming is not None:
             self.streaming.cancel()
         if self.writable is not None:
@@ -238,7 +243,10 @@ class _Connection(asyncio.Protocol):
         fast = self.fast
         if fast is not None and not request.oversize:
             try:
-                if fast(request.method, path, request.headers, request.body, self._reply):
+                taken = fast(request.method, path, request.headers, request.body, self._reply)
+                if taken:
+                    if callable(taken) and self.busy:  # not answered yet
+                        self.leave = taken
                     return
             except Exception as exc:  # a bug on the fast path is that request's 500, as on the slow
                 log.exception("unexpected error on %s %s", request.method, path)
@@ -262,7 +270,7 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         """Write the answer; ``head``: its headers only, as a HEAD request is answered."""
         transport = self.transport
-        self.busy = False
+        self.busy, self.leave = False, None
         if transport is None or transport.is_closing():
             return
         lines = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))

@@ -13,10 +13,10 @@ __all__ = ["Answer", "FastPath", "Handler", "HttpRequest", "Reply", "not_allowed
 
 Reply = Callable[[int, bytes, Mapping[str, str]], None]
 """Answer the request: status, body, headers (content-length is added)."""
-FastPath = Callable[[str, str, list[tuple[bytes, bytes]], bytes, Reply], bool]
+FastPath = Callable[[str, str, list[tuple[bytes, bytes]], bytes, Reply], bool | Callable[[], None]]
 """(method, path, headers as received with lower-case names, body, reply) -> whether it
 took the request; one it takes must be answered through ``reply``, once, on the server's
-loop."""
+loop. It may return, instead of True, what to call if the client leaves first."""
 
 
 class HttpRequest:

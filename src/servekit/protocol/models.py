@@ -115,8 +115,9 @@ class PassThrough(Protocol):
         done: Callable[[tuple[int, bytes, dict[str, str]] | ServekitError], None],
         timeout_us: int | None = None,
         sequence: SequenceFlags | None = None,
-    ) -> None:
-        """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop."""
+    ) -> Callable[[], None] | None:
+        """``forward`` without awaiting: ``done`` gets the answer, or the error, on the loop.
+        Returns what to call if the client leaves first (None: nothing to do)."""
         ...
 
 

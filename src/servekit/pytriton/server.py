@@ -32,6 +32,18 @@ as on tritonserver by default (PyTriton's own default restricts them too)."""
 log = logging.getLogger(__name__)
 
 
+def _windows(bound: dict[ServedModel, str]) -> dict[str, Any]:
+    """Each bound model's front window (``front.window``), where it gets one."""
+    from ..front.window import Window, limit_of
+
+    out = {}
+    for m, name in bound.items():
+        limit = limit_of(m.policy, m.runner.spec.max_batch_size, m.instance_count)
+        if limit:
+            out[name] = Window(name, limit, shed_late=m.policy.shed_late)
+    return out
+
+
 class TritonServer:
     """Triton (via PyTriton) serving servekit models; start, use, stop (or a context manager)."""
 
@@ -197,6 +209,7 @@ class TritonServer:
                     cache=cache,
                     metrics_port=c.metrics_port,
                     triton_metrics_url=triton_metrics,
+                    windows=_windows(bound),
                 ).start()
         except BaseException:
             if self._front is not None and not self.restarting:

@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,8 +119,11 @@ class TritonProcess:
         traffic: Mapping[str, Traffic] | None = None,
         autoscale: Mapping[str, AutoscalePolicy] | None = None,
         cached: Mapping[str, Callable[[], str]] | None = None,
+        shed_late: Collection[str] = (),
     ) -> None:
         self.options = options
+        self.shed_late = frozenset(shed_late)
+        """Models whose front window sheds what cannot make its deadline (``shed_late``)."""
         self.traffic = dict(traffic or {})
         self.cached = dict(cached or {})
         """Models with ``response_cache`` (their answers kept in the front, ``[server]
@@ -259,6 +262,7 @@ class TritonProcess:
             control_mode=self.options.model_control_mode,
             cached=self.cached,
             cache=cache,
+            shed_late=self.shed_late,
         )
         self._front = Front(
             registry,

@@ -55,6 +55,7 @@ class TritonRuntime:
                 TritonOptions(self._root, self.config.server),
                 traffic=self.traffic,
                 autoscale=self.config.autoscale_policies(),
+                shed_late=[m.name for m in self.config.models if m.batching.shed_late],
                 cached={
                     m.name: watched_identity(m, self.config)
                     for m in self.config.models

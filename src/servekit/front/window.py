@@ -1,0 +1,191 @@
+"""The Triton fronts' window: how many requests of one model are with tritonserver at once.
+
+tritonserver runs what it was sent, whoever still waits for it: over HTTP it cannot be
+told that a client left, and servekit's backend does not ask. So the front keeps the
+queue itself: at most ``limit`` requests of a model are forwarded at a time (two full
+batches per instance: one running, one forming, enough to keep the device busy), and
+the rest wait here in arrival order. A request whose client leaves while it waits here
+is dropped unsent (``where="queued"``); one that leaves after it was forwarded is
+counted ``where="forwarded"`` (a gRPC call is cancelled on its way; tritonserver still
+runs an HTTP one). With ``shed_late`` a request whose deadline falls before the
+window's measured pace is refused at once (``batching.pace``), as the native batcher does.
+
+A model whose queue tritonserver must order itself (priority levels, a queue size or a
+timeout in its queue policy) gets no window: its requests go straight on, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..batching.pace import Pace, late
+from ..batching.policy import BatchingPolicy
+from ..metrics import ABANDONED_HELP, ABANDONED_METRIC, SHED_HELP, SHED_METRIC, Family
+
+__all__ = [
+    "Slot",
+    "Window",
+    "limit_from_triton",
+    "limit_of",
+    "window_limit",
+    "windows_figures",
+]
+
+_WAITING, _SENT, _LEFT, _DONE = range(4)
+
+
+class Slot:
+    """One request's place in a window: waiting, sent, left (its client gone) or done."""
+
+    __slots__ = ("go", "sent", "state")
+
+    def __init__(self, go: Callable[[], None]) -> None:
+        self.go, self.state, self.sent = go, _WAITING, 0.0
+
+
+class Window:
+    """At most ``limit`` requests forwarded at once; the rest wait in arrival order.
+
+    Runs on the front's event loop only (not thread-safe)."""
+
+    def __init__(self, name: str, limit: int, *, shed_late: bool = False) -> None:
+        if limit < 1:
+            raise ValueError(f"{name}: a window holds at least one request, got {limit}")
+        self.name, self.limit = name, limit
+        self.pace = Pace() if shed_late else None
+        """The round trip of a forwarded request (tritonserver's queue and compute)."""
+        self.sent = 0
+        self.waiting: collections.deque[Slot] = collections.deque()
+        self.queued = 0
+        """Waiting here whose clients still wait (``waiting`` also holds those gone)."""
+        self.abandoned_queued = 0
+        self.abandoned_forwarded = 0
+        self.shed = 0
+
+    def enter(self, go: Callable[[], None], due_s: float | None = None) -> Slot:
+        """``go`` is called (now, or once a forwarded request comes back) to send the
+        request on. Raises ``Shed`` where ``due_s`` (seconds its client still waits)
+        falls before the expected answer."""
+        if self.pace is not None and due_s is not None and self.pace.service_s:
+            rtt = self.pace.service_s
+            free = self.sent < self.limit and not self.queued
+            expected = rtt if free else rtt * (1 + (self.queued + 1) / self.limit)
+            if expected > due_s:
+                self.shed += 1
+                raise late(self.name, expected, due_s)
+        slot = Slot(go)
+        if self.sent < self.limit and not self.queued:
+            self._send(slot)
+        else:
+            self.waiting.append(slot)
+            self.queued += 1
+        return slot
+
+    def leave(self, slot: Slot) -> None:
+        """Its client left: dropped unsent if it still waits here, counted either way."""
+        if slot.state == _WAITING:
+            slot.state = _LEFT
+            self.queued -= 1
+            self.abandoned_queued += 1
+        elif slot.state == _SENT:
+            self.abandoned_forwarded += 1
+
+    def done(self, slot: Slot) -> None:
+        """The forwarded request is answered (or failed): the next waiting one goes."""
+        if slot.state == _SENT:
+            slot.state = _DONE
+            self.sent -= 1
+            if self.pace is not None:
+                self.pace.ran(time.monotonic() - slot.sent)
+        elif slot.state == _WAITING:  # failed before it was sent (the front stopping)
+            slot.state = _DONE
+            self.queued -= 1
+        waiting = self.waiting
+        while waiting and self.sent < self.limit:
+            nxt = waiting.popleft()
+            if nxt.state == _WAITING:
+                self.queued -= 1
+                self._send(nxt)
+
+    def _send(self, slot: Slot) -> None:
+        slot.state, slot.sent = _SENT, time.monotonic()
+        self.sent += 1
+        slot.go()
+
+    async def wait(self, due_s: float | None = None) -> Slot:
+        """``enter`` for a coroutine: returns once the request may be sent (the caller
+        calls ``done`` after); cancelled while waiting, it leaves."""
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def go() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        slot = self.enter(go, due_s)
+        try:
+            await ready
+        except asyncio.CancelledError:
+            self.leave(slot)
+            if slot.state == _SENT:  # let go, but not yet resumed: the next one goes
+                self.done(slot)
+            raise
+        return slot
+
+
+def window_limit(max_batch_size: int, instances: int) -> int:
+    """Two full batches per instance (one running, one forming); two requests per
+    instance for a model that does not batch."""
+    return 2 * max(max_batch_size, 1) * max(instances, 1)
+
+
+def limit_of(policy: BatchingPolicy, model_max_batch_size: int, instances: int) -> int:
+    """``limit_from_triton`` for a model servekit renders (PyTriton's): the same rule."""
+    queue = policy.default_queue_policy
+    if policy.priority_levels > 1 or queue.max_queue_size or queue.default_timeout_us:
+        return 0
+    return window_limit(policy.effective_max_batch_size(model_max_batch_size), instances)
+
+
+def limit_from_triton(config: Mapping[str, Any]) -> int:
+    """The window for a model as tritonserver's config describes it; 0 (none) where its
+    queue is tritonserver's to order: priority levels, a queue size or a timeout."""
+    if config.get("sequence_batching") or config.get("ensemble_scheduling"):
+        return 0
+    if (config.get("model_transaction_policy") or {}).get("decoupled"):
+        return 0
+    batching = config.get("dynamic_batching") or {}
+    if int(batching.get("priority_levels") or 0) > 1 or batching.get("priority_queue_policy"):
+        return 0
+    queue = batching.get("default_queue_policy") or {}
+    if int(queue.get("max_queue_size") or 0) or int(queue.get("default_timeout_microseconds") or 0):
+        return 0
+    groups = config.get("instance_group") or [{}]
+    instances = sum(int(g.get("count") or 1) for g in groups)
+    return window_limit(int(config.get("max_batch_size") or 0), instances)
+
+
+def windows_figures(windows: Callable[[], Iterable[Window]]) -> Callable[[], Iterable[Family]]:
+    """The front's ``servekit_requests_abandoned_total`` (queued, forwarded) and
+    ``servekit_requests_shed_total`` of every window, for ``Metrics.collect``."""
+
+    def figures() -> Iterable[Family]:
+        ws = list(windows())
+        labels = [{"model": w.name, "version": "1"} for w in ws]
+        abandoned = [
+            ({**lab, "where": where}, float(n))
+            for w, lab in zip(ws, labels, strict=True)
+            for where, n in (("queued", w.abandoned_queued), ("forwarded", w.abandoned_forwarded))
+        ]
+        shed = [(lab, float(w.shed)) for w, lab in zip(ws, labels, strict=True) if w.pace]
+        out: list[Family] = []
+        if abandoned:
+            out.append((ABANDONED_METRIC, "counter", ABANDONED_HELP, abandoned))
+        if shed:
+            out.append((SHED_METRIC, "counter", SHED_HELP, shed))
+        return out
+
+    return figures
