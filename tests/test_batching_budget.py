@@ -5,6 +5,7 @@ where the learned batch time says it would miss the budget while a batch could s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import math
 import time
@@ -289,6 +290,7 @@ def test_eight_clients_over_http_get_their_answers_and_the_budget_s_gauges(tmp_p
     # The config says the budget, and the hold in force: the last batch's, as the gauge.
     params = {k: v["string_value"] for k, v in served["parameters"].items()}
     assert params["latency_budget_ms"] == "50" and params["latency_percentile"] == "99"
+    assert params["queue_delay"] == "adaptive"  # the batcher chooses each hold
     assert 0 < float(params["working_budget_ms"]) <= 50
     delay = got[("servekit_batch_delay_seconds", frozenset(labels.items()))]
     held_us = served["dynamic_batching"].get("max_queue_delay_microseconds", "0")
@@ -309,6 +311,7 @@ def test_where_tritonserver_batches_the_budget_is_a_fixed_delay_and_said_at_star
     from tritonclient.grpc import model_config_pb2 as pb
 
     from servekit import ModelConfig, ServeConfig
+    from servekit.protocol.pbtxt import model_config as render
     from servekit.runtime.base import static_budgets
 
     policy = BatchingPolicy(max_batch_size=32, latency_budget_ms=80)
@@ -320,5 +323,50 @@ def test_where_tritonserver_batches_the_budget_is_a_fixed_delay_and_said_at_star
     (line,) = static_budgets(serve)
     assert "model m: tritonserver's dynamic batcher assembles its batches" in line
     assert "latency_budget_ms = 80 is served as a fixed max_queue_delay_us = 8000" in line
+    spec = ModelSpec((TensorSpec("x", "FP32", (4,)),), (TensorSpec("y", "FP32", (4,)),), 64)
+    rendered = render("m", spec, policy)  # what the triton runtime's repository holds
+    assert {k: v.string_value for k, v in rendered.parameters.items()} == {
+        "latency_budget_ms": "80", "latency_percentile": "99", "queue_delay": "fixed"
+    }  # fmt: skip
+    unbatched = dataclasses.replace(spec, max_batch_size=0)
+    assert not render("m", unbatched, policy).parameters  # no batcher, no budget
     with pytest.raises(ValueError, match=r"give the budget once, in \[models.batching\]"):
         ModelConfig("m.onnx", batching=policy, autoscale={"latency_budget_ms": 50})
+
+
+@pytest.mark.parametrize("runtime", ["pytriton", "triton"])
+def test_where_tritonserver_batches_the_config_says_the_budget_and_its_fixed_delay(
+    runtime, add_sub_path
+):
+    """``/v2/models/<m>/config`` over HTTP and gRPC (through servekit's front, from
+    tritonserver) names the budget as native's does, with ``queue_delay = fixed``: the
+    delay in ``max_queue_delay_microseconds`` is the tenth of the budget every batch waits."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from conftest import needs_runtime
+    from servekit import ModelConfig, ServeConfig, ServerConfig
+    from servekit.serving import create_runtime
+
+    needs_runtime(runtime)
+    policy = BatchingPolicy(max_batch_size=8, latency_budget_ms=40, latency_percentile=95)
+    model = ModelConfig(str(add_sub_path), "add_sub", batching=policy)
+    config = ServeConfig((model,), ServerConfig(exit_timeout_s=2), runtime=runtime)
+    config = config.on_loopback()
+    with create_runtime(config):
+        http = httpclient.InferenceServerClient(config.server.http_url.removeprefix("http://"))
+        grpc = grpcclient.InferenceServerClient(config.server.grpc_url.removeprefix("grpc://"))
+        try:
+            served = http.get_model_config("add_sub")
+            over_grpc = grpc.get_model_config("add_sub").config
+        finally:
+            http.close()
+            grpc.close()
+    params = {k: v["string_value"] for k, v in served["parameters"].items()}
+    budget = {k: params.get(k) for k in ("latency_budget_ms", "latency_percentile", "queue_delay")}
+    assert budget == {"latency_budget_ms": "40", "latency_percentile": "95", "queue_delay": "fixed"}
+    assert "working_budget_ms" not in params and "target_rows" not in params  # nothing adapts
+    held_us = int(served["dynamic_batching"]["max_queue_delay_microseconds"])
+    assert held_us == policy.static_delay_us() == 4000
+    assert {k: v.string_value for k, v in over_grpc.parameters.items()} == params
+    assert over_grpc.dynamic_batching.max_queue_delay_microseconds == held_us

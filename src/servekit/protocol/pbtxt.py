@@ -15,7 +15,16 @@ from typing import Any
 from ..batching.policy import BatchingPolicy
 from ..spec import ModelSpec, TensorSpec
 
-__all__ = ["EnsembleStep", "ensemble_config", "model_config", "parse", "render", "version_policy"]
+__all__ = [
+    "QUEUE_DELAYS",
+    "EnsembleStep",
+    "budget_parameters",
+    "ensemble_config",
+    "model_config",
+    "parse",
+    "render",
+    "version_policy",
+]
 
 
 def _pb() -> Any:
@@ -42,6 +51,31 @@ def _tensors(target: Any, tensors: Sequence[TensorSpec]) -> None:
         msg.name = t.name
         msg.data_type = pb.DataType.Value(t.dtype.triton)
         msg.dims.extend(t.shape)
+
+
+QUEUE_DELAYS = ("fixed", "adaptive")
+"""How a latency budget's queue delay is served: ``fixed`` (tritonserver's dynamic batcher
+holds every batch ``max_queue_delay_microseconds``, ``BatchingPolicy.static_delay_us``) or
+``adaptive`` (servekit's ``Batcher`` chooses each batch's hold: the field says the last)."""
+
+
+def budget_parameters(policy: BatchingPolicy, queue_delay: str) -> dict[str, str]:
+    """A latency budget as a model configuration's ``parameters`` say it (servekit's own
+    knobs: Triton's ``ModelConfig`` has no field for them), and how the delay in
+    ``dynamic_batching.max_queue_delay_microseconds`` is chosen; empty without a budget.
+
+    Raises:
+        ValueError: ``queue_delay`` is not one of ``QUEUE_DELAYS``.
+    """
+    if queue_delay not in QUEUE_DELAYS:
+        raise ValueError(f"queue_delay must be one of {list(QUEUE_DELAYS)}, got {queue_delay!r}")
+    if not policy.latency_budget_ms:
+        return {}
+    return {
+        "latency_budget_ms": f"{policy.latency_budget_ms:g}",
+        "latency_percentile": f"{policy.latency_percentile:g}",
+        "queue_delay": queue_delay,
+    }
 
 
 def version_policy(spec: str) -> Any:
@@ -71,10 +105,15 @@ def model_config(
     versions: str | None = None,
 ) -> Any:
     """A ``ModelConfig`` for one model served by ``backend`` on CPU instances, batched by
-    ``policy`` (``BatchingPolicy.to_triton``; None = the default policy)."""
+    ``policy`` (``BatchingPolicy.to_triton``; None = the default policy). A latency budget
+    is tritonserver's fixed delay, and its ``parameters`` say so (``budget_parameters``)."""
     pb = _pb()
     config = pb.ModelConfig(name=name, backend=backend)
-    (policy or BatchingPolicy()).to_triton(config, spec.max_batch_size)
+    policy = policy or BatchingPolicy()
+    policy.to_triton(config, spec.max_batch_size)
+    if config.max_batch_size:
+        for key, value in budget_parameters(policy, "fixed").items():
+            config.parameters[key].string_value = value
     _tensors(config.input, spec.inputs)
     _tensors(config.output, spec.outputs)
     config.instance_group.add(count=instance_count, kind=pb.ModelInstanceGroup.KIND_CPU)

@@ -13,6 +13,7 @@ from ..batching.sequencer import SequenceBatcher
 from ..errors import InvalidInput
 from .jsonbody import parse_json
 from .models import FrontModel, unready_reason
+from .pbtxt import budget_parameters
 from .pbtxt import model_config as render
 
 __all__ = [
@@ -75,16 +76,14 @@ def model_config_json(name: str, model: FrontModel) -> dict[str, Any]:
 
 def _budget_in_force(config: Any, batcher: Any) -> None:
     """A latency budget as its batcher holds it: the budget and percentile in
-    ``parameters`` (servekit's own knobs), and, since no fixed delay is in force, the
-    batch hold it uses now (``max_queue_delay_microseconds``: the last batch's, 0 before
-    any) beside the part of the budget the holds use and the target rows."""
+    ``parameters`` (servekit's own knobs) with ``queue_delay = adaptive``, and, since no
+    fixed delay is in force, the batch hold it uses now (``max_queue_delay_microseconds``:
+    the last batch's, 0 before any) beside the part of the budget the holds use and the
+    target rows."""
     policy, budget = batcher.policy, batcher.budget
     figures = budget.figures() if budget is not None else {}
     config.dynamic_batching.max_queue_delay_microseconds = round(figures.get("held_s", 0) * 1e6)
-    params = {
-        "latency_budget_ms": f"{policy.latency_budget_ms:g}",
-        "latency_percentile": f"{policy.latency_percentile:g}",
-    }
+    params = budget_parameters(policy, "adaptive")
     if figures:
         params["working_budget_ms"] = f"{figures['working_s'] * 1e3:g}"
         params["target_rows"] = f"{figures['target_rows']:g}"

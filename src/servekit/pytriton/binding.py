@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -32,6 +32,7 @@ __all__ = [
     "error_response",
     "infer_callable",
     "install_error_shim",
+    "install_parameters",
     "pytriton_tensors",
 ]
 
@@ -44,6 +45,8 @@ for the stub shim's pipeline, which cannot see it run in this process."""
 _SHIMMED: dict[str, bytes] = {}
 """Each shimmed model's options for the shim (``servekit.json`` beside its ``model.py``)."""
 OPTIONS_FILE = "servekit.json"
+_PARAMETERS: dict[str, dict[str, str]] = {}
+"""Each model's own ``parameters`` for its Triton model configuration (``install_parameters``)."""
 
 
 def pytriton_tensors(tensors: Sequence[TensorSpec]) -> list[Any]:
@@ -176,3 +179,31 @@ def install_error_shim(model_name: str, *, overlap: bool = False) -> None:
     Model.get_proxy_model_files = get_proxy_model_files
     Model.generate_model = generate_model
     Model._servekit_shim = True
+
+
+def install_parameters(model_name: str, parameters: Mapping[str, str]) -> None:
+    """Have PyTriton write ``parameters`` into ``model_name``'s Triton model configuration
+    beside its own (``parameters`` of config.pbtxt, which ``/v2/models/<m>/config`` shows):
+    PyTriton's ``ModelConfig`` has no field for them. Empty: none (a model bound before
+    under the name keeps none of its own)."""
+    try:
+        from pytriton.models.model import Model
+    except ImportError as exc:
+        raise TritonSetupError(f"PyTriton's model module is missing: {exc}") from None
+    if not hasattr(Model, "_get_triton_model_config"):
+        raise TritonSetupError(
+            "this PyTriton version lacks Model._get_triton_model_config; "
+            "servekit supports nvidia-pytriton >= 0.5, < 0.8"
+        )
+    _PARAMETERS[model_name] = dict(parameters)
+    if getattr(Model, "_servekit_parameters", False):
+        return
+    rendered = Model._get_triton_model_config
+
+    def _get_triton_model_config(self: Any) -> Any:
+        config = rendered(self)
+        config.backend_parameters.update(_PARAMETERS.get(self.model_name, {}))
+        return config
+
+    Model._get_triton_model_config = _get_triton_model_config
+    Model._servekit_parameters = True

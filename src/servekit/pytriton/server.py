@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import ServeConfig, ServerConfig
+from ..protocol.pbtxt import budget_parameters
 from ..runners.base import Runner
 from ..runners.broken import broken
 from ..runtime.base import ServedModel, is_decoupled, refuse_decoupled, static_budgets
@@ -20,7 +21,7 @@ from ..runtime.registry import ServedModels, response_cache, served_name, watche
 from ..tracing import Tracing, triton_trace_config
 from ..triton.env import apply_triton_environment, gpu_present
 from ..triton.logs import Workdir
-from .binding import infer_callable, install_error_shim, pytriton_tensors
+from .binding import infer_callable, install_error_shim, install_parameters, pytriton_tensors
 
 __all__ = ["TritonServer"]
 
@@ -157,6 +158,10 @@ class TritonServer:
             for m in bound:
                 install_error_shim(bound[m], overlap=m.overlaps)
                 spec = m.runner.spec
+                batches = m.policy.effective_max_batch_size(spec.max_batch_size)
+                install_parameters(
+                    bound[m], budget_parameters(m.policy, "fixed") if batches else {}
+                )
                 triton.bind(
                     model_name=bound[m],
                     infer_func=[
