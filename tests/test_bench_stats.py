@@ -82,12 +82,21 @@ def test_level_ranges():
         {"warmup_s": math.nan},
         {"window_s": math.inf},
         {"stability": math.nan},
+        {"timeout_ms": math.nan},
+        {"timeout_ms": math.inf},
     ],
 )
 def test_a_window_that_would_never_end_is_refused(knobs):
     """``--window nan`` measured forever: no clock reading reaches NaN seconds."""
     with pytest.raises(ValueError, match="nan|inf"):
         MeasureConfig(**knobs)
+
+
+def test_a_deadline_that_has_passed_or_negative_retries_are_refused():
+    with pytest.raises(ValueError, match="timeout_ms must be a positive number of ms, got 0"):
+        MeasureConfig(timeout_ms=0)
+    with pytest.raises(ValueError, match="retries must be >= 0, got -1"):
+        MeasureConfig(retries=-1)
 
 
 def test_rows_per_s_counts_rows_of_back_to_back_calls_after_the_warmup():

@@ -5,6 +5,9 @@ and p95 latency within a tolerance (perf_analyzer's method) or a window budget r
 out. Open-loop latency counts from the moment a request was due, not when it was
 sent, so a client that falls behind shows up as latency instead of hiding it
 (coordinated omission); the point also reports when the client itself was the limit.
+With ``timeout_ms`` clients give up on an answer that has not come in time and, with
+``retries``, send the request again (``deadline``); the point then reports goodput, the
+answers delivered before their client's deadline, beside throughput.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ServekitError
 from .cpu import TreeCpu
+from .deadline import Outcome, request
 from .stats import WindowStats, is_stable, summarize
 from .targets import Target
 
@@ -39,6 +42,15 @@ class MeasureConfig:
     """Open loop: requests outstanding at once before the client counts itself saturated."""
     server_pid: int | None = None
     """The server's process: its whole tree's CPU is measured per request (same host only)."""
+    timeout_ms: float | None = None
+    """Each client's deadline: it gives up on an attempt with no answer after this long
+    (closing its connection, cancelling its call) and the request carries it as the KServe
+    ``timeout`` parameter; a request's deadline counts from when it was first sent (open
+    loop: due). None: clients wait for every answer."""
+    retries: int = 0
+    """A request that timed out or was refused (503 / UNAVAILABLE) is sent again up to
+    this many more times, after a refusal once its ``Retry-After`` (capped by the time
+    left before the deadline) has passed."""
 
     def __post_init__(self) -> None:
         # Written so NaN fails too: a window of NaN seconds never ends.
@@ -48,6 +60,10 @@ class MeasureConfig:
             )
         if not 0 <= self.stability < math.inf:
             raise ValueError(f"stability must be >= 0, got {self.stability}")
+        if self.timeout_ms is not None and not 0 < self.timeout_ms < math.inf:
+            raise ValueError(f"timeout_ms must be a positive number of ms, got {self.timeout_ms}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
         if self.max_windows < self.stable_windows:
             raise ValueError(
                 f"max_windows ({self.max_windows}) must be >= stable_windows ({self.stable_windows})"
@@ -76,6 +92,15 @@ class Point:
     server_cpu_us: float = float("nan")
     """Server CPU per request answered, microseconds: the CPU time of the server's whole
     process tree (``MeasureConfig.server_pid``); NaN when not measured."""
+    timeout_ms: float | None = None
+    """The clients' deadline (``MeasureConfig.timeout_ms``); None: they waited."""
+    retries: int = 0
+    """How many times a request could be sent again (``MeasureConfig.retries``)."""
+
+    @property
+    def deadlines(self) -> bool:
+        """Measured with a client deadline or retries: goodput is worth reporting."""
+        return self.timeout_ms is not None or self.retries > 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -89,6 +114,8 @@ class Point:
             "achieved_rate": self.achieved_rate,
             "client_cpu_us": self.client_cpu_us,
             "server_cpu_us": self.server_cpu_us,
+            "timeout_ms": self.timeout_ms,
+            "retries": self.retries,
             "errors_seen": list(self.error_messages),
         }
 
@@ -133,21 +160,29 @@ def parse_levels(spec: str) -> list[float]:
 
 
 class _Recorder:
+    """Each request as it ends: its latency and what became of its attempts."""
+
     def __init__(self) -> None:
         self.latencies: list[float] = []
-        self.ok: list[bool] = []
+        self.outcomes: list[Outcome] = []
         self.errors: dict[str, int] = {}
 
-    def add(self, latency: float, error: BaseException | None) -> None:
+    def add(self, latency: float, outcome: Outcome) -> None:
         self.latencies.append(latency)
-        self.ok.append(error is None)
+        self.outcomes.append(outcome)
+        error = outcome.error
         if error is not None and len(self.errors) < 5:
             key = f"{type(error).__name__}: {error}"[:300]
             self.errors[key] = self.errors.get(key, 0) + 1
 
     def window(self, start: int, end: int, duration: float, rows: int) -> WindowStats:
-        lat = [x for x, ok in zip(self.latencies[start:end], self.ok[start:end], strict=True) if ok]
-        return summarize(lat, (end - start) - len(lat), duration, rows)
+        ended = self.outcomes[start:end]
+        lat = [x for x, o in zip(self.latencies[start:end], ended, strict=True) if o.error is None]
+        return summarize(
+            lat, len(ended) - len(lat), duration, rows,
+            sent=sum(o.attempts for o in ended), timed_out=sum(o.timed_out for o in ended),
+            refused=sum(o.refused for o in ended), in_time=sum(o.in_time for o in ended),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -209,15 +244,13 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
     recorder = _Recorder()
     stop = False
 
+    timeout_s = None if cfg.timeout_ms is None else cfg.timeout_ms / 1e3
+
     async def worker() -> None:
-        while not stop:
+        while not stop:  # a request given up is left behind: the next one starts at once
             t0 = time.perf_counter()
-            try:
-                await target.send()
-                error = None
-            except ServekitError as exc:
-                error = exc
-            recorder.add(time.perf_counter() - t0, error)
+            outcome = await request(target, timeout_s, cfg.retries, t0)
+            recorder.add(time.perf_counter() - t0, outcome)
 
     workers = [asyncio.create_task(worker()) for _ in range(int(concurrency))]
     try:
@@ -242,6 +275,8 @@ async def closed_loop(target: Target, concurrency: int, cfg: MeasureConfig) -> P
         tuple(recorder.errors),
         usage.client_us,
         usage.server_us,
+        cfg.timeout_ms,
+        cfg.retries,
     )
 
 
@@ -254,14 +289,11 @@ async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int =
     saturated = 0
     sent = 0
     stop = False
+    timeout_s = None if cfg.timeout_ms is None else cfg.timeout_ms / 1e3
 
     async def one(due: float) -> None:
-        try:
-            await target.send()
-            error = None
-        except ServekitError as exc:
-            error = exc
-        recorder.add(time.perf_counter() - due, error)
+        outcome = await request(target, timeout_s, cfg.retries, due)
+        recorder.add(time.perf_counter() - due, outcome)
 
     async def schedule() -> None:
         nonlocal saturated, sent
@@ -305,6 +337,8 @@ async def open_loop(target: Target, rate: float, cfg: MeasureConfig, seed: int =
         tuple(recorder.errors),
         usage.client_us,
         usage.server_us,
+        cfg.timeout_ms,
+        cfg.retries,
     )
 
 

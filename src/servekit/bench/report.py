@@ -14,6 +14,7 @@ from rich.table import Table
 from .loadgen import Point
 
 __all__ = [
+    "goodput_table",
     "machine",
     "markdown_head",
     "plot_latency_vs_throughput",
@@ -73,6 +74,23 @@ def table(points: Sequence[Point], title: str = "") -> Table:
             "-" if math.isnan(p.server_cpu_us) else f"{p.server_cpu_us:.0f}",
             ", ".join(notes),
         )
+    return t
+
+
+def goodput_table(points: Sequence[Point], title: str = "") -> Table:
+    """Goodput beside throughput, and what became of the attempts: for a sweep with a
+    client deadline or retries (``Point.deadlines``), below ``table``."""
+    t = Table(
+        "mode", "level", "req/s", "goodput/s", "in time", "sent/s", "timed out", "refused",
+        "retried", "errors", title=title,
+    )  # fmt: skip
+    for p in points:
+        s = p.stats
+        t.add_row(
+            p.mode, f"{p.level:g}", f"{s.throughput:.1f}", f"{s.goodput:.1f}",
+            f"{s.goodput_share:.0%}", f"{s.sent_per_s:.1f}", str(s.timed_out),
+            str(s.refused), str(s.retried), str(s.errors),
+        )  # fmt: skip
     return t
 
 

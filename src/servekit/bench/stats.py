@@ -27,11 +27,44 @@ class WindowStats:
     p90_ms: float
     p95_ms: float
     p99_ms: float
+    sent: int = 0
+    """Attempts sent, each retry one more: the load the server was given."""
+    timed_out: int = 0
+    """Attempts with no answer by their deadline: the client gave up (closed its
+    connection, cancelled its call), or the server answered 504 / DEADLINE_EXCEEDED."""
+    refused: int = 0
+    """Attempts refused with 503 / UNAVAILABLE (the server's queue full, a request shed)."""
+    in_time: int = 0
+    """Requests answered before their client's deadline (counted from when each was first
+    sent or, open loop, due); every answered one when the client has no deadline. The
+    rest of ``requests`` were answered late, by a retry."""
 
     @property
     def throughput(self) -> float:
-        """Successful requests per second."""
+        """Successful requests per second, in time or not."""
         return self.requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def retried(self) -> int:
+        """Attempts that sent a request again, after a timeout or a refusal."""
+        return self.sent - self.requests - self.errors
+
+    @property
+    def sent_per_s(self) -> float:
+        """Attempts per second, retries included."""
+        return self.sent / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Requests answered before their client's deadline, per second."""
+        return self.in_time / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def goodput_share(self) -> float:
+        """The share of the requests the clients made (ended in the window: answered or
+        failed) that were answered in time; 0 with none."""
+        made = self.requests + self.errors
+        return self.in_time / made if made else 0.0
 
     @property
     def inferences_per_s(self) -> float:
@@ -42,13 +75,26 @@ class WindowStats:
             **asdict(self),
             "throughput": self.throughput,
             "inferences_per_s": self.inferences_per_s,
+            "retried": self.retried,
+            "sent_per_s": self.sent_per_s,
+            "goodput": self.goodput,
+            "goodput_share": self.goodput_share,
         }
 
 
 def summarize(
-    latencies_s: Sequence[float], errors: int, duration_s: float, rows_per_request: int = 1
+    latencies_s: Sequence[float],
+    errors: int,
+    duration_s: float,
+    rows_per_request: int = 1,
+    *,
+    sent: int | None = None,
+    timed_out: int = 0,
+    refused: int = 0,
+    in_time: int | None = None,
 ) -> WindowStats:
-    """Stats for the successful requests' latencies (seconds in, milliseconds out)."""
+    """Stats for the successful requests' latencies (seconds in, milliseconds out);
+    ``sent`` defaults to one attempt a request, ``in_time`` to every answer."""
     ms = sorted(x * 1e3 for x in latencies_s)
     return WindowStats(
         requests=len(ms),
@@ -60,6 +106,10 @@ def summarize(
         p90_ms=percentile(ms, 90),
         p95_ms=percentile(ms, 95),
         p99_ms=percentile(ms, 99),
+        sent=len(ms) + errors if sent is None else sent,
+        timed_out=timed_out,
+        refused=refused,
+        in_time=len(ms) if in_time is None else in_time,
     )
 
 

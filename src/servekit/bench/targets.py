@@ -2,6 +2,9 @@
 
 Every target has ``await send()`` (one request with the prepared payload) and ``close()``;
 remote errors raise ``ServekitError`` subclasses, so the generator counts them the same way.
+``send(timeout_us=...)`` carries the client's timeout to the server (the KServe ``timeout``
+parameter, over HTTP and gRPC); a send cancelled when the client gives up closes its HTTP
+connection or cancels its gRPC call.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ def _payloads(inputs: Payloads) -> list[dict[str, np.ndarray]]:
 class Target(Protocol):
     name: str
 
-    async def send(self) -> None: ...
+    async def send(self, timeout_us: int | None = None) -> None:
+        """One request; ``timeout_us``: how long its client waits (the server may drop it
+        after that)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -129,21 +135,27 @@ class RemoteTarget:
             self._client.prepare(p, binary=binary) for p in payloads[1:]
         ]
         self._turn = itertools.cycle(range(len(self._requests)))
-        self._bodies: list[tuple[bytes, dict[str, str]]] = []
+        self._bodies: dict[int | None, list[tuple[bytes, dict[str, str]]]] = {}
         if url.startswith("http://"):
-            import tritonclient.http as th
-
-            for prepared in self._requests:
-                body, json_size = th.InferenceServerClient.generate_request_body(
-                    prepared, outputs=self._outputs
-                )
-                headers = {
-                    "Content-Type": "application/octet-stream" if json_size else "application/json"
-                }
-                if json_size is not None:
-                    headers["Inference-Header-Content-Length"] = str(json_size)
-                self._bodies.append((body, headers))
+            self._bodies[None] = self._encode(None)
             self._endpoint = f"{url}/v2/models/{model}/infer"
+
+    def _encode(self, timeout_us: int | None) -> list[tuple[bytes, dict[str, str]]]:
+        """Each request's HTTP body and headers, ``timeout_us`` in its parameters."""
+        import tritonclient.http as th
+
+        bodies = []
+        for prepared in self._requests:
+            body, json_size = th.InferenceServerClient.generate_request_body(
+                prepared, outputs=self._outputs, timeout=timeout_us
+            )
+            headers = {
+                "Content-Type": "application/octet-stream" if json_size else "application/json"
+            }
+            if json_size is not None:
+                headers["Inference-Header-Content-Length"] = str(json_size)
+            bodies.append((body, headers))
+        return bodies
 
     async def check(self) -> None:
         """Fail fast and clearly: the server must answer and know the model."""
@@ -152,36 +164,41 @@ class RemoteTarget:
         except ServerUnreachable as exc:
             raise ServerUnreachable(f"{exc} (is the server up at {self.url}?)") from None
 
-    async def send(self) -> None:
+    async def send(self, timeout_us: int | None = None) -> None:
         flags = self._sequences.next()
         turn = next(self._turn)
         if not self._bodies:
+            # A call given up is cancelled: grpc.aio resets its stream (RST_STREAM).
             await self._client.infer_prepared(
-                self.model, self._requests[turn], outputs=self._outputs, **flags
-            )
+                self.model, self._requests[turn], outputs=self._outputs, timeout_us=timeout_us,
+                **flags,
+            )  # fmt: skip
             return
         import aiohttp
 
-        from ..errors import from_http_status
-
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        whole, headers = self._bodies[turn]
+        if timeout_us not in self._bodies:
+            self._bodies[timeout_us] = self._encode(timeout_us)
+        whole, headers = self._bodies[timeout_us][turn]
         if flags:  # the sequence's parameters are in the request's JSON: made per request
             import tritonclient.http as th
 
             whole, json_size = th.InferenceServerClient.generate_request_body(
-                self._requests[turn], outputs=self._outputs, **flags
+                self._requests[turn], outputs=self._outputs, timeout=timeout_us, **flags
             )
             if json_size is not None:
                 headers = {**headers, "Inference-Header-Content-Length": str(json_size)}
         try:
             # aiohttp streams a body over 1 MB from a file object (and warns on raw bytes).
             body = whole if len(whole) <= 1 << 20 else io.BytesIO(whole)
+            # Cancelled before the whole answer is read (the client gave up), aiohttp
+            # closes the connection instead of returning it to the pool.
             async with self._session.post(self._endpoint, data=body, headers=headers) as r:
                 payload = await r.read()
                 if r.status != 200:
-                    raise from_http_status(r.status, payload[:500].decode("utf-8", "replace"))
+                    text = payload[:500].decode("utf-8", "replace")
+                    raise _http_error(r.status, text, r.headers.get("Retry-After"))
         except aiohttp.ClientError as exc:
             raise ServerUnreachable(f"cannot reach {self.url}: {exc}") from None
 
@@ -191,6 +208,23 @@ class RemoteTarget:
         await self._client.close()
         if self._registrar is not None:
             self._registrar.close()
+
+
+def _http_error(status: int, message: str, retry_after: str | None) -> ServekitError:
+    """The error an HTTP answer other than 200 stands for; a 503's ``Retry-After`` (in
+    seconds) is kept as an ``Overloaded``'s hint, and a 503 without one asks no wait."""
+    from ..errors import Overloaded, from_http_status
+
+    error = from_http_status(status, message)
+    if status != 503:
+        return error
+    try:
+        seconds = float(retry_after) if retry_after is not None else 0.0
+    except ValueError:  # an HTTP date: not what a server under load sends
+        seconds = 0.0
+    if seconds > 0 or isinstance(error, Overloaded):
+        return Overloaded(message, retry_after_s=max(seconds, 0.0))
+    return error
 
 
 class StreamTarget:
@@ -258,7 +292,12 @@ class StreamTarget:
         self._streams[worker] = (queue, waiting)
         return queue, waiting
 
-    async def send(self) -> None:
+    async def send(self, timeout_us: int | None = None) -> None:
+        if timeout_us is not None:
+            raise ServekitError(
+                "a stream's requests cannot be given up one by one: a client timeout needs "
+                "unary calls (no --streaming)"
+            )
         worker = asyncio.current_task()
         queue, waiting = self._streams.get(worker) or self._open(worker)
         future = asyncio.get_running_loop().create_future()
@@ -290,8 +329,8 @@ class BatcherTarget:
     async def check(self) -> None:
         await self.send()
 
-    async def send(self) -> None:
-        await self.batcher.infer(self.inputs)
+    async def send(self, timeout_us: int | None = None) -> None:
+        await self.batcher.infer(self.inputs, timeout_us=timeout_us)
 
     async def close(self) -> None:
         pass
@@ -311,7 +350,8 @@ class RunnerTarget:
     async def check(self) -> None:
         await self.send()
 
-    async def send(self) -> None:
+    async def send(self, timeout_us: int | None = None) -> None:
+        """``timeout_us`` is not the runner's to honour: a call given up still runs."""
         await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.infer, self.inputs)
 
     async def close(self) -> None:
