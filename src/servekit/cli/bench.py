@@ -81,6 +81,23 @@ def bench(
             help="NAME:D1,D2: an input's variable dimensions, batch excluded (repeat).",
         ),
     ] = None,
+    timeout_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="Each client's deadline: it gives up on an answer not come in this long, "
+            "closing its connection (cancelling its gRPC call), and sends it as the "
+            "request's KServe timeout parameter. Reports goodput: answers in time, per second.",
+        ),
+    ] = None,
+    retries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Send a request that timed out or was refused (503 / UNAVAILABLE) again, up "
+            "to N more times; after a refusal once its Retry-After has passed, capped by the "
+            "time left before the deadline.",
+        ),
+    ] = 0,
 ) -> None:
     """Load-test a KServe v2 endpoint (perf_analyzer's method): closed loop over concurrency
     levels or open loop at Poisson request rates; windows repeat until stable."""
@@ -89,13 +106,25 @@ def bench(
     from ..bench import MeasureConfig, open_target, parse_levels, sweep
     from ..bench.inputdata import load_input_data, parse_shapes
     from ..bench.loadgen import Point
-    from ..bench.report import plot_latency_vs_throughput, table, write_csv, write_json
+    from ..bench.report import (
+        goodput_table,
+        plot_latency_vs_throughput,
+        table,
+        write_csv,
+        write_json,
+    )
     from ..client import Client
 
     if (concurrency is None) == (request_rate is None):
         raise typer.BadParameter("give exactly one of --concurrency or --request-rate")
     if (streaming or sequence_length) and request_rate is not None:
         raise typer.BadParameter("--streaming and --sequence-length run a closed loop")
+    if (streaming or sequence_length) and (timeout_ms is not None or retries):
+        raise typer.BadParameter(
+            "--timeout-ms and --retries give up on and resend single requests: not with "
+            "--streaming (a stream's requests cannot be left one by one) or --sequence-length "
+            "(a sequence's steps cannot be repeated)"
+        )
     mode, spec = ("concurrency", concurrency) if concurrency else ("rate", request_rate)
     try:
         levels = parse_levels(spec)  # type: ignore[arg-type]
@@ -106,6 +135,8 @@ def bench(
             stability=stability,
             rows_per_request=batch_size,
             server_pid=server_pid,
+            timeout_ms=timeout_ms,
+            retries=retries,
         )
         with Client(url) as client:
             photos = [p.read_bytes() for p in images or ()]
@@ -124,9 +155,11 @@ def bench(
 
     def progress(point: Point) -> None:
         """One line per level as it finishes; the table comes once, at the end."""
+        s = point.stats
+        good = f", goodput {s.goodput:.1f} req/s ({s.goodput_share:.0%} in time)"
         console.print(
-            f"{mode} {point.level:g}: {point.stats.inferences_per_s:.1f} infer/s, "
-            f"p99 {point.stats.p99_ms:.2f} ms"
+            f"{mode} {point.level:g}: {s.inferences_per_s:.1f} infer/s, p99 {s.p99_ms:.2f} ms"
+            + (good if point.deadlines else "")
         )
 
     async def run() -> list:
@@ -152,11 +185,15 @@ def bench(
         console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(2) from None
     console.print(table(points, title=f"{model} at {url}"))
+    if any(p.deadlines for p in points):
+        deadline = f"{timeout_ms:g} ms deadline" if timeout_ms is not None else "no deadline"
+        console.print(goodput_table(points, title=f"{deadline}, {retries} retries"))
     if out is not None:
         series = {f"{model} ({url.split(':')[0]})": points}
-        write_json(
-            series, out.with_suffix(".json"), {"url": url, "model": model, "batch_size": batch_size}
-        )
+        meta = {"url": url, "model": model, "batch_size": batch_size}
+        if timeout_ms is not None or retries:
+            meta.update(timeout_ms=timeout_ms, retries=retries)
+        write_json(series, out.with_suffix(".json"), meta)
         write_csv(series, out.with_suffix(".csv"))
         plot_latency_vs_throughput(series, out.with_suffix(".png"), title=model)
         console.print(f"wrote {out.with_suffix('.json')}, .csv, .png")
