@@ -35,14 +35,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from .. import tracing
 from ..batching import Batcher
-from ..batching.request import CLIENT_DEADLINE
 from ..batching.sequence import SequenceFlags
 from ..errors import INFERENCE_TOKEN_HEADER, ModelNotReady, ServekitError, from_grpc_code
 from ..protocol.kserve import HEADER_LENGTH
@@ -54,7 +53,7 @@ from .grpc import GrpcForwarder, Status, infer_request, response_outputs
 from .http import Answer, Done, Dropped, HttpForwarder
 from .journal import SequenceJournal
 from .private import triton_ready
-from .window import Slot, Window
+from .window import Window, due_s
 
 __all__ = ["ForwardedModel", "TritonVersion"]
 
@@ -174,22 +173,8 @@ class ForwardedModel:
         window = self.window
         if window is None or sequence is not None:
             return await self._forward_now(body, header_length, version, timeout_us, sequence)
-        slot = await window.wait(_due_s(timeout_us))
-        sent = self._forward_now(body, header_length, version, timeout_us, None)
-        return cast(Answer, await self._through(window, slot, sent))
-
-    async def _through(self, window: Window, slot: Slot, sent: Awaitable[Any]) -> Any:
-        """``sent``'s outcome; a client that leaves meanwhile does not cut it short: the
-        request stays with tritonserver, which runs it anyway (servekit's backend does
-        not ask ``is_cancelled`` yet), so its slot is let go only once it is answered."""
-        task = asyncio.ensure_future(sent)
-        self._replays.add(task)
-        task.add_done_callback(functools.partial(_let_go, window, slot, self._replays))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            window.leave(slot)
-            raise
+        sent = functools.partial(self._forward_now, body, header_length, version, timeout_us)
+        return cast(Answer, await window.through(sent, due_s(timeout_us), self._replays))
 
     async def _forward_now(
         self,
@@ -197,7 +182,7 @@ class ForwardedModel:
         header_length: int | None,
         version: str,
         timeout_us: int | None,
-        sequence: SequenceFlags | None,
+        sequence: SequenceFlags | None = None,
     ) -> Answer:
         request = self._request(body, header_length, version)
         http = cast(HttpForwarder, self._http)
@@ -245,28 +230,11 @@ class ForwardedModel:
         if window is None or sequence is not None:
             self._send_now(body, header_length, version, done, timeout_us, sequence)
             return None
-        slot: list[Slot] = []
-        answered: list[bool] = []
 
-        def finish(outcome: Answer | ServekitError) -> None:
-            if slot:
-                window.done(slot[0])
-            else:  # answered before ``enter`` returned
-                answered.append(True)
-            done(outcome)
-
-        def go() -> None:
+        def go(finish: Done) -> None:
             self._send_now(body, header_length, version, finish, timeout_us, None)
 
-        try:
-            slot.append(window.enter(go, _due_s(timeout_us)))
-        except ServekitError as exc:
-            done(exc)
-            return None
-        if answered:
-            window.done(slot[0])
-            return None
-        return functools.partial(window.leave, slot[0])
+        return window.send(go, done, due_s(timeout_us))
 
     def _send_now(
         self,
@@ -369,9 +337,8 @@ class ForwardedModel:
         window = self.window
         if window is None or sequence is not None:
             return await self._relay_now(body, key, timeout_us, metadata, sequence)
-        slot = await window.wait(_due_s(timeout_us))
-        sent = self._relay_now(body, key, timeout_us, metadata, None)
-        return cast("bytes | Status", await self._through(window, slot, sent))
+        sent = functools.partial(self._relay_now, body, key, timeout_us, metadata)
+        return cast("bytes | Status", await window.through(sent, due_s(timeout_us), self._replays))
 
     async def _relay_now(
         self,
@@ -379,7 +346,7 @@ class ForwardedModel:
         key: Callable[[], bytes],
         timeout_us: int | None,
         metadata: tuple[tuple[str, Any], ...],
-        sequence: SequenceFlags | None,
+        sequence: SequenceFlags | None = None,
     ) -> bytes | Status:
         parent = tracing.outgoing()
         if parent is not None:  # tritonserver's spans join the request's trace, under ours
@@ -464,25 +431,8 @@ class ForwardedModel:
             self._http = None
 
 
-def _let_go(window: Window, slot: Slot, held: set[Any], task: asyncio.Future[Any]) -> None:
-    held.discard(task)
-    window.done(slot)
-    if not task.cancelled():
-        task.exception()  # its caller may have left: retrieved here, never logged as lost
-
-
 def _cancel(task: asyncio.Task[Any]) -> None:
     task.cancel()
-
-
-def _due_s(timeout_us: int | None) -> float | None:
-    """Seconds the client still waits: its ``timeout`` parameter, its gRPC deadline."""
-    due = timeout_us / 1e6 if timeout_us else None
-    client = CLIENT_DEADLINE.get()
-    if client is not None:
-        left = client - time.monotonic()
-        due = left if due is None else min(due, left)
-    return due
 
 
 _STUB_DEAD = b"is not healthy"

@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from ..batching.pace import Pace, late
 from ..batching.policy import BatchingPolicy
+from ..batching.request import CLIENT_DEADLINE
+from ..errors import ServekitError
 from ..metrics import ABANDONED_HELP, ABANDONED_METRIC, SHED_HELP, SHED_METRIC, Family
+from .http import Answer, Done
 
 __all__ = [
     "Slot",
     "Window",
+    "due_s",
     "limit_from_triton",
     "limit_of",
     "window_limit",
@@ -36,6 +41,7 @@ __all__ = [
 ]
 
 _WAITING, _SENT, _LEFT, _DONE = range(4)
+T = TypeVar("T")
 
 
 class Slot:
@@ -134,6 +140,65 @@ class Window:
                 self.done(slot)
             raise
         return slot
+
+    async def through(
+        self, sent: Callable[[], Awaitable[T]], due_s: float | None, held: set[Any]
+    ) -> T:
+        """``sent()`` once a slot is free; a client that leaves meanwhile does not cut it
+        short: the request stays with tritonserver, which runs it anyway (servekit's
+        backend does not ask ``is_cancelled`` yet), so its slot is let go only once it
+        is answered (``held`` keeps the task until then)."""
+        slot = await self.wait(due_s)
+        task = asyncio.ensure_future(sent())
+        held.add(task)
+        task.add_done_callback(functools.partial(self._answered, slot, held))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.leave(slot)
+            raise
+
+    def _answered(self, slot: Slot, held: set[Any], task: asyncio.Future[Any]) -> None:
+        held.discard(task)
+        self.done(slot)
+        if not task.cancelled():
+            task.exception()  # its caller may have left: retrieved here, never logged as lost
+
+    def send(
+        self, go: Callable[[Done], None], done: Done, due_s: float | None
+    ) -> Callable[[], None] | None:
+        """``through`` from callbacks: ``go(finish)`` sends the request once a slot is
+        free and ``finish`` passes its answer to ``done``. Returns what to call if the
+        client leaves first (None: already answered)."""
+        slot: list[Slot] = []
+        answered: list[bool] = []
+
+        def finish(outcome: Answer | ServekitError) -> None:
+            if slot:
+                self.done(slot[0])
+            else:  # answered before ``enter`` returned
+                answered.append(True)
+            done(outcome)
+
+        try:
+            slot.append(self.enter(functools.partial(go, finish), due_s))
+        except ServekitError as exc:
+            done(exc)
+            return None
+        if answered:
+            self.done(slot[0])
+            return None
+        return functools.partial(self.leave, slot[0])
+
+
+def due_s(timeout_us: int | None) -> float | None:
+    """Seconds the client still waits: its ``timeout`` parameter, its gRPC deadline."""
+    due = timeout_us / 1e6 if timeout_us else None
+    client = CLIENT_DEADLINE.get()
+    if client is not None:
+        left = client - time.monotonic()
+        due = left if due is None else min(due, left)
+    return due
 
 
 def window_limit(max_batch_size: int, instances: int) -> int:

@@ -24,6 +24,7 @@ import logging
 import threading
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import NamedTuple
 
 import httptools
 
@@ -40,21 +41,14 @@ _MAX_PENDING = 16
 """Pipelined requests queued on one connection before it stops reading."""
 
 
-class _Request:
-    __slots__ = ("body", "error", "headers", "keep_alive", "method", "oversize", "target")
-
-    def __init__(
-        self,
-        method: str,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        keep_alive: bool,
-        error: tuple[int, str] | None,
-        oversize: int,
-    ) -> None:
-        self.method, self.target, self.headers, self.body = method, target, headers, body
-        self.keep_alive, self.error, self.oversize = keep_alive, error, oversize
+class _Request(NamedTuple):
+    method: str
+    target: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    keep_alive: bool
+    error: tuple[int, str] | None
+    oversize: int
 
 
 _JSON = {"content-type": "application/json"}
@@ -118,9 +112,8 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
         if self.handling is not None:
             self.handling.cancel()
-        if self.leave is not None:
-            leave, self.leave = self.leave, None
-            leave()
+        if self.leave is not None:  # called once: the connection is gone
+            self.leave()
         if self.streaming is not None:
             self.streaming.cancel()
         if self.writable is not None:
