@@ -392,6 +392,65 @@ def test_on_loopback_gives_free_ports_only_to_the_ports_a_runtime_listens_on():
     assert native.server.metrics_port != 8002
 
 
+def test_the_cluster_servekit_starts_takes_its_ports_as_a_block_or_a_list_and_says_them():
+    """``[ray] ports``: the Ray the ray runtime starts (``compare --ports`` fills them)."""
+    from servekit.config.server import ray_port_count
+    from servekit.endpoints import free_port
+
+    ray = RayOptions(ports="20000:20041")
+    assert ray.ports == tuple(range(20000, 20042))
+    config = ServeConfig((ModelConfig("m.onnx"),), runtime="ray", ray=ray).check()
+    assert ServeConfig.from_dict(tomllib.loads(config.to_toml())) == config
+    line = config.listening()
+    assert "the Ray servekit starts: GCS 20000, node manager 20001," in line
+    assert "dashboard metrics 20009, worker processes 20010-20041 (and Ray Serve's" in line
+    assert "listed once it has started" in ServeConfig(runtime="ray").listening()
+    first = free_port()
+    within = ServeConfig(runtime="ray").on_loopback((first, first + 99))  # compare --ports
+    assert len(within.ray.ports) == ray_port_count() == len(set(within.ray.ports))
+    assert all(first <= p <= first + 99 for p in (within.server.http_port, *within.ray.ports))
+    assert ServeConfig(runtime="ray").on_loopback().ray.ports == ()  # no range: Ray picks
+
+
+def test_cluster_ports_that_cannot_hold_are_refused_by_name():
+    with pytest.raises(ValueError, match="the cluster at address = 'head:6379' has its own"):
+        RayOptions(ports="20000:20041", address="head:6379")
+    with pytest.raises(ValueError, match=r"at least 18 \(10 of its own, .*got 3: \[1, 2, 3\]"):
+        RayOptions(ports=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"got \[20000\] more than once"):
+        RayOptions(ports=(20000, *range(20000, 20020)))
+    with pytest.raises(ValueError, match=r"got \[65536, 65537\] outside"):
+        RayOptions(ports=tuple(range(65520, 65538)))
+    with pytest.raises(ValueError, match=r"cannot honour: \[ray\]"):
+        ServeConfig(runtime="native", ray=RayOptions(ports="20000:20041")).check()
+
+
+def test_port_base_gives_each_runtime_the_ports_it_opens_and_its_own_cluster_the_next():
+    """``--port-base N``: the ray runtime opens HTTP N and its Ray gets N+6 on."""
+    import typer
+
+    from servekit.cli.serve import SERVER_FLAGS, _from_port_base
+    from servekit.config.server import ray_port_count
+
+    flags: dict[str, object] = dict.fromkeys(SERVER_FLAGS)
+    ray = _from_port_base(ServeConfig(runtime="ray"), 21000, flags)
+    assert (ray.server.http_port, ray.server.grpc_port) == (21000, 8001)  # HTTP only
+    assert ray.ray.ports == tuple(range(21006, 21006 + ray_port_count()))
+    theirs = ServeConfig(runtime="ray", ray=RayOptions(address="head:6379"))
+    assert _from_port_base(theirs, 21000, flags).ray.ports == ()  # the cluster's own
+    native = ServeConfig(runtime="native", server=ServerConfig(grpc_port=9))
+    native = _from_port_base(native, 21000, {**flags, "grpc_port": 9})  # a flag given wins
+    assert (native.server.http_port, native.server.grpc_port, native.server.metrics_port) == (
+        21000, 9, 21002
+    )  # fmt: skip
+    pytriton = _from_port_base(ServeConfig(runtime="pytriton"), 21000, flags)
+    assert pytriton.private_ports() == {
+        "triton_http_port": 21003, "triton_grpc_port": 21004, "triton_metrics_port": 21005
+    }  # fmt: skip
+    with pytest.raises(typer.BadParameter, match="outside"):
+        _from_port_base(ServeConfig(runtime="ray"), 65500, flags)
+
+
 def test_flags_override_the_file_for_every_model():
     base = ServeConfig(
         (

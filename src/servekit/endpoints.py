@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Endpoints", "PortRange", "free_port", "parse_port_range"]
+__all__ = ["Endpoints", "PortRange", "free_port", "parse_port_range", "said_ports"]
 
 
 class Endpoints:
@@ -106,6 +107,17 @@ def parse_port_range(spec: str) -> PortRange:
     if not 0 < first <= last < 65536:
         raise ValueError(f"a port range is FIRST:LAST within [1, 65535], got {spec!r}")
     return first, last
+
+
+def said_ports(ports: Iterable[int]) -> str:
+    """Ports as a startup line says them: ascending, runs as ranges (``"8000-8002, 9000"``)."""
+    runs: list[list[int]] = []
+    for port in sorted(set(ports)):
+        if runs and port == runs[-1][1] + 1:
+            runs[-1][1] = port
+        else:
+            runs.append([port, port])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def free_port(within: PortRange | None = None) -> int:

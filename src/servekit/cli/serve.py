@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ..config import ServeConfig
+from ..config.server import ray_port_count
 from ..errors import ServekitError
 from .common import (
     CacheDir,
@@ -59,14 +60,32 @@ PORTS = ("http_port", "grpc_port", "metrics_port",
 
 
 def _server_flags(scope: dict[str, object]) -> dict[str, object]:
-    """The server flags given; with ``--port-base``, every port no flag names from it."""
-    flags = {name: scope[name] for name in SERVER_FLAGS}
-    base = scope["port_base"]
-    if isinstance(base, int):
-        for offset, name in enumerate(PORTS):
-            if flags[name] is None:
-                flags[name] = base + offset
-    return flags
+    """The server flags given, by field name (None: not given)."""
+    return {name: scope[name] for name in SERVER_FLAGS}
+
+
+def _from_port_base(cfg: ServeConfig, base: int | None, flags: dict[str, object]) -> ServeConfig:
+    """With ``--port-base``: every port ``cfg``'s runtime opens that no flag names, from
+    ``base`` in ``PORTS``' order, and the ports of a Ray the ray runtime starts after them
+    (``[ray] ports``, unless the file gives them)."""
+    if base is None:
+        return cfg
+    public = ("http_port",) if cfg.runtime == "ray" else ("http_port", "grpc_port", "metrics_port")
+    opened = [*public, *cfg.private_ports()]
+    chosen: dict[str, Any] = {
+        name: base + offset
+        for offset, name in enumerate(PORTS)
+        if name in opened and flags[name] is None
+    }
+    try:
+        cfg = cfg.replace(server=dataclasses.replace(cfg.server, **chosen))
+        if cfg.runtime == "ray" and not cfg.ray.address and not cfg.ray.ports:
+            first = base + len(PORTS)
+            ports = tuple(range(first, first + ray_port_count()))
+            cfg = cfg.replace(ray=dataclasses.replace(cfg.ray, ports=ports))
+        return cfg.check()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--port-base") from None
 
 
 TritonPort = Annotated[
@@ -83,8 +102,10 @@ PortBase = Annotated[
     typer.Option(
         min=1,
         max=65530,
-        help="Every port from N: HTTP N, gRPC N+1, metrics N+2, and tritonserver's own "
-        "behind the front N+3, N+4, N+5 (a port flag given wins).",
+        help="Every port from N: HTTP N, gRPC N+1, metrics N+2, tritonserver's own "
+        "behind the front N+3, N+4, N+5, and the ray runtime's own Ray from N+6 (its "
+        f"GCS, agents and worker processes: {ray_port_count()} ports here) (a port flag "
+        "given wins; the startup line lists every port).",
     ),
 ]
 
@@ -184,13 +205,16 @@ def serve(
             s3_endpoint_url=s3_endpoint_url,
             gcs_endpoint_url=gcs_endpoint_url,
         )
-        if address is None:
-            return cfg
-        if cfg.runtime != "ray":
-            raise typer.BadParameter(
-                f"is Ray's: it needs --runtime ray, not {cfg.runtime}", param_hint="--address"
-            )
-        return cfg.replace(ray=dataclasses.replace(cfg.ray, address=address))
+        if address is not None:
+            if cfg.runtime != "ray":
+                raise typer.BadParameter(
+                    f"is Ray's: it needs --runtime ray, not {cfg.runtime}", param_hint="--address"
+                )
+            try:
+                cfg = cfg.replace(ray=dataclasses.replace(cfg.ray, address=address))
+            except ValueError as exc:  # the file's [ray] ports are not the cluster's
+                raise typer.BadParameter(str(exc), param_hint="--address") from None
+        return _from_port_base(cfg, port_base, flags)
 
     cfg = read()
     try:  # every port known before the start, and the same ones on a reread
@@ -254,11 +278,8 @@ def triton(
     from ..triton.env import TritonSetupError
     from ..triton.launcher import TritonOptions, TritonProcess
 
-    cfg = serve_config(
-        config,
-        runtime="triton",
-        server=_server_flags(locals()),
-    )
+    flags = _server_flags(locals())
+    cfg = _from_port_base(serve_config(config, runtime="triton", server=flags), port_base, flags)
     try:
         cfg = cfg.private_ports_chosen()
     except OSError as exc:

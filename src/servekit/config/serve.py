@@ -12,12 +12,12 @@ from typing import Any
 
 from ..autoscale import AutoscalePolicy
 from ..batching.policy import BatchingPolicy
-from ..endpoints import PortRange
+from ..endpoints import PortRange, said_ports
 from ..storage import StorageConfig
 from ..tables import check_keys
 from .model import ModelConfig
 from .names import RUNTIMES, image_model_name, version_model_name
-from .server import RayOptions, ServerConfig, StoreConfig
+from .server import RAY_PORTS, RayOptions, ServerConfig, StoreConfig, ray_port_count
 
 __all__ = ["ServeConfig", "load_config"]
 
@@ -200,7 +200,8 @@ class ServeConfig:
 
     def on_loopback(self, within: PortRange | None = None) -> ServeConfig:
         """This config on 127.0.0.1 with free ports for every port its runtime listens on
-        (tests, benchmarks, ``servekit compare``), all ``within`` a range where one is given.
+        (tests, benchmarks, ``servekit compare``), all ``within`` a range where one is given
+        (then the Ray the ray runtime starts gets its ports there too: ``[ray] ports``).
 
         Raises:
             OSError: the range has too few free ports.
@@ -213,7 +214,11 @@ class ServeConfig:
             if p not in _UNSUPPORTED[self.runtime]
         }
         server = dataclasses.replace(self.server, host="127.0.0.1", **ports)
-        return dataclasses.replace(self, server=server).private_ports_chosen(within)
+        ray = self.ray
+        if self.runtime == "ray" and within is not None and not ray.address and not ray.ports:
+            chosen = tuple(free_port(within) for _ in range(ray_port_count()))
+            ray = dataclasses.replace(ray, ports=chosen)  # Ray's own, in the range too
+        return dataclasses.replace(self, server=server, ray=ray).private_ports_chosen(within)
 
     def private_ports(self) -> dict[str, int]:
         """tritonserver's own ports behind servekit's front (pytriton and triton with
@@ -251,7 +256,7 @@ class ServeConfig:
         elif self.runtime in ("pytriton", "triton"):
             line += " (tritonserver itself, no front)"
         if ray and not self.ray.address:
-            line += "; and the Ray instance servekit starts opens Ray's own ports (give --address to use yours)"
+            line += "; " + _ray_ports_said(self.ray.ports)
         return line
 
     def replace(self, **changes: Any) -> ServeConfig:
@@ -464,3 +469,18 @@ def _cache_problems(config: ServeConfig, runtime: str) -> list[str]:
     if config.store.active and config.server.cache.active:
         out.append("[server.cache] with a [store] (not yet)")
     return out
+
+
+def _ray_ports_said(ports: tuple[int, ...]) -> str:
+    """The ports of the Ray the ray runtime starts, as its startup line says them."""
+    if not ports:
+        return (
+            "and the Ray servekit starts listens on ports Ray picks (listed once it has "
+            "started; --port-base chooses them, --address uses your cluster)"
+        )
+    named = ", ".join(f"{name} {port}" for name, port in zip(RAY_PORTS, ports, strict=False))
+    return (
+        f"the Ray servekit starts: {named}, worker processes "
+        f"{said_ports(ports[len(RAY_PORTS) :])} (and Ray Serve's replicas' inter-deployment "
+        "gRPC on ports the system picks: listed once they start)"
+    )

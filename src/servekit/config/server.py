@@ -9,12 +9,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..endpoints import Endpoints, free_port
+from ..endpoints import Endpoints, free_port, parse_port_range
 from ..recovery import Recovery
 from ..tables import check_keys
 from .names import MAX_BODY_BYTES
 
-__all__ = ["STORE_LOADS", "CacheConfig", "RayOptions", "ServerConfig", "StoreConfig"]
+__all__ = [
+    "RAY_PORTS",
+    "STORE_LOADS",
+    "CacheConfig",
+    "RayOptions",
+    "ServerConfig",
+    "StoreConfig",
+    "ray_port_count",
+]
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,26 @@ class ServerConfig(Endpoints):
         return cls(**kwargs)
 
 
+RAY_PORTS = (
+    "GCS", "node manager", "object manager", "metrics export", "dashboard agent HTTP",
+    "dashboard agent gRPC", "runtime env agent", "client server", "autoscaler metrics",
+    "dashboard metrics",
+)  # fmt: skip
+"""The ports of a Ray that ``[ray] ports`` names first, in this order (``ray start``'s
+``--port``, ``--node-manager-port``, ... and the two metrics ports Ray takes from its
+environment: ``servekit.ray.head``); the rest are its worker processes'."""
+MIN_RAY_WORKER_PORTS = 8
+
+
+def ray_port_count(cpus: int | None = None) -> int:
+    """How many ports servekit gives a Ray it starts when it chooses them (``--port-base``,
+    ``compare --ports``): the named ones, and one per worker process: Ray starts one idle
+    worker per CPU, and servekit's driver, Serve's controller, proxy and replicas take one
+    each (``cpus``: this machine's by default)."""
+    cpus = cpus or os.cpu_count() or 1
+    return len(RAY_PORTS) + max(32, 2 * cpus + 16)
+
+
 @dataclass(frozen=True)
 class RayOptions:
     """Ray Serve's deployment knobs beyond the model's own (``instances`` = model replicas)."""
@@ -277,7 +305,19 @@ class RayOptions:
     batch (``servekit.ray.direct``). Requests still reach the model deployments a batch
     per handle call, and they scale as before."""
 
+    ports: tuple[int, ...] = ()
+    """The ports of the Ray servekit starts (without ``address``): ``RAY_PORTS`` in that
+    order, then one per Ray worker process (at least eight); ``"FIRST:LAST"`` in a file
+    for a block. Ray Serve's replicas also each take a port the system picks (their
+    inter-deployment gRPC, which Ray gives no setting): listed at start. Empty: Ray picks
+    every port (``servekit serve --port-base`` fills it)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.ports, str):
+            first, last = parse_port_range(self.ports)
+            object.__setattr__(self, "ports", tuple(range(first, last + 1)))
+        object.__setattr__(self, "ports", tuple(int(p) for p in self.ports))
+        self._check_ports()
         if self.autoscale_signal not in ("servekit", "ray"):
             raise ValueError(
                 f"[ray] autoscale_signal must be 'servekit' or 'ray', got {self.autoscale_signal!r}"
@@ -292,8 +332,32 @@ class RayOptions:
         if self.ingress_replicas < 1:
             raise ValueError(f"[ray] ingress_replicas must be >= 1, got {self.ingress_replicas}")
 
+    def _check_ports(self) -> None:
+        if not self.ports:
+            return
+        if self.address:
+            raise ValueError(
+                f"[ray] ports choose the ports of the Ray servekit starts; the cluster at "
+                f"address = {self.address!r} has its own"
+            )
+        least = len(RAY_PORTS) + MIN_RAY_WORKER_PORTS
+        if len(self.ports) < least:
+            raise ValueError(
+                f"[ray] ports: Ray needs at least {least} ({len(RAY_PORTS)} of its own, then "
+                f"its worker processes'), got {len(self.ports)}: {list(self.ports)}"
+            )
+        bad = sorted({p for p in self.ports if not 0 < p < 65536})
+        twice = sorted({p for p in self.ports if self.ports.count(p) > 1})
+        if bad or twice:
+            raise ValueError(
+                f"[ray] ports must be distinct, in [1, 65535]: got {bad or twice}"
+                + (" outside" if bad else " more than once")
+            )
+
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        data = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        data["ports"] = list(self.ports)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], section: str = "ray") -> RayOptions:

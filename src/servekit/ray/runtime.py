@@ -2,7 +2,8 @@
 running cluster at ``[ray] address``.
 
 ``start`` starts (or joins) Ray, starts Serve on the config's host and HTTP port (a proxy
-on every host) and deploys ``build_app(config)``; ``reload`` deploys again (Ray rolls the
+on every host) and deploys ``build_app(config)``, then logs the ports Ray picked itself
+(with ``[ray] ports``, Ray starts on those: ``servekit.ray.head``); ``reload`` deploys again (Ray rolls the
 replicas over, each re-reading the model file; a file that does not load fails on the
 driver and the serving version stays); ``stop`` drains the ingress replicas
 (``servekit.ray.drain``), then stops Serve, and Ray when it started it. Ray restarts dead
@@ -13,17 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from ..config import ServeConfig
-from ..runtime.processes import descendants, end_processes
+from ..runtime.processes import descendants, end_processes, listening_ports
 from . import drain
 from .app import APP_NAME, build_app, ray_config
+from .head import RayHead
 
 __all__ = ["RayRuntime"]
 
@@ -46,6 +50,8 @@ class RayRuntime:
         self._imported = False
         """Whether Ray imported whole (a stop during ``import ray`` has nothing to stop)."""
         self._origins: dict[str, object] | None = None
+        self._head: RayHead | None = None
+        """The Ray servekit started on the ports it was given (``[ray] ports``), if any."""
         self.run_id = f"{APP_NAME}/{uuid.uuid4().hex}"
         """This run's keys in Ray's KV store: its drain flag (``servekit.ray.drain``: SIGTERM
         drains its replicas only) and its shared traffic (``servekit.ray.shared``)."""
@@ -55,6 +61,10 @@ class RayRuntime:
         return cls(config)
 
     def start(self) -> RayRuntime:
+        ports = self.config.ray.ports
+        head = RayHead(ports, num_cpus=self.num_cpus) if ports else None
+        if head is not None:
+            head.authenticate()  # before Ray's import: the driver reads its mode then
         import ray
         from ray import serve
 
@@ -65,15 +75,44 @@ class RayRuntime:
             self._owns_ray = True  # first: a stop while Ray starts still shuts down its part
             self._before = set(descendants())
             with _signal_handlers_kept():
-                ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
+                if head is not None:  # on the ports given: ray start, joined by address
+                    self._head = head
+                    ray.init(address=head.start())
+                else:
+                    ray.init(address=self.address, num_cpus=self.num_cpus, include_dashboard=False)
             self._before = None  # started whole: ray.shutdown knows all it started
+        elif head is not None:
+            raise ValueError(
+                "[ray] ports: this process already runs a Ray, started before servekit's, "
+                "whose ports are not servekit's to choose"
+            )
         s = self.config.server
         if self.config.ray.direct:  # the ingress replicas listen themselves (ray.direct)
             serve.start(proxy_location="Disabled")
         else:
             serve.start(http_options={"host": s.host, "port": s.http_port})
         serve.run(app, name=APP_NAME, route_prefix="/")
+        if self._owns_ray:
+            log.info("%s", self.ray_ports())
         return self
+
+    def ray_ports(self) -> str:
+        """What the Ray servekit started listens on that its startup line did not say: the
+        ports Ray picked itself, by process (all of them where none were given; with
+        ``[ray] ports``, Ray Serve's replicas' inter-deployment gRPC, which Ray gives no
+        setting)."""
+        said = {self.config.server.http_port, *self.config.ray.ports}
+        below = descendants()
+        picked: dict[int, str] = {}
+        for pid, ports in listening_ports([os.getpid(), *below]).items():
+            argv = below.get(pid) or ["servekit"]
+            who = argv[0] if argv[0].startswith("ray::") else Path(argv[0]).name
+            picked.update({port: who for port in ports - said})
+        if not picked:
+            return "Ray listens on no port beyond those given"
+        where = ", ".join(f"{port} ({who})" for port, who in sorted(picked.items()))
+        given = "beside those given, " if self.config.ray.ports else ""
+        return f"Ray listens {given}on ports it picked: {where}"
 
     def problem(self) -> str | None:
         return None
@@ -91,7 +130,8 @@ class RayRuntime:
             return [f"{APP_NAME}: unchanged ({', '.join(origins)})"]
         serve.run(build_app(self.config, run_id=self.run_id), name=APP_NAME, route_prefix="/")
         self._origins = origins
-        return [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
+        done = [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
+        return done + ([self.ray_ports()] if self._owns_ray else [])  # new replicas, new ports
 
     def deployments(self) -> dict[str, Any]:
         """Each deployment's running replica count (what Ray has, read back)."""
@@ -136,6 +176,9 @@ class RayRuntime:
             # agents to init, out of reach of a later look.
             started = self._started_by_ray()
             ray.shutdown()
+            if self._head is not None:  # ray start's, with every process of its Ray
+                self._head.stop()
+                self._head = None
             self._owns_ray = False
             started |= self._started_by_ray()
             if started:

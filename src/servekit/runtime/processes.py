@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["descendants", "end_processes", "kill_leftovers", "processes"]
+__all__ = ["descendants", "end_processes", "kill_leftovers", "listening_ports", "processes"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,39 @@ def descendants(root: int | None = None) -> dict[int, list[str]]:
         frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in below}
         below.update({pid: argv[pid] for pid in frontier})
     return below
+
+
+def listening_ports(pids: Iterable[int]) -> dict[int, set[int]]:
+    """The TCP ports each of ``pids`` listens on, by pid (Linux ``/proc``: a socket the
+    process holds open that ``/proc/net/tcp`` or ``tcp6`` lists in state LISTEN; empty
+    elsewhere, and for a process that is gone)."""
+    listen: dict[str, int] = {}  # socket inode -> port
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                listen[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    found: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        ports = set()
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile (the listing's own descriptor, say)
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listen:
+                ports.add(listen[link[8:-1]])
+        if ports:
+            found[pid] = ports
+    return found
 
 
 def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> int:
