@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import on, sample, scrape, wait_until
+from conftest import needs_runtime, on, sample, scrape, wait_until
 from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, QueuePolicy, TensorSpec, zoo
 from servekit.zoo.tiny import build_simulated
 
@@ -337,3 +337,111 @@ def test_the_kserve_timeout_parameter_drops_a_request_that_waits_past_it(slow):
         holder.close()
     got = {k: v - before[k] for k, v in figures(url).items()}
     assert got["nv_inference_count"] == 1, got
+
+
+def _waiting(metrics: str) -> float:
+    return sample(scrape(metrics), "servekit_front_waiting_requests", model="m", version="1")
+
+
+HELD = """
+import os
+import time
+
+import servekit
+
+
+class Held(servekit.Model):
+    \"\"\"A device the test holds busy: a batch waits while the file HOLD exists.\"\"\"
+
+    inputs = [("INPUT0", "FP32", [16])]
+    outputs = [("OUTPUT0", "FP32", [16])]
+    max_batch_size = 2
+
+    def infer(self, batch):
+        while os.path.exists(HOLD):
+            time.sleep(0.01)
+        return {"OUTPUT0": batch["INPUT0"]}
+"""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("runtime", ["pytriton", "triton"])
+def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unsent(
+    runtime, tmp_path
+):
+    """The window full (max batch 2: four requests with tritonserver, the device held),
+    gRPC calls wait in the front: six cancelled (RST_STREAM), a stream of five cancelled,
+    one past its ``grpc-timeout``; none reaches the device, each is counted ``queued``."""
+    hold = tmp_path / "hold"
+    (tmp_path / "held_device.py").write_text(f"HOLD = {str(hold)!r}\n" + HELD)
+    model = ModelConfig("held_device:Held", "m", path=str(tmp_path))
+    with on(runtime)(model) as served:
+        metrics = served.triton_metrics
+        assert metrics is not None
+        hold.touch()
+        holders = [_occupy(served.http_port) for _ in range(4)]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        try:
+            x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+            x.set_data_from_numpy(np.ones((1, 16), np.float32))
+            calls = [client.async_infer("m", [x], lambda result, error: None) for _ in range(6)]
+            wait_until(lambda: _waiting(metrics) == 6, "6 waiting in the front")
+            for call in calls:
+                call.cancel()
+            client.start_stream(lambda result, error: None)
+            for _ in range(5):
+                client.async_stream_infer("m", [x])
+            wait_until(lambda: _waiting(metrics) == 5, "5 of a stream waiting")
+            client.stop_stream(cancel_requests=True)
+            with pytest.raises(Exception, match="(?i)deadline"):
+                client.infer("m", [x], client_timeout=0.2)
+            wait_until(lambda: _waiting(metrics) == 0, "none waiting")
+            hold.unlink()
+            got = settled(metrics, 4 + 12)
+        finally:
+            hold.unlink(missing_ok=True)
+            client.close()
+            for s in holders:
+                s.close()
+    assert got["queued"] == 12, got
+    assert got["nv_inference_request_success"] == 4, got  # the holders' only
+
+
+def test_on_ray_clients_that_leave_are_dropped_in_servekit_s_ingress(tmp_path):
+    """Ray Serve's proxy cancels a request whose HTTP client leaves: one not yet handed to
+    servekit's ingress is dropped by Ray's router, one queued in the ingress's batcher is
+    dropped there (counted); either way the held device runs the four holders' rows and
+    no more once it is let go."""
+    needs_runtime("ray")
+    from ray import serve as ray_serve
+
+    from conftest import ray_serve as serve_start
+    from servekit import RayOptions, ServeConfig, ServerConfig
+    from servekit.ray import build_app
+
+    hold = tmp_path / "hold"
+    (tmp_path / "held_on_ray.py").write_text(f"HOLD = {str(hold)!r}\n" + HELD)
+    model = ModelConfig("held_on_ray:Held", "m", path=str(tmp_path))
+    config = ServeConfig((model,), ServerConfig(), runtime="ray", ray=RayOptions(model_cpus=0.5))
+    with serve_start() as url:
+        ray_serve.run(build_app(config), name="servekit", route_prefix="/")
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            wait_until(lambda: figures(url)["nv_inference_count"] >= 0, "the app", 60)
+            before = figures(url)
+            hold.touch()
+            holders = [_occupy(port) for _ in range(4)]
+            time.sleep(0.5)
+            leave(port, 20, np.zeros((1, 16), np.float32))
+            time.sleep(0.5)
+            hold.unlink()
+            wait_until(lambda: figures(url)["nv_inference_request_success"]
+                       >= before["nv_inference_request_success"] + 4, "the holders answered")  # fmt: skip
+            time.sleep(2)  # what else would run, has
+            got = {k: v - before[k] for k, v in figures(url).items()}
+            for s in holders:
+                s.close()
+        finally:
+            hold.unlink(missing_ok=True)
+            ray_serve.delete("servekit")
+    assert got["nv_inference_count"] == 4 + got["running"], got

@@ -10,8 +10,9 @@ counted ``where="forwarded"`` (a gRPC call is cancelled on its way; tritonserver
 runs an HTTP one). With ``shed_late`` a request whose deadline falls before the
 window's measured pace is refused at once (``batching.pace``), as the native batcher does.
 
-A model whose queue tritonserver must order itself (priority levels, a queue size or a
-timeout in its queue policy) gets no window: its requests go straight on, as before.
+A model whose queue tritonserver must order itself (priority levels, a queue size, a
+timeout in its queue policy or one its requests may set) gets no window: its requests go
+straight on, as before.
 """
 
 from __future__ import annotations
@@ -210,14 +211,20 @@ def window_limit(max_batch_size: int, instances: int) -> int:
 def limit_of(policy: BatchingPolicy, model_max_batch_size: int, instances: int) -> int:
     """``limit_from_triton`` for a model servekit renders (PyTriton's): the same rule."""
     queue = policy.default_queue_policy
-    if policy.priority_levels > 1 or queue.max_queue_size or queue.default_timeout_us:
+    if (
+        policy.priority_levels > 1
+        or queue.max_queue_size
+        or queue.default_timeout_us
+        or queue.allow_timeout_override
+    ):
         return 0
     return window_limit(policy.effective_max_batch_size(model_max_batch_size), instances)
 
 
 def limit_from_triton(config: Mapping[str, Any]) -> int:
     """The window for a model as tritonserver's config describes it; 0 (none) where its
-    queue is tritonserver's to order: priority levels, a queue size or a timeout."""
+    queue is tritonserver's to order: priority levels, a queue size, a timeout of its own
+    or one a request may set (time in the front's queue would not count toward it)."""
     if config.get("sequence_batching") or config.get("ensemble_scheduling"):
         return 0
     if (config.get("model_transaction_policy") or {}).get("decoupled"):
@@ -226,16 +233,28 @@ def limit_from_triton(config: Mapping[str, Any]) -> int:
     if int(batching.get("priority_levels") or 0) > 1 or batching.get("priority_queue_policy"):
         return 0
     queue = batching.get("default_queue_policy") or {}
-    if int(queue.get("max_queue_size") or 0) or int(queue.get("default_timeout_microseconds") or 0):
+    if (
+        int(queue.get("max_queue_size") or 0)
+        or int(queue.get("default_timeout_microseconds") or 0)
+        or queue.get("allow_timeout_override")
+    ):
         return 0
     groups = config.get("instance_group") or [{}]
     instances = sum(int(g.get("count") or 1) for g in groups)
     return window_limit(int(config.get("max_batch_size") or 0), instances)
 
 
+WAITING_METRIC = "servekit_front_waiting_requests"
+WAITING_HELP = (
+    "Requests waiting in servekit's front for a place in the model's window (two full "
+    "batches per instance with tritonserver), not yet forwarded"
+)
+
+
 def windows_figures(windows: Callable[[], Iterable[Window]]) -> Callable[[], Iterable[Family]]:
-    """The front's ``servekit_requests_abandoned_total`` (queued, forwarded) and
-    ``servekit_requests_shed_total`` of every window, for ``Metrics.collect``."""
+    """The front's ``servekit_requests_abandoned_total`` (queued, forwarded),
+    ``servekit_requests_shed_total`` and the requests waiting of every window, for
+    ``Metrics.collect``."""
 
     def figures() -> Iterable[Family]:
         ws = list(windows())
@@ -247,6 +266,9 @@ def windows_figures(windows: Callable[[], Iterable[Window]]) -> Callable[[], Ite
         ]
         shed = [(lab, float(w.shed)) for w, lab in zip(ws, labels, strict=True) if w.pace]
         out: list[Family] = []
+        if ws:
+            waiting = [(lab, float(w.queued)) for w, lab in zip(ws, labels, strict=True)]
+            out.append((WAITING_METRIC, "gauge", WAITING_HELP, waiting))
         if abandoned:
             out.append((ABANDONED_METRIC, "counter", ABANDONED_HELP, abandoned))
         if shed:
