@@ -34,6 +34,10 @@ __all__ = ["RayRuntime"]
 log = logging.getLogger("servekit")
 
 
+LOOK_S = 10.0
+"""How often the supervisor's check looks for ports opened by replicas Ray started later."""
+
+
 class RayRuntime:
     """The ``ray`` runtime: start, use, stop (or a context manager)."""
 
@@ -52,6 +56,9 @@ class RayRuntime:
         self._origins: dict[str, object] | None = None
         self._head: RayHead | None = None
         """The Ray servekit started on the ports it was given (``[ray] ports``), if any."""
+        self._said: set[int] = set()
+        """Ports Ray picked itself that a line has announced already (``ray_ports``)."""
+        self._next_look = 0.0
         self.run_id = f"{APP_NAME}/{uuid.uuid4().hex}"
         """This run's keys in Ray's KV store: its drain flag (``servekit.ray.drain``: SIGTERM
         drains its replicas only) and its shared traffic (``servekit.ray.shared``)."""
@@ -97,24 +104,32 @@ class RayRuntime:
         return self
 
     def ray_ports(self) -> str:
-        """What the Ray servekit started listens on that its startup line did not say: the
-        ports Ray picked itself, by process (all of them where none were given; with
-        ``[ray] ports``, Ray Serve's replicas' inter-deployment gRPC, which Ray gives no
-        setting)."""
-        said = {self.config.server.http_port, *self.config.ray.ports}
+        """What the Ray servekit started listens on that no line has said yet: the ports
+        Ray picked itself, by process (all of them where none were given; with ``[ray]
+        ports``, Ray Serve's replicas' inter-deployment gRPC, which Ray gives no setting).
+        Said at start, after a redeploy and when a replica Ray starts later opens one."""
+        said = {self.config.server.http_port, *self.config.ray.ports, *self._said}
         below = descendants()
         picked: dict[int, str] = {}
         for pid, ports in listening_ports([os.getpid(), *below]).items():
             argv = below.get(pid) or ["servekit"]
             who = argv[0] if argv[0].startswith("ray::") else Path(argv[0]).name
             picked.update({port: who for port in ports - said})
+        self._said.update(picked)
         if not picked:
-            return "Ray listens on no port beyond those given"
+            return "Ray listens on no port beyond those given" if not self._said else ""
         where = ", ".join(f"{port} ({who})" for port, who in sorted(picked.items()))
         given = "beside those given, " if self.config.ray.ports else ""
         return f"Ray listens {given}on ports it picked: {where}"
 
     def problem(self) -> str | None:
+        """None (Ray replaces its own replicas); every ``LOOK_S`` the ports a replica Ray
+        started since (autoscaling, a replacement) opened are said."""
+        if self._owns_ray and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + LOOK_S
+            line = self.ray_ports()
+            if line:
+                log.info("%s", line)
         return None
 
     def restart(self) -> None:
@@ -131,7 +146,8 @@ class RayRuntime:
         serve.run(build_app(self.config, run_id=self.run_id), name=APP_NAME, route_prefix="/")
         self._origins = origins
         done = [f"{APP_NAME}: redeployed {[m.name for m in self.config.models]}"]
-        return done + ([self.ray_ports()] if self._owns_ray else [])  # new replicas, new ports
+        ports = self.ray_ports() if self._owns_ray else ""  # new replicas, new ports
+        return done + ([ports] if ports else [])
 
     def deployments(self) -> dict[str, Any]:
         """Each deployment's running replica count (what Ray has, read back)."""
