@@ -65,6 +65,52 @@ def test_without_the_knob_or_without_a_deadline_nothing_is_shed(shed_late, timeo
     assert batcher.stats.request_shed == 0
 
 
+def test_one_slow_batch_never_locks_shedding_on():
+    """The first batch takes 0.5 s, the rest 10 ms: a request with 0.1 s left that finds
+    the batcher idle runs (and measures afresh) instead of being shed for ever."""
+    durations = iter([0.5])
+
+    async def fn(inputs):
+        await asyncio.sleep(next(durations, 0.01))
+        return {"y": inputs["x"]}
+
+    async def main() -> Batcher:
+        batcher = Batcher(fn, BatchingPolicy(max_batch_size=4, shed_late=True), spec=SPEC)
+        x = np.ones((1, 1), np.float32)
+        for _ in range(5):
+            await batcher.infer({"x": x}, timeout_us=100_000)
+        await batcher.aclose()
+        return batcher
+
+    batcher = asyncio.run(main())
+    assert batcher.stats.request_shed == 0 and batcher.stats.request_success == 5
+
+
+def test_a_queue_timeout_bounds_when_a_request_starts_not_when_it_is_answered():
+    """REJECT at 50 ms in the queue, batches of 40 ms: behind one running batch a request
+    starts in time (answered after its timeout: served); DELAY's timeout is no deadline."""
+    from servekit import QueuePolicy, TimeoutAction
+
+    for action in (TimeoutAction.REJECT, TimeoutAction.DELAY):
+        queue = QueuePolicy(default_timeout_us=50_000, timeout_action=action)
+        policy = BatchingPolicy(max_batch_size=4, shed_late=True, default_queue_policy=queue)
+
+        async def fn(inputs):
+            await asyncio.sleep(BATCH_S)
+            return {"y": inputs["x"]}
+
+        async def main(policy=policy) -> list:
+            batcher = Batcher(fn, policy, spec=SPEC)
+            x = np.ones((1, 1), np.float32)
+            await batcher.infer({"x": x})
+            return await asyncio.gather(
+                *(batcher.infer({"x": x}) for _ in range(2)), return_exceptions=True
+            )
+
+        results = asyncio.run(main())
+        assert all(isinstance(r, dict) for r in results), (action, results)
+
+
 def test_the_policy_knob_round_trips_through_a_config_table():
     policy = BatchingPolicy(max_batch_size=8, shed_late=True)
     assert BatchingPolicy.from_dict(policy.to_dict()) == policy
@@ -74,7 +120,7 @@ def test_the_policy_knob_round_trips_through_a_config_table():
 
 # ------------------------------------------------------------------- every runtime, served
 
-SLOW_S = 0.3
+SLOW_S = 1.0
 RUNTIMES = ["native", "pytriton", "triton"]
 
 
@@ -130,13 +176,17 @@ def _shed_count(metrics: str) -> float:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_deadline_the_queue_cannot_make_is_refused_at_once_on_every_runtime(runtime, slow_path):
-    """One batch takes 0.3 s: once the pace is measured, a request with 0.1 s left is
-    refused unrun, 503 with Retry-After over HTTP (its ``timeout`` parameter) and
-    UNAVAILABLE over gRPC (its deadline); one with 5 s is served."""
+    """One batch takes 1 s: once the pace is measured and while a batch runs, a request
+    with 0.1 s left is refused unrun, 503 with Retry-After over HTTP (its ``timeout``
+    parameter) and UNAVAILABLE over gRPC (its deadline); one with 5 s is served. An idle
+    server sheds nothing: the request runs and measures the pace afresh."""
     policy = BatchingPolicy(max_batch_size=32, shed_late=True)
     with on(runtime)(ModelConfig(str(slow_path), "m", batching=policy)) as served:
         metrics = served.triton_metrics or f"http://127.0.0.1:{served.http_port}/metrics"
         assert _exchange(served.http_port, _request()).startswith(b"HTTP/1.1 200")  # the pace
+        holder = socket.create_connection(("127.0.0.1", served.http_port))
+        holder.sendall(_request())  # a batch running for the next second
+        time.sleep(0.1)
         started = time.monotonic()
         answer = _exchange(served.http_port, _request(timeout_us=100_000))
         assert time.monotonic() - started < SLOW_S, "shed only after waiting"
@@ -155,6 +205,7 @@ def test_a_deadline_the_queue_cannot_make_is_refused_at_once_on_every_runtime(ru
             client.close()
         ok = _exchange(served.http_port, _request(timeout_us=5_000_000))
         assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
+        holder.close()
         wait_until(lambda: _shed_count(metrics) == 2, "two requests counted shed", 10)
 
 
@@ -176,11 +227,15 @@ def test_on_ray_the_ingress_sheds_over_http_with_retry_after(slow_path):
             port = int(url.rsplit(":", 1)[1])
             wait_until(lambda: _exchange(port, _request()).startswith(b"HTTP/1.1 200"),
                        "the pace measured", 60)  # fmt: skip
+            holder = socket.create_connection(("127.0.0.1", port))
+            holder.sendall(_request())  # a batch running for the next second
+            time.sleep(0.2)
             answer = _exchange(port, _request(timeout_us=100_000))
             head = answer.partition(b"\r\n\r\n")[0].lower()
             assert head.startswith(b"http/1.1 503"), answer[:300]
             assert b"\r\nretry-after: " in head and b"shed_late" in answer, answer
             ok = _exchange(port, _request(timeout_us=5_000_000))
             assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
+            holder.close()
         finally:
             ray_serve.delete("servekit")

@@ -131,15 +131,18 @@ class RequestQueue:
         self.take(out)
         return out
 
-    def rows_ahead(self, level: int) -> int:
-        """Rows waiting at ``level`` and above (what runs before a request of that level)."""
-        return sum(
-            r.rows
-            for lv in self._levels[:level]
-            for q in (lv.live, lv.delayed)
-            for r in q
-            if not r.done()
-        )
+    def rows_ahead(self, level: int, cap: int) -> int:
+        """Rows waiting at ``level`` and above (what runs before a request of that level),
+        counted up to ``cap`` at most (a long queue is not walked whole per request)."""
+        rows = 0
+        for lv in self._levels[:level]:
+            for q in (lv.live, lv.delayed):
+                for r in q:
+                    if not r.done():
+                        rows += r.rows
+                        if rows >= cap:
+                            return rows
+        return rows
 
     def idle(self) -> bool:
         """True when no entry at all is queued (cheap; dropped entries count as queued)."""

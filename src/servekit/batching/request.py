@@ -46,8 +46,9 @@ class Request:
     """Absolute time (batcher clock) after which the queue policy's timeout applies; inf = none."""
     future: Future
     due: float = math.inf
-    """When its client stops waiting (batcher clock): the earliest of the queue policy's
-    timeout, its ``timeout`` parameter and its gRPC deadline; inf = none (``shed_late``)."""
+    """When its client stops waiting (batcher clock): the earlier of its ``timeout``
+    parameter (allowed to override the queue's or not) and its gRPC deadline; inf = none
+    (``shed_late``)."""
     expired: bool = False
     """Timed out under ``TimeoutAction.DELAY``: now waits behind unexpired requests."""
     taken: bool = False
@@ -144,11 +145,7 @@ class Admission:
             else tuple(inputs[n].shape[1:] for n in names)
         )
         deadline = now + timeout / 1e6 if timeout else math.inf
-        due = deadline
-        if (
-            timeout_us is not None and timeout_us > 0
-        ):  # the client's own, allowed to override or not
-            due = min(due, now + timeout_us / 1e6)
+        due = now + timeout_us / 1e6 if timeout_us is not None and timeout_us > 0 else math.inf
         client = CLIENT_DEADLINE.get()
         if client is not None:
             due = min(due, now + client - time.monotonic())

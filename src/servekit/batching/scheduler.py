@@ -19,7 +19,7 @@ from .ahead import Ahead
 from .budget import Budget
 from .decision import decide
 from .pace import Pace, late
-from .policy import BatchingPolicy
+from .policy import BatchingPolicy, TimeoutAction
 from .queue import RequestQueue
 from .request import Request
 
@@ -96,7 +96,7 @@ class Scheduler:
             Overloaded: the queue is full.
             Shed: ``shed_late`` and the queue would answer it after its deadline.
         """
-        if self.pace is not None and request.due != math.inf:
+        if self.pace is not None and (request.due != math.inf or request.deadline != math.inf):
             self._shed_late(request)
         budget = self.budget
         if budget is not None:
@@ -180,15 +180,25 @@ class Scheduler:
     def _shed_late(self, request: Request) -> None:
         """Raise ``Shed`` where the batches queued at or above its level, run on the
         instances at the measured compute time (half a batch more while every instance
-        is busy), would answer ``request`` after its deadline."""
+        is busy), would answer ``request`` after its client's deadline, or start it
+        after its queue timeout (REJECT's: DELAY's is no deadline)."""
         pace = self.pace
         assert pace is not None
-        if not pace.service_s:
-            return  # nothing measured yet: nothing to judge by
-        rows = request.rows + self.queue.rows_ahead(request.level)
+        t = pace.service_s
+        if not t or (self.free == self.instance_count and self.queue.idle()):
+            return  # nothing measured, or idle: it runs now (and measures afresh)
+        reject = self.queue.policy.queue_policy(request.level).timeout_action
+        queue_left = (
+            request.deadline - request.arrival if reject is TimeoutAction.REJECT else math.inf
+        )
+        left = min(request.due - request.arrival, queue_left + t)  # both until its answer
+        if left == math.inf:
+            return
+        per_wave = self._limit * self.instance_count
+        cap = (int(left / t) + 2) * per_wave  # rows past which it is late however counted
+        rows = request.rows + self.queue.rows_ahead(request.level, cap)
         waves = math.ceil(math.ceil(rows / self._limit) / self.instance_count)
         expected = pace.answer_s(waves + (0.0 if self.free else 0.5))
-        left = request.due - request.arrival
         if expected > left:
             raise late(self._name, expected, left)
 

@@ -225,7 +225,7 @@ class ForwardedModel:
             task = asyncio.get_running_loop().create_task(call)
             self._replays.add(task)
             task.add_done_callback(functools.partial(self._replayed, done))
-            return functools.partial(_cancel, task)
+            return None  # a sequence's step must reach its journal; a cached one is shared
         window = self.window
         if window is None or sequence is not None:
             self._send_now(body, header_length, version, done, timeout_us, sequence)
@@ -429,10 +429,6 @@ class ForwardedModel:
         if self._http is not None:
             await self._http.close()
             self._http = None
-
-
-def _cancel(task: asyncio.Task[Any]) -> None:
-    task.cancel()
 
 
 _STUB_DEAD = b"is not healthy"

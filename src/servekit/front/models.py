@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -170,6 +171,7 @@ class TritonModels(Mapping[str, ForwardedModel]):
         self._routed: dict[str, RoutedModel] = {}
         self._retired: list[ForwardedModel] = []
         self._windows: dict[str, Window] = {}
+        self._lock = threading.Lock()
 
     def _get(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.http_url}{path}", headers=self.control_headers)
@@ -252,21 +254,29 @@ class TritonModels(Mapping[str, ForwardedModel]):
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
                 sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
-        limit = limit_from_triton(config)
-        window = self._windows.get(name)
-        if not limit:
-            window = None
-        elif window is None or window.limit != limit:
-            # One per name, even where two threads read the config at once (``lookup``).
-            made = Window(name, limit, shed_late=name in self.shed_late)
-            window = self._windows.setdefault(name, made)
-            if window.limit != limit:
-                window = self._windows[name] = made
-        model.window = window
+        model.window = self._window(name, limit_from_triton(config))
         if self.response_cache is not None and name in self.cached and model.cache is None:
             model.cache = FrontCache(self.response_cache, name, self.cached[name])
         self._cache[name] = (now, model)
         return model
+
+    def _window(self, name: str, limit: int) -> Window | None:
+        """The model's one window (``front.window``), made again only when its limit
+        changed: two threads reading its config at once (``lookup``) share it."""
+        with self._lock:
+            window = self._windows.get(name)
+            if not limit:
+                self._windows.pop(name, None)
+                return None
+            if window is None or window.limit != limit:
+                window = Window(name, limit, shed_late=name in self.shed_late)
+                self._windows[name] = window
+            return window
+
+    def windows(self) -> list[Window]:
+        """Every model's window (a snapshot: lookups add to them from other threads)."""
+        with self._lock:
+            return list(self._windows.values())
 
     async def lookup(self, name: str) -> FrontModel:
         """The model ``name`` as Triton has it now (``ModelNotFound`` naming it if it has not)."""

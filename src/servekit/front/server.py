@@ -181,12 +181,9 @@ class Front:
 
     def _windows(self) -> list[Window]:
         registry = self.registry
-        models = (
-            registry.forwarded.values()
-            if isinstance(registry, PyTritonModels)
-            else (registry[name] for name in registry)
-        )
-        return [m.window for m in models if m.window is not None]
+        if isinstance(registry, PyTritonModels):
+            return [m.window for m in registry.forwarded.values() if m.window is not None]
+        return registry.windows()
 
     def start(self, timeout_s: float = 30.0) -> Front:
         self._http.start(timeout_s)

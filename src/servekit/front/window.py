@@ -6,8 +6,9 @@ queue itself: at most ``limit`` requests of a model are forwarded at a time (two
 batches per instance: one running, one forming, enough to keep the device busy), and
 the rest wait here in arrival order. A request whose client leaves while it waits here
 is dropped unsent (``where="queued"``); one that leaves after it was forwarded is
-counted ``where="forwarded"`` (a gRPC call is cancelled on its way; tritonserver still
-runs an HTTP one). With ``shed_late`` a request whose deadline falls before the
+counted ``where="forwarded"`` and left to finish (tritonserver runs it anyway, as
+servekit's backend does not ask ``is_cancelled``), so its slot is let go only when
+tritonserver answers and the window always says what the device holds. With ``shed_late`` a request whose deadline falls before the
 window's measured pace is refused at once (``batching.pace``), as the native batcher does.
 
 A model whose queue tritonserver must order itself (priority levels, a queue size, a
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -27,7 +30,7 @@ from typing import Any, TypeVar
 from ..batching.pace import Pace, late
 from ..batching.policy import BatchingPolicy
 from ..batching.request import CLIENT_DEADLINE
-from ..errors import ServekitError
+from ..errors import ModelNotReady, ServekitError
 from ..metrics import ABANDONED_HELP, ABANDONED_METRIC, SHED_HELP, SHED_METRIC, Family
 from .http import Answer, Done
 
@@ -40,6 +43,8 @@ __all__ = [
     "window_limit",
     "windows_figures",
 ]
+
+log = logging.getLogger(__name__)
 
 _WAITING, _SENT, _LEFT, _DONE = range(4)
 T = TypeVar("T")
@@ -72,12 +77,15 @@ class Window:
         self.abandoned_queued = 0
         self.abandoned_forwarded = 0
         self.shed = 0
+        self._draining = False
 
     def enter(self, go: Callable[[], None], due_s: float | None = None) -> Slot:
         """``go`` is called (now, or once a forwarded request comes back) to send the
         request on. Raises ``Shed`` where ``due_s`` (seconds its client still waits)
         falls before the expected answer."""
-        if self.pace is not None and due_s is not None and self.pace.service_s:
+        # Never while nothing is forwarded: the request then runs and measures afresh (a
+        # pace measured once too slow would otherwise shed everything for good).
+        if self.pace is not None and due_s is not None and self.pace.service_s and self.sent:
             rtt = self.pace.service_s
             free = self.sent < self.limit and not self.queued
             expected = rtt if free else rtt * (1 + (self.queued + 1) / self.limit)
@@ -111,17 +119,31 @@ class Window:
         elif slot.state == _WAITING:  # failed before it was sent (the front stopping)
             slot.state = _DONE
             self.queued -= 1
-        waiting = self.waiting
-        while waiting and self.sent < self.limit:
-            nxt = waiting.popleft()
-            if nxt.state == _WAITING:
-                self.queued -= 1
-                self._send(nxt)
+        if self._draining:  # answered at once by a ``go`` below: that loop sends on
+            return
+        self._draining = True
+        try:
+            waiting = self.waiting
+            while waiting and self.sent < self.limit:
+                nxt = waiting.popleft()
+                if nxt.state == _WAITING:
+                    self.queued -= 1
+                    self._send(nxt)
+        finally:
+            self._draining = False
 
     def _send(self, slot: Slot) -> None:
         slot.state, slot.sent = _SENT, time.monotonic()
         self.sent += 1
-        slot.go()
+        slot.go()  # never raises: ``send`` and ``wait`` answer their own failures
+
+    def _unsend(self, slot: Slot) -> None:
+        """A slot let go before its request was sent on (its waiter cancelled as it was
+        woken): the client left while queued, and the slot goes to the next one."""
+        slot.state = _LEFT
+        self.sent -= 1
+        self.abandoned_queued += 1
+        self.done(slot)
 
     async def wait(self, due_s: float | None = None) -> Slot:
         """``enter`` for a coroutine: returns once the request may be sent (the caller
@@ -136,9 +158,10 @@ class Window:
         try:
             await ready
         except asyncio.CancelledError:
-            self.leave(slot)
-            if slot.state == _SENT:  # let go, but not yet resumed: the next one goes
-                self.done(slot)
+            if slot.state == _SENT:  # woken, but cancelled before it could send
+                self._unsend(slot)
+            else:
+                self.leave(slot)
             raise
         return slot
 
@@ -173,16 +196,28 @@ class Window:
         client leaves first (None: already answered)."""
         slot: list[Slot] = []
         answered: list[bool] = []
+        context = contextvars.copy_context()  # its own span, whichever callback sends it
 
         def finish(outcome: Answer | ServekitError) -> None:
-            if slot:
-                self.done(slot[0])
-            else:  # answered before ``enter`` returned
-                answered.append(True)
-            done(outcome)
+            try:
+                if slot:
+                    self.done(slot[0])
+                else:  # answered before ``enter`` returned
+                    answered.append(True)
+            finally:
+                done(outcome)
+
+        def start() -> None:
+            try:
+                context.run(go, finish)
+            except ServekitError as exc:
+                finish(exc)
+            except Exception as exc:  # a bug sending it fails it, never the window
+                log.exception("%s: sending a request on failed", self.name)
+                finish(ModelNotReady(f"{self.name}: the front could not send it on: {exc}"))
 
         try:
-            slot.append(self.enter(functools.partial(go, finish), due_s))
+            slot.append(self.enter(start, due_s))
         except ServekitError as exc:
             done(exc)
             return None
