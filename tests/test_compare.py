@@ -33,7 +33,8 @@ def test_compare_interleaves_rounds_and_reports_verdicts_policies_and_time(tiny_
     assert result.ceiling and set(result.ceiling_by_batch) == {1, 8, 16, 64}  # and the max
     for points in result.series.values():
         assert [p.level for p in points] == [1, 2]
-        assert all(p.stats.errors == 0 and p.stats.requests > 0 for p in points)
+        for p in points:
+            assert p.stats.errors == 0 and p.stats.requests > 0, p.stats.error_messages
     shares = result.share_of_raw()
     best_raw = max(p.stats.inferences_per_s for p in result.series["raw"])
     assert shares["raw"] == pytest.approx(best_raw / result.ceiling)
