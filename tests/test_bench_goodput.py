@@ -4,8 +4,8 @@ server counts them abandoned, and the report holds goodput beside throughput.
 
 ``sim_t4`` at max batch 32 takes 8 ms + 1.6 ms a row of simulated device time (no CPU):
 64 clients keep two full batches waiting, each about 60 ms, so with a 100 ms deadline
-the second batch's clients give up and retry, and a retry's answer comes after its
-request's deadline (throughput, not goodput).
+the second batch's clients give up (their deadline spent, nothing is left to retry in)
+and only part of what the clients asked for is answered in time.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def abandoned(served) -> float:
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_bench_with_a_deadline_reports_goodput_below_throughput(served, protocol, tmp_path):
+def test_bench_with_a_deadline_reports_goodput_below_what_was_asked(served, protocol, tmp_path):
     from typer.testing import CliRunner
 
     from servekit.cli import app
@@ -75,8 +75,8 @@ def test_bench_with_a_deadline_reports_goodput_below_throughput(served, protocol
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["meta"]["timeout_ms"] == 100 and data["meta"]["retries"] == 1
     [point] = next(iter(data["series"].values()))
-    assert point["timed_out"] > 0 and point["retried"] > 0, point
-    assert 0 < point["goodput"] < point["throughput"], point
+    assert point["timed_out"] > 0, point
+    assert 0 < point["goodput"] <= point["throughput"], point
     assert point["goodput"] < point["sent_per_s"] and point["goodput_share"] < 1, point
     # The clients that gave up left the server: it dropped or discarded their requests.
     assert abandoned(served) > before

@@ -1,13 +1,16 @@
 """A client with a deadline that retries, as clients behave under overload.
 
 A request's deadline is ``timeout_s`` after it was first sent (open loop: after it was
-due). Each attempt waits at most ``timeout_s`` for its answer; an attempt given up is
-cancelled, which closes its HTTP connection or cancels its gRPC call, so the server sees
-a client that left (never a request merely no longer awaited). With ``retries`` a request
-that timed out or was refused (503 / UNAVAILABLE) is sent again, up to ``retries`` more
-times: at once after a timeout, after a refusal once the server's ``Retry-After`` has
-passed, but never later than the request's deadline. An answer after the deadline (a
-retry's) still counts as an answer, not as goodput.
+due). Each attempt waits for its answer only as long as is left before that deadline, and
+carries what is left as its KServe ``timeout``, as a client propagating its deadline does
+(a server that sheds judges the time its client really has, a load generator running
+behind included); an attempt given up is cancelled, which closes its HTTP connection or
+cancels its gRPC call, so the server sees a client that left (never a request merely no
+longer awaited). With ``retries`` a request refused (503 / UNAVAILABLE) or timed out is
+sent again, up to ``retries`` more times, while time is left: after a refusal once the
+server's ``Retry-After`` has passed, capped by the deadline (an attempt given up at the
+deadline leaves nothing to retry in). A first attempt sent after its deadline (the load
+generator behind) still goes, with 1 ms.
 """
 
 from __future__ import annotations
@@ -62,16 +65,20 @@ async def request(
     sent ``retries`` more times; ``start`` is when it began (``clock``'s time), from which
     its deadline counts."""
     attempts = timed_out = refused = 0
-    timeout_us = None if timeout_s is None else max(1, round(timeout_s * 1e6))
     gave_up = f"no answer within {(timeout_s or 0) * 1e3:g} ms: the client gave up"
+    error: BaseException | None = None
     while True:
+        if timeout_s is not None:
+            left = start + timeout_s - clock()
+            if attempts and left <= 0:  # nothing left to retry in
+                return Outcome(error, attempts, timed_out, refused, False)
+            left = max(left, 1e-3)
         attempts += 1
-        error: BaseException | None
         try:
             if timeout_s is None:
                 await target.send()
             else:  # on timeout the attempt is cancelled: its connection closes
-                await asyncio.wait_for(target.send(timeout_us=timeout_us), timeout_s)
+                await asyncio.wait_for(target.send(timeout_us=max(1, round(left * 1e6))), left)
             error = None
         except ServekitError as exc:  # before TimeoutError: DeadlineExceeded is one too
             error = exc
