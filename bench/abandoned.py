@@ -23,30 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig, zoo
+from servekit.bench.payload import raw_http_infer
 from servekit.bench.process import ServerProcess
 
 RUNTIMES = ("native", "pytriton", "triton", "ray")
 
 
-def request_bytes() -> bytes:
-    x = np.zeros((1, 64, 64, 3), np.float32)
-    head = json.dumps(
-        {"inputs": [{"name": "input", "shape": [1, 64, 64, 3], "datatype": "FP32",
-                     "parameters": {"binary_data_size": x.nbytes}}]}
-    ).encode()  # fmt: skip
-    return (
-        (
-            "POST /v2/models/m/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"inference-header-content-length: {len(head)}\r\n"
-            f"content-length: {len(head) + x.nbytes}\r\n\r\n"
-        ).encode()
-        + head
-        + x.tobytes()
-    )
-
-
 def leave(port: int, clients: int, wait_s: float) -> None:
-    body, opened = request_bytes(), []
+    body = raw_http_infer("m", {"input": np.zeros((1, 64, 64, 3), np.float32)})
+    opened: list[tuple[float, int, socket.socket]] = []
     for i in range(clients):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(body)

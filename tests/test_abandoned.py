@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import struct
 import time
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 
 from conftest import needs_runtime, on, sample, scrape, wait_until
 from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, QueuePolicy, TensorSpec, zoo
+from servekit.bench.payload import raw_http_infer
 from servekit.zoo.tiny import build_simulated
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -145,33 +145,12 @@ def settled(url: str, clients: int) -> dict[str, float]:
     return got
 
 
-def infer_body(x: np.ndarray, parameters: dict | None = None) -> tuple[bytes, bytes]:
-    """A KServe v2 request's JSON header and binary data, for ``INPUT0`` or ``input``."""
-    header = {
-        "inputs": [
-            {"name": NAME[x.shape[1:]], "shape": list(x.shape), "datatype": "FP32",
-             "parameters": {"binary_data_size": x.nbytes}}
-        ],
-        "parameters": parameters or {},
-    }  # fmt: skip
-    head = json.dumps(header).encode()
-    return head, x.tobytes()
-
-
 NAME = {(64, 64, 3): "input", (16,): "INPUT0"}
 
 
 def http_request(x: np.ndarray, parameters: dict | None = None) -> bytes:
-    head, raw = infer_body(x, parameters)
-    return (
-        (
-            f"POST /v2/models/m/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"content-type: application/octet-stream\r\ninference-header-content-length: {len(head)}\r\n"
-            f"content-length: {len(head) + len(raw)}\r\n\r\n"
-        ).encode()
-        + head
-        + raw
-    )
+    """A KServe v2 binary request of model m for ``x`` (its ``INPUT0`` or ``input``)."""
+    return raw_http_infer("m", {NAME[x.shape[1:]]: x}, parameters)
 
 
 def leave(port: int, clients: int, x: np.ndarray, wait_s: float = 0.03) -> None:

@@ -10,7 +10,6 @@ real clients (raw HTTP, tritonclient's gRPC) against native's servers on a simul
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 
@@ -20,6 +19,7 @@ import pytest
 
 from conftest import needs_runtime, on, sample, scrape, wait_until
 from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, Shed, TensorSpec
+from servekit.bench.payload import raw_http_infer
 from servekit.zoo.tiny import build_simulated
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -132,22 +132,8 @@ def slow_path(tmp_path_factory):
 
 
 def _request(timeout_us: int | None = None) -> bytes:
-    x = np.ones((1, 16), np.float32)
-    header = {
-        "inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
-                    "parameters": {"binary_data_size": x.nbytes}}],
-        "parameters": {"timeout": timeout_us} if timeout_us else {},
-    }  # fmt: skip
-    head = json.dumps(header).encode()
-    return (
-        (
-            "POST /v2/models/m/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"inference-header-content-length: {len(head)}\r\n"
-            f"content-length: {len(head) + x.nbytes}\r\n\r\n"
-        ).encode()
-        + head
-        + x.tobytes()
-    )
+    parameters = {"timeout": timeout_us} if timeout_us else {}
+    return raw_http_infer("m", {"INPUT0": np.ones((1, 16), np.float32)}, parameters)
 
 
 def _exchange(port: int, request: bytes) -> bytes:

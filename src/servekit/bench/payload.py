@@ -1,7 +1,9 @@
-"""Request payloads for a model: encoded images for BYTES inputs, random tensors otherwise."""
+"""Request payloads for a model: encoded images for BYTES inputs, random tensors otherwise;
+a whole KServe v2 HTTP request as bytes, for a client that owns its socket."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -9,7 +11,31 @@ import numpy as np
 
 from ..spec import as_dtype
 
-__all__ = ["payload_from_metadata"]
+__all__ = ["payload_from_metadata", "raw_http_infer"]
+
+
+def raw_http_infer(
+    model: str, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None
+) -> bytes:
+    """``POST /v2/models/<model>/infer`` with ``inputs`` as binary tensors (FP32 and the
+    like: numpy's dtypes by Triton's names), the request's ``parameters`` in its JSON
+    header: the bytes a client that must close or reset its own socket sends."""
+    tensors = [
+        {"name": name, "shape": list(a.shape), "datatype": as_dtype(a.dtype).datatype,
+         "parameters": {"binary_data_size": a.nbytes}}
+        for name, a in inputs.items()
+    ]  # fmt: skip
+    head = json.dumps({"inputs": tensors, "parameters": dict(parameters or {})}).encode()
+    data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+    return (
+        (
+            f"POST /v2/models/{model}/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"inference-header-content-length: {len(head)}\r\n"
+            f"content-length: {len(head) + len(data)}\r\n\r\n"
+        ).encode()
+        + head
+        + data
+    )
 
 
 def payload_from_metadata(
