@@ -322,6 +322,20 @@ def _waiting(metrics: str) -> float:
     return sample(scrape(metrics), "servekit_front_waiting_requests", model="m", version="1")
 
 
+def _until_waiting(metrics: str, n: int, what: str) -> None:
+    """Wait until ``n`` requests wait in the front; a failure says what was seen."""
+    seen: list[float] = []
+
+    def check() -> bool:
+        seen.append(_waiting(metrics))
+        return seen[-1] == n
+
+    try:
+        wait_until(check, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; waiting seen {seen[-8:]}; {figures(metrics)}") from None
+
+
 HELD = """
 import os
 import time
@@ -357,26 +371,38 @@ def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unse
     with on(runtime)(model) as served:
         metrics = served.triton_metrics
         assert metrics is not None
+        first = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
+        try:  # looked up once: each holder then enters the window as it arrives
+            x = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            x.set_data_from_numpy(np.ones((1, 16), np.float32))
+            first.infer("m", [x])
+        finally:
+            first.close()
+        before = figures(metrics)
         hold.touch()
         holders = [_occupy(served.http_port) for _ in range(4)]
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
         try:
+            # The four with tritonserver before any call comes: a batch of one or two held
+            # on the device, the rest queued there.
+            wait_until(lambda: figures(metrics)["nv_inference_pending_request_count"] >= 2,
+                       "the window full")  # fmt: skip
             x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
             x.set_data_from_numpy(np.ones((1, 16), np.float32))
             calls = [client.async_infer("m", [x], lambda result, error: None) for _ in range(6)]
-            wait_until(lambda: _waiting(metrics) == 6, "6 waiting in the front")
+            _until_waiting(metrics, 6, "6 waiting in the front")
             for call in calls:
                 call.cancel()
             client.start_stream(lambda result, error: None)
             for _ in range(5):
                 client.async_stream_infer("m", [x])
-            wait_until(lambda: _waiting(metrics) == 5, "5 of a stream waiting")
+            _until_waiting(metrics, 5, "5 of a stream waiting")
             client.stop_stream(cancel_requests=True)
             with pytest.raises(Exception, match="(?i)deadline"):
                 client.infer("m", [x], client_timeout=0.2)
-            wait_until(lambda: _waiting(metrics) == 0, "none waiting")
+            _until_waiting(metrics, 0, "none waiting")
             hold.unlink()
-            got = settled(metrics, 4 + 12)
+            got = {k: v - before[k] for k, v in settled(metrics, 1 + 4 + 12).items()}
         finally:
             hold.unlink(missing_ok=True)
             client.close()

@@ -377,6 +377,14 @@ class ForwardedModel:
         version: str = "",
     ) -> dict[str, np.ndarray]:
         self.spec.validate_inputs(inputs)
+        sent = functools.partial(self._infer_now, inputs, priority, timeout_us, version)
+        if self.window is None:
+            return await sent()
+        return await self.window.through(sent, due_s(timeout_us), self._replays)
+
+    async def _infer_now(
+        self, inputs: Mapping[str, np.ndarray], priority: int, timeout_us: int | None, version: str
+    ) -> dict[str, np.ndarray]:
         client = self._grpc()
         recovery = self.recovery
 
