@@ -3,10 +3,11 @@ from its queue and never reaches the device; one already in a running batch fini
 its answer is dropped; each is counted once in ``servekit_requests_abandoned_total``.
 
 The property runs the Batcher in-process; the served tests use real clients over loopback
-against native's own HTTP/1.1 and gRPC servers: raw sockets that close or reset,
-tritonclient's gRPC cancel, stream cancel and deadline, and the KServe ``timeout``
-parameter. The device is simulated (``SimulatedDevice``): its rows are the model's own
-``nv_inference_count``.
+against native's own HTTP/1.1 and gRPC servers and through servekit's front on pytriton
+and triton (its window, ``front.window``): raw sockets that close or reset, tritonclient's
+gRPC cancel, stream cancel and deadline, and the KServe ``timeout`` parameter. The device
+is simulated (``SimulatedDevice``), or a model that waits while a file exists: its rows
+are the model's own ``nv_inference_count``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import needs_runtime, on, sample, scrape, wait_until
+from conftest import on, sample, scrape, wait_until
 from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, QueuePolicy, TensorSpec, zoo
 from servekit.bench.payload import raw_http_infer
 from servekit.zoo.tiny import build_simulated
@@ -410,43 +411,3 @@ def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unse
                 s.close()
     assert got["queued"] == 12, got
     assert got["nv_inference_request_success"] == 4, got  # the holders' only
-
-
-def test_on_ray_clients_that_leave_are_dropped_in_servekit_s_ingress(tmp_path):
-    """Ray Serve's proxy cancels a request whose HTTP client leaves: one not yet handed to
-    servekit's ingress is dropped by Ray's router, one queued in the ingress's batcher is
-    dropped there (counted); either way the held device runs the four holders' rows and
-    no more once it is let go."""
-    needs_runtime("ray")
-    from ray import serve as ray_serve
-
-    from conftest import ray_serve as serve_start
-    from servekit import RayOptions, ServeConfig, ServerConfig
-    from servekit.ray import build_app
-
-    hold = tmp_path / "hold"
-    (tmp_path / "held_on_ray.py").write_text(f"HOLD = {str(hold)!r}\n" + HELD)
-    model = ModelConfig("held_on_ray:Held", "m", path=str(tmp_path))
-    config = ServeConfig((model,), ServerConfig(), runtime="ray", ray=RayOptions(model_cpus=0.5))
-    with serve_start() as url:
-        ray_serve.run(build_app(config), name="servekit", route_prefix="/")
-        try:
-            port = int(url.rsplit(":", 1)[1])
-            wait_until(lambda: figures(url)["nv_inference_count"] >= 0, "the app", 60)
-            before = figures(url)
-            hold.touch()
-            holders = [_occupy(port) for _ in range(4)]
-            time.sleep(0.5)
-            leave(port, 20, np.zeros((1, 16), np.float32))
-            time.sleep(0.5)
-            hold.unlink()
-            wait_until(lambda: figures(url)["nv_inference_request_success"]
-                       >= before["nv_inference_request_success"] + 4, "the holders answered")  # fmt: skip
-            time.sleep(2)  # what else would run, has
-            got = {k: v - before[k] for k, v in figures(url).items()}
-            for s in holders:
-                s.close()
-        finally:
-            hold.unlink(missing_ok=True)
-            ray_serve.delete("servekit")
-    assert got["nv_inference_count"] == 4 + got["running"], got
