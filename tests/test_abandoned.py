@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import on, sample, scrape, wait_until
+from conftest import each_client, on, sample, scrape, wait_until
 from servekit import Batcher, BatchingPolicy, ModelConfig, ModelSpec, QueuePolicy, TensorSpec, zoo
 from servekit.bench.payload import raw_http_infer
 from servekit.zoo.tiny import build_simulated
@@ -411,3 +411,42 @@ def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unse
                 s.close()
     assert got["queued"] == 12, got
     assert got["nv_inference_request_success"] == 4, got  # the holders' only
+
+
+@pytest.mark.parametrize("runtime", ["pytriton", "triton"])
+def test_eight_clients_through_a_full_window_get_their_own_answers_and_leave_it_empty(
+    runtime, add_sub_path
+):
+    """Max batch 1: the front forwards two requests at a time, so six of eight clients
+    (half on HTTP, half on gRPC) wait in the window at any moment; every answer is that
+    client's own sum, nothing is counted abandoned, and once they stop nothing waits."""
+    model = ModelConfig(str(add_sub_path), "m", batching=BatchingPolicy(max_batch_size=1))
+    with on(runtime)(model) as served:
+        metrics = served.triton_metrics
+        assert metrics is not None
+
+        def work(k: int) -> None:
+            grpc = k % 2
+            lib = grpcclient if grpc else httpclient
+            port = served.grpc_port if grpc else served.http_port
+            client = lib.InferenceServerClient(f"127.0.0.1:{port}")
+            try:
+                for i in range(10):
+                    a = np.full((1, 16), 100 * k + i, np.float32)
+                    b = np.arange(16, dtype=np.float32)[None]
+                    tensors = []
+                    for name, value in (("INPUT0", a), ("INPUT1", b)):
+                        t = lib.InferInput(name, [1, 16], "FP32")
+                        t.set_data_from_numpy(value)
+                        tensors.append(t)
+                    out = client.infer("m", tensors).as_numpy("OUTPUT0")
+                    np.testing.assert_array_equal(out, a + b)
+            finally:
+                client.close()
+
+        each_client(work)
+        got = figures(metrics)
+        assert _waiting(metrics) == 0
+        assert got["nv_inference_request_success"] >= 80, got
+        assert got["nv_inference_pending_request_count"] == 0, got
+        assert got["queued"] == got["forwarded"] == 0, got
