@@ -25,6 +25,7 @@ import numpy as np
 from servekit import BatchingPolicy, ModelConfig, ServeConfig, ServerConfig, zoo
 from servekit.bench.payload import raw_http_infer
 from servekit.bench.process import ServerProcess
+from servekit.front.demand import parse_counters
 
 RUNTIMES = ("native", "pytriton", "triton", "ray")
 
@@ -50,18 +51,15 @@ def _close(i: int, s: socket.socket) -> None:
 
 
 def figures(metrics: str) -> dict[str, float]:
+    """Model m's rows and answers (``parse_counters``, the front's own reader of Triton's
+    names) and its ``servekit_requests_abandoned_total`` by where it was left."""
     with urllib.request.urlopen(metrics, timeout=10) as r:
         text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, key in (
-        ("nv_inference_count", "rows"),
-        ("nv_inference_request_success", "answered"),
-        *((f'servekit_requests_abandoned_total{{where="{w}"}}', w) for w in
-          ("queued", "forwarded", "running")),
-    ):  # fmt: skip
-        base, _, where = name.partition("{")
-        pattern = rf'^{base}\{{[^}}]*model="m"[^}}]*{where.rstrip("}")}[^}}]*\}} (\S+)$'
-        out[key] = sum(float(v) for v in re.findall(pattern, text, re.M))
+    mine = [c for (model, _), c in parse_counters(text).items() if model == "m"]
+    out = {"rows": sum(c.rows for c in mine), "answered": sum(c.requests for c in mine)}
+    for where in ("queued", "forwarded", "running"):
+        pattern = rf'^servekit_requests_abandoned_total\{{[^}}]*model="m"[^}}]*where="{where}"[^}}]*\}} (\S+)$'
+        out[where] = sum(float(v) for v in re.findall(pattern, text, re.M))
     return out
 
 
