@@ -7,6 +7,7 @@ queue) and, for timeouts, an injected fake clock; nothing here sleeps on the wal
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 
 import numpy as np
@@ -719,6 +720,55 @@ def test_loop_executor_runs_sync_functions_without_a_thread_hop():
             return threading.get_ident()
 
     assert seen_threads == {asyncio.run(main())}
+
+
+def test_a_coroutine_batch_runs_in_no_request_s_context():
+    """A batch belongs to no one request: what the request that launched it set in its
+    context (Ray's task id, whose cancellation Ray passes on) never reaches the batch."""
+    mine: contextvars.ContextVar[str | None] = contextvars.ContextVar("mine", default=None)
+    seen: list[str | None] = []
+
+    async def double(d):
+        seen.append(mine.get())
+        return {"y": d["x"] * 2}
+
+    async def caller(b: Batcher, i: int):
+        mine.set(f"request {i}")
+        return await b.infer(request(i))
+
+    async def main():
+        async with Batcher(double, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
+            await asyncio.gather(*[caller(b, i) for i in range(3)])
+
+    asyncio.run(main())
+    assert seen and set(seen) == {None}
+
+
+def test_a_call_cancelled_under_a_coroutine_batch_fails_it_and_the_instance_serves_on():
+    """A call the batch awaited is cancelled by its owner (as Ray does a handle call): the
+    batch fails as on any error of its function (a batch of one: its request gets a
+    ``RunnerError`` that says so), never leaves its callers waiting or its instance
+    taken, and the next request is answered."""
+    calls = 0
+
+    async def owned_elsewhere(d):
+        nonlocal calls
+        calls += 1
+        call = asyncio.get_running_loop().create_future()
+        if calls == 1:
+            asyncio.get_running_loop().call_soon(call.cancel)  # its owner cancels it
+        else:
+            call.set_result(None)
+        await call
+        return {"y": d["x"] * 2}
+
+    async def main():
+        async with Batcher(owned_elsewhere, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:
+            with pytest.raises(RunnerError, match="cancelled under it"):
+                await asyncio.wait_for(b.infer(request(1)), 10)
+            return await asyncio.wait_for(b.infer(request(2)), 10)
+
+    assert asyncio.run(main())["y"][0, 0] == 4
 
 
 def test_executor_choices_are_checked():

@@ -215,3 +215,36 @@ def test_a_policy_naming_what_the_model_lacks_is_refused():
             Accumulator(), BatchingPolicy(),
             SequencePolicy(states=(StateSpec("INPUT", "MISSING"),)), spec=SPEC,
         )  # fmt: skip
+
+
+def test_a_call_cancelled_under_a_coroutine_sequence_batch_fails_it_and_serves_on():
+    """As the Batcher's: a call the batch awaited cancelled by its owner fails the batch
+    (its requests get a ``RunnerError``), and the next batch is run."""
+    from servekit import RunnerError
+
+    model = Accumulator()
+    calls = 0
+
+    async def owned_elsewhere(inputs):
+        nonlocal calls
+        calls += 1
+        call = asyncio.get_running_loop().create_future()
+        if calls == 1:
+            asyncio.get_running_loop().call_soon(call.cancel)
+        else:
+            call.set_result(None)
+        await call
+        return model(inputs)
+
+    b = batcher(owned_elsewhere)
+
+    async def run():
+        with pytest.raises(RunnerError, match="cancelled under it"):
+            await asyncio.wait_for(b.infer(request(1), sequence=SequenceFlags(1, start=True)), 10)
+        flags = SequenceFlags(2, start=True, end=True)
+        return await asyncio.wait_for(b.infer(request(2), sequence=flags), 10)
+
+    try:
+        assert asyncio.run(run())["OUTPUT"][0, 0] == 2
+    finally:
+        b.close()

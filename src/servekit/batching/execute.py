@@ -18,10 +18,13 @@ Ray), after validating each.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,9 +40,11 @@ PROBE_AFTER = 32
 """Batches run in parts without an out-of-memory error before the fitted rows double."""
 
 __all__ = [
-    "PROBE_AFTER", "BatchFn", "Fit", "Steps", "as_error", "batch_steps", "device_lost", "drive",
-    "drive_async", "run_requests",
+    "PROBE_AFTER", "BatchFn", "CallCancelled", "Fit", "Steps", "as_error", "awaited",
+    "batch_steps", "detached", "device_lost", "drive", "drive_async", "run_requests",
 ]  # fmt: skip
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,33 @@ def as_error(exc: BaseException, name: str = "") -> ServekitError:
     error = RunnerError(f"{name + ': ' if name else ''}{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+class CallCancelled(RuntimeError):
+    """A call a batch function awaited was cancelled by its owner, not by the batcher."""
+
+
+async def awaited(call: Awaitable[_T]) -> _T:
+    """``await call``; a cancellation that is not this task's own (the call's owner
+    cancelled it under the batch) raises ``CallCancelled``, which fails the batch as any
+    error of its function would, instead of ending the task with its callers unanswered."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise CallCancelled("a call the batch awaited was cancelled under it") from None
+
+
+def detached(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
+) -> asyncio.Task[None]:
+    """``coro`` (a batch) as a task in a context of its own. A batch belongs to no one
+    request, so nothing of the request whose arrival launched it reaches it: above all
+    Ray's task id, under which Ray cancels every call made once that request is cancelled
+    (a client that left would take the batch of those who stayed with it)."""
+    return loop.create_task(coro, context=contextvars.Context())
 
 
 @dataclass
@@ -342,7 +374,7 @@ async def drive_async(
         inputs = next(steps)
         while True:
             try:
-                outputs = await fn(inputs)
+                outputs = await awaited(fn(inputs))
             except Exception as exc:
                 inputs = steps.throw(exc)
             else:

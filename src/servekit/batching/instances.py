@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import tracing
 from ..errors import ModelNotReady, ServekitError
-from .execute import BatchFn, Steps, drive, drive_async
+from .execute import BatchFn, Steps, detached, drive, drive_async
 from .request import Request
 
 __all__ = ["Instances", "Outcome"]
@@ -72,7 +72,7 @@ class Instances:
         """Start ``batch`` (called on the loop, with an instance free for it)."""
         if self.executor == "loop":
             if self._is_async:
-                task = loop.create_task(self._run_async(seq, batch, queue_us))
+                task = detached(loop, self._run_async(seq, batch, queue_us))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             else:
@@ -129,6 +129,10 @@ class Instances:
             outcome = parts, None, (time.perf_counter() - start) * 1e6
         except ServekitError as exc:
             outcome = None, exc, (time.perf_counter() - start) * 1e6
+        except asyncio.CancelledError:  # the loop closing: its callers are failed, not left
+            closing = ModelNotReady(f"{self.name}: batch not run (event loop closing)")
+            self._complete(seq, batch, queue_us, (None, closing, 0.0))
+            raise
         finally:
             if token is not None:
                 tracing.BATCH.reset(token)

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import InvalidInput, ModelNotReady, ServekitError
 from ..runners.base import Runner, batch_function
 from ..spec import ModelSpec, TensorSpec
-from .execute import as_error
+from .execute import as_error, awaited, detached
 from .policy import BatchingPolicy
 from .sequence import Ended, SequenceBatch, SequenceFlags, SequencePolicy, SequenceSchedule
 from .stats import BatcherStats, BatchRecord
@@ -325,7 +325,7 @@ class SequenceBatcher:
             self._complete(batch, queue_us, as_error(exc, self.name), 0.0)
             return
         if self._is_async:
-            task = self._loop.create_task(self._run_async(batch, inputs, queue_us))
+            task = detached(self._loop, self._run_async(batch, inputs, queue_us))
             task.add_done_callback(lambda _: None)
             return
         done = self._loop.run_in_executor(self._pools[batch.instance], self._run, inputs)
@@ -351,7 +351,7 @@ class SequenceBatcher:
     async def _run_async(self, batch: SequenceBatch, inputs: Arrays, queue_us: tuple) -> None:
         start = time.perf_counter()
         try:
-            outputs = dict(await self._fn(inputs))  # type: ignore[misc]
+            outputs: Arrays = dict(await awaited(self._fn(inputs)))  # type: ignore[arg-type]
             self.model_spec.check_outputs(outputs, len(batch.rows))
             outcome: Arrays | ServekitError = outputs
         except Exception as exc:
