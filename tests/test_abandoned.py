@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import struct
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -319,6 +322,10 @@ def test_the_kserve_timeout_parameter_drops_a_request_that_waits_past_it(slow):
     assert got["nv_inference_count"] == 1, got
 
 
+def _timed_out(metrics: str) -> float:
+    return sample(scrape(metrics), "servekit_requests_timed_out", model="m", version="1")
+
+
 def _waiting(metrics: str) -> float:
     return sample(scrape(metrics), "servekit_front_waiting_requests", model="m", version="1")
 
@@ -352,10 +359,86 @@ class Held(servekit.Model):
     max_batch_size = 2
 
     def infer(self, batch):
+        if os.path.exists(HOLD):
+            with open(HOLD + ".entered", "a") as f:
+                f.write(f"{len(batch['INPUT0'])}\\n")
         while os.path.exists(HOLD):
             time.sleep(0.01)
         return {"OUTPUT0": batch["INPUT0"]}
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldDevice:
+    """A ``Held`` model being served: its ports, metrics and hold file."""
+
+    port: int
+    grpc_port: int | None
+    metrics: str
+    """Where its ``nv_inference_*`` are read."""
+    hold: Path
+    """The device is held while this file exists."""
+
+    def entered(self) -> list[int]:
+        """The rows of each batch that reached the model while it was held."""
+        with contextlib.suppress(FileNotFoundError):
+            return [int(n) for n in Path(f"{self.hold}.entered").read_text().split()]
+        return []
+
+
+@contextlib.contextmanager
+def held_device(
+    runtime: str, tmp_path: Path, policy: BatchingPolicy | None = None, *, direct: bool = False
+) -> Iterator[HeldDevice]:
+    """``Held`` served as m on ``runtime`` (pytriton, triton, or ray: through Ray's proxy
+    or ``[ray] direct``) and answered once; the device let go after, whatever happens."""
+    hold = tmp_path / "hold"
+    module = f"held_{uuid.uuid4().hex}"  # pytriton imports it here: one module per test
+    (tmp_path / f"{module}.py").write_text(f"HOLD = {str(hold)!r}\n" + HELD)
+    model = ModelConfig(
+        f"{module}:Held", "m", path=str(tmp_path), batching=policy or BatchingPolicy()
+    )
+    with contextlib.ExitStack() as stack:
+        if runtime == "ray":
+            pytest.importorskip("ray.serve", reason="needs the ray extra")
+            from servekit import RayOptions, ServeConfig, ServerConfig
+            from servekit.ray.runtime import RayRuntime
+
+            config = ServeConfig(
+                (model,), ServerConfig(exit_timeout_s=2), runtime="ray",
+                ray=RayOptions(model_cpus=0.5, direct=direct),
+            ).on_loopback()  # fmt: skip
+            stack.enter_context(RayRuntime(config, num_cpus=2))
+            url = f"http://127.0.0.1:{config.server.http_port}"
+            wait_until(lambda: figures(url), "the app's metrics", 60)
+            held = HeldDevice(config.server.http_port, None, url, hold)
+        else:
+            served = stack.enter_context(on(runtime)(model))
+            assert served.triton_metrics is not None
+            held = HeldDevice(served.http_port, served.grpc_port, served.triton_metrics, hold)
+        stack.callback(hold.unlink, missing_ok=True)  # before the server stops
+        with contextlib.closing(_occupy(held.port)) as first:  # each later one enters at once
+            assert answered(first).startswith(b"HTTP/1.1 200"), "the first answer"
+        yield held
+
+
+def answered(s: socket.socket) -> bytes:
+    """All ``s``'s HTTP/1.1 answer to one request (its head and its ``content-length``)."""
+    s.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise EOFError(f"closed before its answer came whole: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(
+        line.split(b":", 1)[1] for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    ))  # fmt: skip
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -366,23 +449,12 @@ def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unse
     """The window full (max batch 2: four requests with tritonserver, the device held),
     gRPC calls wait in the front: six cancelled (RST_STREAM), a stream of five cancelled,
     one past its ``grpc-timeout``; none reaches the device, each is counted ``queued``."""
-    hold = tmp_path / "hold"
-    (tmp_path / "held_device.py").write_text(f"HOLD = {str(hold)!r}\n" + HELD)
-    model = ModelConfig("held_device:Held", "m", path=str(tmp_path))
-    with on(runtime)(model) as served:
-        metrics = served.triton_metrics
-        assert metrics is not None
-        first = httpclient.InferenceServerClient(f"127.0.0.1:{served.http_port}")
-        try:  # looked up once: each holder then enters the window as it arrives
-            x = httpclient.InferInput("INPUT0", [1, 16], "FP32")
-            x.set_data_from_numpy(np.ones((1, 16), np.float32))
-            first.infer("m", [x])
-        finally:
-            first.close()
+    with held_device(runtime, tmp_path) as held:
+        metrics = held.metrics
         before = figures(metrics)
-        hold.touch()
-        holders = [_occupy(served.http_port) for _ in range(4)]
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        held.hold.touch()
+        holders = [_occupy(held.port) for _ in range(4)]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{held.grpc_port}")
         try:
             # The four with tritonserver before any call comes: a batch of one or two held
             # on the device, the rest queued there.
@@ -402,10 +474,9 @@ def test_through_the_fronts_grpc_cancels_stream_cancels_and_deadlines_leave_unse
             with pytest.raises(Exception, match="(?i)deadline"):
                 client.infer("m", [x], client_timeout=0.2)
             _until_waiting(metrics, 0, "none waiting")
-            hold.unlink()
+            held.hold.unlink()
             got = {k: v - before[k] for k, v in settled(metrics, 1 + 4 + 12).items()}
         finally:
-            hold.unlink(missing_ok=True)
             client.close()
             for s in holders:
                 s.close()
@@ -450,3 +521,77 @@ def test_eight_clients_through_a_full_window_get_their_own_answers_and_leave_it_
         assert got["nv_inference_request_success"] >= 80, got
         assert got["nv_inference_pending_request_count"] == 0, got
         assert got["queued"] == got["forwarded"] == 0, got
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["ray-proxy", "ray-direct"])
+def test_on_ray_clients_that_leave_never_reach_the_device(direct, tmp_path):
+    """The device held by four requests (max batch 2), 20 clients send one each and leave:
+    Ray Serve's proxy cancels a request whose client left (one not yet handed to servekit's
+    ingress is dropped by Ray's router, uncounted); with ``[ray] direct`` the ingress's own
+    HTTP server does. One queued in the ingress's batcher is dropped there (``queued``);
+    one already in a batch on its way runs, its answer dropped (``running``), and never
+    takes the batch of a client who stayed with it: each holder reads its answer."""
+    with held_device("ray", tmp_path, direct=direct) as held:
+        url = held.metrics
+        before = figures(url)
+        held.hold.touch()
+        with contextlib.ExitStack() as stack:
+            holders = [
+                stack.enter_context(contextlib.closing(_occupy(held.port))) for _ in range(4)
+            ]
+            wait_until(held.entered, "the device held", 60)
+            leave(held.port, 20, np.zeros((1, 16), np.float32))
+            held.hold.unlink()
+            for s in holders:
+                assert answered(s).startswith(b"HTTP/1.1 200"), "a holder's answer"
+        wait_until(lambda: figures(url)["nv_inference_pending_request_count"] == 0,
+                   "nothing pending", 60)  # fmt: skip
+        got = {k: v - before[k] for k, v in figures(url).items()}
+    left = got["nv_inference_count"] - 4
+    assert 0 <= left <= 2 * 2, got  # leavers' rows: at most the two batches handed on
+    assert got["running"] <= left, got
+    assert got["queued"] + got["running"] <= 20, got
+    if direct:  # every client that left is counted once, by servekit's own server
+        assert got["queued"] + left == 20, got
+
+
+@pytest.mark.parametrize("runtime", ["pytriton", "triton", "ray"])
+def test_the_kserve_timeout_parameter_drops_requests_queued_past_it(runtime, tmp_path):
+    """Behind a held batch (max batch 2, four holders), six requests whose ``timeout``
+    (100 ms; the queue policy allows the override) passes while they wait are answered
+    with an error that says so and never run: the fronts fail them in their window
+    (tritonserver 2.51 ran all six on its own port), servekit's ingress batcher on Ray.
+    Only one that overtook a holder into the batch handed on (the window's two
+    batches; on Ray, the batch sent ahead to the replica) runs, and is answered."""
+    policy = BatchingPolicy(
+        max_batch_size=2, default_queue_policy=QueuePolicy(allow_timeout_override=True)
+    )
+    x = np.ones((1, 16), np.float32)
+    with held_device(runtime, tmp_path, policy) as held:
+        before = figures(held.metrics)
+        held.hold.touch()
+        with contextlib.ExitStack() as stack:
+            holders = [
+                stack.enter_context(contextlib.closing(_occupy(held.port))) for _ in range(4)
+            ]
+            wait_until(held.entered, "the device held", 60)
+            late = []
+            for _ in range(6):
+                s = stack.enter_context(
+                    contextlib.closing(socket.create_connection(("127.0.0.1", held.port)))
+                )
+                s.sendall(http_request(x, {"timeout": 100_000}))
+                late.append(s)
+            time.sleep(0.5)  # past their timeout
+            held.hold.unlink()
+            for s in holders:
+                assert answered(s).startswith(b"HTTP/1.1 200"), "a holder's answer"
+            answers = [answered(s) for s in late]
+        got = {k: v - before[k] for k, v in figures(held.metrics).items()}
+        timed_out = _timed_out(held.metrics) if runtime != "ray" else None
+    ran = [a for a in answers if a.startswith(b"HTTP/1.1 200")]
+    for answer in answers:
+        assert answer in ran or b"time" in answer.lower().partition(b"\r\n\r\n")[2], answer
+    assert len(ran) <= 2, answers  # at most the one batch handed on
+    assert got["nv_inference_count"] == 4 + len(ran), got
+    assert timed_out in (None, 6 - len(ran)), timed_out  # counted by the fronts' window

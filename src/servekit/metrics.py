@@ -83,6 +83,11 @@ SHED_HELP = (
     "Requests refused at once (503 / UNAVAILABLE, Retry-After) because the queue's measured "
     "pace would answer them after their deadline (shed_late)"
 )
+TIMED_OUT_METRIC = "servekit_requests_timed_out_total"
+TIMED_OUT_HELP = (
+    "Requests whose queue timeout (the model's, or the KServe timeout parameter its policy "
+    "lets a request set) passed while they waited: failed with DeadlineExceeded, never run"
+)
 DEMAND = "servekit_replicas_needed"
 READY = "servekit_model_ready"
 GAUGES = {
@@ -315,6 +320,9 @@ class Metrics:
             ]
             if shed:
                 _family(lines, SHED_METRIC, "counter", SHED_HELP, shed)
+            timed_out = [(w.labels, float(s.request_timeout)) for w, s, _ in rows]
+            if timed_out:
+                _family(lines, TIMED_OUT_METRIC, "counter", TIMED_OUT_HELP, timed_out)
             isolated = [(w.labels, float(s.request_isolated)) for w, s, _ in rows]
             if isolated:
                 _family(lines, ISOLATED_METRIC, "counter", ISOLATED_HELP, isolated)

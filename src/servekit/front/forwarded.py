@@ -174,7 +174,9 @@ class ForwardedModel:
         if window is None or sequence is not None:
             return await self._forward_now(body, header_length, version, timeout_us, sequence)
         sent = functools.partial(self._forward_now, body, header_length, version, timeout_us)
-        return cast(Answer, await window.through(sent, due_s(timeout_us), self._replays))
+        return cast(
+            Answer, await window.through(sent, due_s(timeout_us), self._replays, timeout_us)
+        )
 
     async def _forward_now(
         self,
@@ -234,7 +236,7 @@ class ForwardedModel:
         def go(finish: Done) -> None:
             self._send_now(body, header_length, version, finish, timeout_us, None)
 
-        return window.send(go, done, due_s(timeout_us))
+        return window.send(go, done, due_s(timeout_us), timeout_us)
 
     def _send_now(
         self,
@@ -338,7 +340,8 @@ class ForwardedModel:
         if window is None or sequence is not None:
             return await self._relay_now(body, key, timeout_us, metadata, sequence)
         sent = functools.partial(self._relay_now, body, key, timeout_us, metadata)
-        return cast("bytes | Status", await window.through(sent, due_s(timeout_us), self._replays))
+        through = window.through(sent, due_s(timeout_us), self._replays, timeout_us)
+        return cast("bytes | Status", await through)
 
     async def _relay_now(
         self,
@@ -380,7 +383,7 @@ class ForwardedModel:
         sent = functools.partial(self._infer_now, inputs, priority, timeout_us, version)
         if self.window is None:
             return await sent()
-        return await self.window.through(sent, due_s(timeout_us), self._replays)
+        return await self.window.through(sent, due_s(timeout_us), self._replays, timeout_us)
 
     async def _infer_now(
         self, inputs: Mapping[str, np.ndarray], priority: int, timeout_us: int | None, version: str

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, cast
 
+from ..batching.policy import QueuePolicy
 from ..cache import ResponseCache
 from ..cuda import lost
 from ..errors import ModelNotFound, ModelNotReady
@@ -29,7 +30,7 @@ from ..spec import spec_from_config
 from .cached import FrontCache
 from .forwarded import ForwardedModel, TritonVersion
 from .private import triton_fetch, triton_ready
-from .window import Window, limit_from_triton
+from .window import Window, limit_from_triton, queue_of_triton
 
 __all__ = ["PyTritonModels", "TritonModels", "version_ready"]
 
@@ -254,22 +255,22 @@ class TritonModels(Mapping[str, ForwardedModel]):
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
                 sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
-        model.window = self._window(name, limit_from_triton(config))
+        model.window = self._window(name, limit_from_triton(config), queue_of_triton(config))
         if self.response_cache is not None and name in self.cached and model.cache is None:
             model.cache = FrontCache(self.response_cache, name, self.cached[name])
         self._cache[name] = (now, model)
         return model
 
-    def _window(self, name: str, limit: int) -> Window | None:
-        """The model's one window (``front.window``), made again only when its limit
-        changed: two threads reading its config at once (``lookup``) share it."""
+    def _window(self, name: str, limit: int, queue: QueuePolicy) -> Window | None:
+        """The model's one window (``front.window``), made again only when its limit or
+        queue policy changed: two threads reading its config at once (``lookup``) share it."""
         with self._lock:
             window = self._windows.get(name)
             if not limit:
                 self._windows.pop(name, None)
                 return None
-            if window is None or window.limit != limit:
-                window = Window(name, limit, shed_late=name in self.shed_late)
+            if window is None or (window.limit, window.queue) != (limit, queue):
+                window = Window(name, limit, shed_late=name in self.shed_late, queue=queue)
                 self._windows[name] = window
             return window
 

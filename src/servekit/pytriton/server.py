@@ -41,7 +41,9 @@ def _windows(bound: dict[ServedModel, str]) -> dict[str, Any]:
     for m, name in bound.items():
         limit = limit_of(m.policy, m.runner.spec.max_batch_size, m.instance_count)
         if limit:
-            out[name] = Window(name, limit, shed_late=m.policy.shed_late)
+            out[name] = Window(
+                name, limit, shed_late=m.policy.shed_late, queue=m.policy.default_queue_policy
+            )
     return out
 
 
