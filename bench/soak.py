@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict:
                         key = "4xx"
                     else:
                         key = "other"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 key = "lost"
             except aiohttp.ClientError:
                 key = "other"

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 
 import pytest
-import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -17,7 +17,7 @@ from ..tables import check_keys
 __all__ = ["BatchingPolicy", "QueuePolicy", "TimeoutAction"]
 
 
-class TimeoutAction(str, Enum):
+class TimeoutAction(str, Enum):  # noqa: UP042 (str() of a member stays as it was)
     """``ModelQueuePolicy.TimeoutAction``: what happens to a request whose timeout passes in the queue."""
 
     REJECT = "REJECT"

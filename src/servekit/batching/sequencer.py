@@ -356,6 +356,10 @@ class SequenceBatcher:
             outcome: Arrays | ServekitError = outputs
         except Exception as exc:
             outcome = as_error(exc, self.name)
+        except asyncio.CancelledError:  # the loop closing: its callers are failed, not left
+            closing = ModelNotReady(f"{self.name}: batch not run (event loop closing)")
+            self._complete(batch, queue_us, closing, 0.0)
+            raise
         self._complete(batch, queue_us, outcome, (time.perf_counter() - start) * 1e6)
 
     def _rows(self, batch: SequenceBatch) -> list[Row]:

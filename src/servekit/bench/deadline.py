@@ -82,7 +82,7 @@ async def request(
             error = None
         except ServekitError as exc:  # before TimeoutError: DeadlineExceeded is one too
             error = exc
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error = TimeoutError(gave_up)
         if error is None:
             late = timeout_s is not None and clock() - start > timeout_s

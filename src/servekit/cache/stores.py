@@ -3,7 +3,6 @@ Redis that every replica shares. Both keep opaque entries under ``Query.key()``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -108,7 +107,7 @@ class RedisStore:
             result = await getattr(self._client, what)(*args)
         # RuntimeError: uvloop's answer to a write on a connection the peer has reset
         # (a Redis killed under load); redis-py has already dropped that connection.
-        except (RedisError, OSError, asyncio.TimeoutError, RuntimeError) as exc:
+        except (TimeoutError, RedisError, OSError, RuntimeError) as exc:
             if not self.down:
                 log.warning("response cache: Redis at %s does not answer (%s); serving "
                             "without the cache until it does", self.url, exc)  # fmt: skip

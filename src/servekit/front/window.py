@@ -62,6 +62,10 @@ _WAITING, _SENT, _LEFT, _DONE, _EXPIRED = range(5)
 T = TypeVar("T")
 
 
+def _nothing() -> None:
+    """What a slot that will never be sent is left holding."""
+
+
 class Slot:
     """One request's place in a window: waiting, sent, left (its client gone), done, or
     expired (its queue timeout passed while it waited: ``fail`` told)."""
@@ -75,11 +79,14 @@ class Slot:
         self.timer: asyncio.TimerHandle | None = None
 
     def settle(self, state: int) -> None:
-        """It leaves the waiting line (``state``): its timeout no longer runs."""
+        """It leaves the waiting line (``state``): its timeout no longer runs, and one
+        that will never be sent lets its request go (it may wait in ``waiting`` a while)."""
         self.state = state
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if state in (_LEFT, _EXPIRED):
+            self.go, self.fail = _nothing, None
 
 
 class Window:
@@ -142,15 +149,20 @@ class Window:
         return slot
 
     def _expire(self, slot: Slot, limit_us: int) -> None:
-        if slot.state != _WAITING or slot.fail is None:
+        fail = slot.fail
+        if slot.state != _WAITING or fail is None:
             return
         slot.settle(_EXPIRED)
         self.queued -= 1
         self.timed_out += 1
-        slot.fail(DeadlineExceeded(
+        error = DeadlineExceeded(
             f"{self.name}: its queue timeout ({limit_us} us) passed while it waited in "
             "servekit's front; it was not run"
-        ))  # fmt: skip
+        )
+        try:
+            fail(error)
+        except Exception:  # answering it failed: its connection's to log, never the loop's
+            log.exception("%s: answering a request whose timeout passed failed", self.name)
 
     def leave(self, slot: Slot) -> None:
         """Its client left: dropped unsent if it still waits here, counted either way."""

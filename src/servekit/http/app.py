@@ -460,7 +460,7 @@ class KServeApp(Forwarding):
             c = self._pass_through(name, model, body, raw)
             header = model.traffic.sticky
             sticky = http.headers.get(header) if header else None
-            answer, _ = await model.forward_routed(c.body, c.length, version, sticky)
+            answer, _ = await model.forward_routed(c.body, c.length, version, sticky, c.timeout_us)
             return answer
         if whole:  # the whole body is the one input
             spec = model.spec

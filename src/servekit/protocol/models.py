@@ -103,8 +103,9 @@ class PassThrough(Protocol):
         sequence: SequenceFlags | None = None,
     ) -> tuple[int, bytes, dict[str, str]]:
         """(status, body, headers) of the other server's answer; ``timeout_us``: the
-        request's own deadline (KServe ``timeout``), for re-sending it if a worker dies;
-        ``sequence``: the sequence it belongs to, if any."""
+        request's own timeout (KServe ``timeout``): its queue timeout in the front's
+        window, its deadline for re-sending it if a worker dies; ``sequence``: the
+        sequence it belongs to, if any."""
         ...
 
     def send(

@@ -74,7 +74,12 @@ class RoutedModel:
         )
 
     async def forward_routed(
-        self, body: bytes, header_length: int | None, version: str, sticky: str | None
+        self,
+        body: bytes,
+        header_length: int | None,
+        version: str,
+        sticky: str | None,
+        timeout_us: int | None = None,
     ) -> tuple[tuple[int, bytes, dict[str, str]], str]:
         """A checked request's bytes to the version the split chooses (``passes_through``):
         the other server's answer as it is, and the version; the canary sees its outcome."""
@@ -85,7 +90,9 @@ class RoutedModel:
         model, target_version = target
         start = time.perf_counter()
         try:
-            status, payload, headers = await model.forward(body, header_length, target_version)
+            status, payload, headers = await model.forward(
+                body, header_length, target_version, timeout_us
+            )
         except Exception:
             traffic.record(chosen, time.perf_counter() - start, False)
             raise
