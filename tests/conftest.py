@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import re
@@ -567,3 +568,23 @@ def redis_server():
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def cancelled_first(answer: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A coroutine batch function whose first call awaits a call that its owner cancels
+    under it (as Ray does a handle call made under a request it cancels); later calls
+    return ``answer(inputs)``."""
+    calls = 0
+
+    async def owned_elsewhere(inputs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        call = asyncio.get_running_loop().create_future()
+        if calls == 1:
+            asyncio.get_running_loop().call_soon(call.cancel)
+        else:
+            call.set_result(None)
+        await call
+        return answer(inputs)
+
+    return owned_elsewhere

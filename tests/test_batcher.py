@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import cancelled_first
 from servekit import (
     Batcher,
     BatchingPolicy,
@@ -749,18 +750,7 @@ def test_a_call_cancelled_under_a_coroutine_batch_fails_it_and_the_instance_serv
     batch fails as on any error of its function (a batch of one: its request gets a
     ``RunnerError`` that says so), never leaves its callers waiting or its instance
     taken, and the next request is answered."""
-    calls = 0
-
-    async def owned_elsewhere(d):
-        nonlocal calls
-        calls += 1
-        call = asyncio.get_running_loop().create_future()
-        if calls == 1:
-            asyncio.get_running_loop().call_soon(call.cancel)  # its owner cancels it
-        else:
-            call.set_result(None)
-        await call
-        return {"y": d["x"] * 2}
+    owned_elsewhere = cancelled_first(lambda d: {"y": d["x"] * 2})
 
     async def main():
         async with Batcher(owned_elsewhere, BatchingPolicy(max_batch_size=8), spec=SPEC) as b:

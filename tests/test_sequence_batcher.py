@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import cancelled_first
 from servekit import BatchingPolicy, InvalidInput
 from servekit.batching.sequence import Controls, SequenceFlags, SequencePolicy, StateSpec
 from servekit.batching.sequencer import SequenceBatcher
@@ -222,19 +223,7 @@ def test_a_call_cancelled_under_a_coroutine_sequence_batch_fails_it_and_serves_o
     (its requests get a ``RunnerError``), and the next batch is run."""
     from servekit import RunnerError
 
-    model = Accumulator()
-    calls = 0
-
-    async def owned_elsewhere(inputs):
-        nonlocal calls
-        calls += 1
-        call = asyncio.get_running_loop().create_future()
-        if calls == 1:
-            asyncio.get_running_loop().call_soon(call.cancel)
-        else:
-            call.set_result(None)
-        await call
-        return model(inputs)
+    owned_elsewhere = cancelled_first(Accumulator())
 
     b = batcher(owned_elsewhere)
 
