@@ -255,7 +255,10 @@ class TritonModels(Mapping[str, ForwardedModel]):
                 http_url=self.http_url, recovery=self.recovery, sequenced=sequenced,
                 sequence_idle_s=idle_us / 1e6, decoupled=decoupled,
             )  # fmt: skip
-        model.window = self._window(name, limit_from_triton(config), queue_of_triton(config))
+        # Versions served side by side are one Triton model, each with its own instances:
+        # one window would let a slow version's requests hold the others' places.
+        limit = 0 if name in self.traffic else limit_from_triton(config)
+        model.window = self._window(name, limit, queue_of_triton(config))
         if self.response_cache is not None and name in self.cached and model.cache is None:
             model.cache = FrontCache(self.response_cache, name, self.cached[name])
         self._cache[name] = (now, model)
